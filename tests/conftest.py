@@ -1,0 +1,42 @@
+"""Shared pytest fixtures: the repository paths and a tiny SD1 model saved once per session."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Tests must never reach a model hub; set before diffusers/transformers are imported by any test module.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+# `import library` must work however pytest is started (plain `pytest`, not only `python -m pytest`).
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    """The repository's root folder."""
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def sample_data_dir(repo_root: Path) -> Path:
+    """The committed quickstart dataset root (holds the kohya folder `10_sks shape/`)."""
+    path = repo_root / "data" / "quickstart"
+    assert path.is_dir(), f"{path} missing: run python tools/make_sample_dataset.py"
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_sd1_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny SD1-shaped diffusers pipeline folder (seed 0, epsilon), written once per session. Read-only."""
+    from library.tiny import save_tiny_sd1
+
+    return save_tiny_sd1(tmp_path_factory.mktemp("tiny_sd1") / "model", size="tiny", seed=0)
