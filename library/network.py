@@ -1,0 +1,604 @@
+"""LoRA through peft, and the kohya-format LoRA file that ComfyUI, AUTOMATIC1111 and diffusers read.
+
+peft owns the trainable layers (so DDP/DeepSpeed see ordinary parameters); this module only chooses the
+targets like kohya's `networks.lora`, and converts between peft's layers and kohya's flat file:
+
+    lora_unet_<module path, "." -> "_">.lora_down.weight   [r, in] or [r, in, 1, 1]
+    lora_unet_<module path, "." -> "_">.lora_up.weight     [out, r] or [out, r, 1, 1]
+    lora_unet_<module path, "." -> "_">.alpha              0-dim; scale = alpha / r
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import math
+import os
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import safetensors
+import safetensors.torch
+import torch
+from torch import nn
+
+PREFIX_UNET = "lora_unet"
+PREFIX_TE = "lora_te"  # SD1.x / SD2.x text encoder
+PREFIX_TE1 = "lora_te1"  # SDXL text encoders
+PREFIX_TE2 = "lora_te2"
+
+# kohya networks/lora.py: LoRA goes on every Linear / 1x1 Conv2d inside these blocks.
+UNET_TARGET_BLOCKS = ("Transformer2DModel",)
+TEXT_ENCODER_TARGET_BLOCKS = ("CLIPAttention", "CLIPSdpaAttention", "CLIPFlashAttention2", "CLIPMLP")
+
+_DOWN = "lora_down.weight"
+_UP = "lora_up.weight"
+_ALPHA = "alpha"
+_MAX_LISTED = 10
+
+
+# --------------------------------------------------------------------------------------------- targets
+
+
+def _base_layer(module: nn.Module) -> nn.Module:
+    # After attach the Linear sits inside a peft wrapper under the same name; look through it so that
+    # listing targets gives the same answer before and after attach.
+    get_base = getattr(module, "get_base_layer", None)
+    return get_base() if callable(get_base) else module
+
+
+def _is_lora_wrapper(module: nn.Module) -> bool:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return isinstance(module, BaseTunerLayer)
+
+
+def _targets_inside(model: nn.Module, block_classes: tuple[str, ...], allow_conv_1x1: bool) -> list[str]:
+    found: list[str] = []
+    seen: set[str] = set()
+    for block_name, block in model.named_modules():
+        if not any(cls.__name__ in block_classes for cls in type(block).__mro__):
+            continue
+        wrappers: list[str] = []
+        for name, module in block.named_modules(prefix=block_name):
+            if any(name.startswith(w + ".") for w in wrappers):
+                continue  # peft's own lora_A / lora_B / base_layer
+            if _is_lora_wrapper(module):
+                wrappers.append(name)
+            layer = _base_layer(module)
+            is_target = isinstance(layer, nn.Linear) or (
+                allow_conv_1x1 and isinstance(layer, nn.Conv2d) and tuple(layer.kernel_size) == (1, 1)
+            )
+            if is_target and name not in seen:
+                seen.add(name)
+                found.append(name)
+    return found
+
+
+def unet_target_modules(unet: nn.Module) -> list[str]:
+    """Exact module names kohya's default LoRA trains in a diffusers UNet (SD1.x, SD2.x, SDXL).
+
+    Every Linear and 1x1 Conv2d inside each Transformer2DModel: proj_in/proj_out (1x1 conv in SD1.x, Linear in
+    SD2.x/SDXL), attn1/attn2 to_q/to_k/to_v/to_out.0, ff.net.0.proj, ff.net.2. ResNets, samplers and the time
+    embedding are not targeted (kohya needs conv_dim for those).
+    """
+    names = _targets_inside(unet, UNET_TARGET_BLOCKS, allow_conv_1x1=True)
+    if not names:
+        raise ValueError(f"no Transformer2DModel blocks found in {type(unet).__name__}: not an SD UNet?")
+    return names
+
+
+def text_encoder_target_modules(text_encoder: nn.Module) -> list[str]:
+    """Exact module names kohya's default LoRA trains in a CLIP text encoder.
+
+    q_proj, k_proj, v_proj, out_proj and mlp.fc1 / mlp.fc2 of every encoder layer.
+    """
+    names = _targets_inside(text_encoder, TEXT_ENCODER_TARGET_BLOCKS, allow_conv_1x1=False)
+    if not names:
+        raise ValueError(f"no CLIP attention/MLP blocks found in {type(text_encoder).__name__}: not a CLIP text model?")
+    return names
+
+
+# --------------------------------------------------------------------------------------------- attach
+
+
+def lora_layers(model: nn.Module, adapter_name: str = "default") -> list[tuple[str, nn.Module]]:
+    """(module name, peft LoRA layer) for every layer carrying `adapter_name`, in model order."""
+    from peft.tuners.lora import LoraLayer
+
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, LoraLayer) and adapter_name in module.lora_A
+    ]
+
+
+def lora_parameters(model: nn.Module, adapter_name: str = "default") -> list[nn.Parameter]:
+    """The LoRA down/up weights of `adapter_name`, as a list (safe to iterate twice)."""
+    params: list[nn.Parameter] = []
+    for _, layer in lora_layers(model, adapter_name):
+        params.append(layer.lora_A[adapter_name].weight)
+        params.append(layer.lora_B[adapter_name].weight)
+    return params
+
+
+def attach_lora(
+    model: nn.Module,
+    target_modules: Iterable[str],
+    rank: int,
+    alpha: float,
+    dropout: float = 0.0,
+    adapter_name: str = "default",
+) -> list[nn.Parameter]:
+    """Inject peft LoRA layers into `model` in place; return the trainable LoRA parameters.
+
+    Init as kohya (down: Kaiming-uniform, up: zeros), scale alpha / rank. LoRA weights are kept in fp32
+    whatever the base dtype, and only they require grad afterwards. `dropout` is peft's lora_dropout, applied
+    to the layer input before lora_down (kohya's network_dropout drops lora_down's output instead).
+    """
+    from peft import LoraConfig, inject_adapter_in_model
+
+    targets = list(dict.fromkeys(target_modules))
+    if not targets:
+        raise ValueError("attach_lora: no target modules given")
+    if rank <= 0:
+        raise ValueError(f"attach_lora: rank must be positive, got {rank}")
+    existing = {name for name, _ in model.named_modules()}
+    unknown = [t for t in targets if t not in existing]
+    if unknown:
+        raise ValueError(f"attach_lora: {len(unknown)} target modules not in the model, e.g. {unknown[:_MAX_LISTED]}")
+
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=targets,
+        init_lora_weights=True,
+        bias="none",
+    )
+    inject_adapter_in_model(config, model, adapter_name=adapter_name)
+
+    wrapped = lora_layers(model, adapter_name)
+    # peft matches list entries as name suffixes too; with full names the set must come out exact.
+    got = {name for name, _ in wrapped}
+    if got != set(targets):
+        raise RuntimeError(
+            f"peft attached LoRA to {sorted(got ^ set(targets))[:_MAX_LISTED]} unlike the requested targets"
+        )
+
+    for _, layer in wrapped:
+        # inject_adapter_in_model casts the adapter to the base dtype (bf16/fp16); the optimizer needs fp32.
+        # peft's forward casts the input to the LoRA dtype and the sum back to the base dtype.
+        layer.lora_A[adapter_name].to(torch.float32)
+        layer.lora_B[adapter_name].to(torch.float32)
+
+    params = lora_parameters(model, adapter_name)
+    trainable = {id(p) for p in params}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in trainable)
+    return params
+
+
+# --------------------------------------------------------------------------------------------- kohya keys
+
+
+def kohya_lora_name(prefix: str, module_name: str) -> str:
+    """kohya's name for one LoRA module: `<prefix>_<module path with "." -> "_">`.
+
+    Text-encoder paths are written from `text_model.` on, as kohya, ComfyUI and AUTOMATIC1111 expect, even
+    though transformers >= 5 flattened CLIPTextModel (its modules now start at `encoder.`).
+    """
+    if prefix.startswith(PREFIX_TE) and not module_name.startswith("text_model."):
+        module_name = "text_model." + module_name
+    return f"{prefix}_{module_name.replace('.', '_')}"
+
+
+def _kohya_names(modules: Mapping[str, nn.Module], adapter_name: str) -> dict[str, tuple[str, nn.Module]]:
+    names: dict[str, tuple[str, nn.Module]] = {}
+    for prefix, model in modules.items():
+        layers = lora_layers(model, adapter_name)
+        if not layers:
+            raise ValueError(f"{prefix}: {type(model).__name__} has no LoRA layers for adapter {adapter_name!r}")
+        for module_name, layer in layers:
+            name = kohya_lora_name(prefix, module_name)
+            if name in names:
+                # "." -> "_" is not injective ("a_b.c" vs "a.b_c"); a clash would silently merge two layers.
+                raise ValueError(f"kohya name {name} is produced by two modules: {names[name][0]} and {module_name}")
+            names[name] = (module_name, layer)
+    return names
+
+
+def kohya_state_dict(
+    modules: Mapping[str, nn.Module],
+    alpha: float | None = None,
+    dtype: torch.dtype | None = None,
+    adapter_name: str = "default",
+) -> dict[str, torch.Tensor]:
+    """Export the peft LoRA weights of each model as one kohya-format state dict.
+
+    `modules` maps a kohya prefix ("lora_unet", "lora_te", "lora_te1", "lora_te2") to a model with LoRA
+    attached. `alpha`, when given, must equal the alpha the layers were built with (guards a file whose scale
+    differs from training). Weights are cast to `dtype` (save precision); `.alpha` stays fp32 so that
+    alpha / rank is exact in every reader.
+    """
+    state_dict: dict[str, torch.Tensor] = {}
+    for name, (module_name, layer) in _kohya_names(modules, adapter_name).items():
+        rank = layer.r[adapter_name]
+        layer_alpha = float(layer.lora_alpha[adapter_name])
+        if alpha is not None and not math.isclose(layer_alpha, alpha, rel_tol=1e-6):
+            raise ValueError(f"{module_name}: LoRA built with alpha {layer_alpha}, export asked for alpha {alpha}")
+        if not math.isclose(layer.scaling[adapter_name], layer_alpha / rank, rel_tol=1e-6):
+            # e.g. diffusers' scale_lora_layers changed the live scale; the file would not reproduce it.
+            raise ValueError(
+                f"{module_name}: peft scaling {layer.scaling[adapter_name]} != alpha / rank = {layer_alpha / rank}"
+            )
+        for key, weight in ((_DOWN, layer.lora_A[adapter_name].weight), (_UP, layer.lora_B[adapter_name].weight)):
+            tensor = weight.detach().to(device="cpu", dtype=dtype or weight.dtype)
+            # clone: never alias a live parameter that the optimizer keeps updating
+            state_dict[f"{name}.{key}"] = tensor.clone().contiguous()
+        state_dict[f"{name}.{_ALPHA}"] = torch.tensor(layer_alpha, dtype=torch.float32)
+    return state_dict
+
+
+# --------------------------------------------------------------------------------------------- file
+
+
+def safetensors_hashes(state_dict: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> tuple[str, str]:
+    """(sshs_model_hash, sshs_legacy_hash) as kohya precomputes them for sd-webui-additional-networks.
+
+    Both hash the file as it would be written with only the `ss_*` metadata (other metadata may change
+    later): the model hash is sha256 of everything after the header, the legacy hash the first 8 hex digits
+    of sha256 of the 64 KiB at offset 1 MiB (sha256 of nothing for files under 1 MiB, as kohya).
+    """
+    training_metadata = {k: v for k, v in metadata.items() if k.startswith("ss_")}
+    blob = safetensors.torch.save(dict(state_dict), training_metadata)
+    header_len = int.from_bytes(blob[:8], "little")
+    model_hash = hashlib.sha256(blob[8 + header_len :]).hexdigest()
+    legacy_hash = hashlib.sha256(blob[0x100000 : 0x100000 + 0x10000]).hexdigest()[:8]
+    return model_hash, legacy_hash
+
+
+def save_lora_file(
+    path: str | os.PathLike,
+    state_dict: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+    add_hashes: bool = True,
+) -> None:
+    """Write a safetensors LoRA file atomically (temp file beside it, fsync, os.replace).
+
+    Metadata values must be strings. With `add_hashes`, sshs_model_hash / sshs_legacy_hash are added as
+    kohya's save_weights does.
+    """
+    metadata = dict(metadata or {})
+    bad = sorted(k for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str))
+    if bad:
+        raise TypeError(f"safetensors metadata keys and values must be str; not so for: {bad}")
+    if add_hashes:
+        metadata["sshs_model_hash"], metadata["sshs_legacy_hash"] = safetensors_hashes(state_dict, metadata)
+
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        safetensors.torch.save_file(dict(state_dict), tmp, metadata=metadata or None)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    try:
+        # make the rename itself durable; not possible on every platform / filesystem
+        dir_fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
+
+
+def load_kohya_lora(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Read a kohya-format safetensors LoRA: (state dict on CPU, metadata)."""
+    with safetensors.safe_open(os.fspath(path), framework="pt", device="cpu") as f:
+        metadata = dict(f.metadata() or {})
+        state_dict = {key: f.get_tensor(key) for key in f.keys()}
+    return state_dict, metadata
+
+
+def _split_key(key: str) -> tuple[str, str]:
+    # kohya names contain no "."; everything after the first one is the tensor role
+    name, _, role = key.partition(".")
+    return name, role
+
+
+def dims_from_state_dict(state_dict: Mapping[str, torch.Tensor]) -> tuple[int, float]:
+    """(rank, alpha) of a kohya LoRA; alpha defaults to the rank where `.alpha` is absent, as in kohya."""
+    ranks: dict[str, int] = {}
+    alphas: dict[str, float] = {}
+    for key, tensor in state_dict.items():
+        name, role = _split_key(key)
+        if role == _DOWN:
+            ranks[name] = int(tensor.shape[0])
+        elif role == _ALPHA:
+            alphas[name] = float(tensor.item())
+    if not ranks:
+        raise ValueError("no '.lora_down.weight' keys: not a kohya-format LoRA")
+    per_module = {name: (rank, alphas.get(name, float(rank))) for name, rank in ranks.items()}
+    distinct = sorted(set(per_module.values()))
+    if len(distinct) > 1:
+        raise ValueError(f"LoRA modules have different (rank, alpha): {distinct[:_MAX_LISTED]}; expected one")
+    rank, alpha = distinct[0]
+    return rank, alpha
+
+
+@dataclass
+class LoadReport:
+    """Result of apply_kohya_state_dict: kohya module names loaded, and keys that did not fit."""
+
+    loaded: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # keys the model expects but the file lacks
+    unexpected: list[str] = field(default_factory=list)  # keys in the file that no LoRA layer takes
+
+
+def _listing(what: str, items: list[str]) -> str:
+    more = f" (and {len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else ""
+    return f"{len(items)} {what}: {', '.join(items[:_MAX_LISTED])}{more}"
+
+
+def _fit_shape(tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
+    if tensor.shape == shape:
+        return tensor
+    # [out, r] vs [out, r, 1, 1]: tools differ on how they store LoRA for 1x1 convs
+    if tensor.numel() == math.prod(shape) and [d for d in tensor.shape if d != 1] == [d for d in shape if d != 1]:
+        return tensor.reshape(shape)
+    return None
+
+
+def apply_kohya_state_dict(
+    modules: Mapping[str, nn.Module],
+    state_dict: Mapping[str, torch.Tensor],
+    adapter_name: str = "default",
+    strict: bool = True,
+) -> LoadReport:
+    """Load a kohya-format state dict into peft LoRA layers attached with attach_lora (inverse of export).
+
+    Shape or alpha mismatches always raise (a different alpha would silently change the scale, so it asks for
+    network_alpha / dim_from_weights to match the file). Missing or unexpected keys raise when `strict`,
+    otherwise they are only reported. Nothing is written unless every check passes.
+    """
+    expected = _kohya_names(modules, adapter_name)
+    report = LoadReport()
+    problems: list[str] = []
+    alpha_mismatch: list[str] = []
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    in_file: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in state_dict.items():
+        name, role = _split_key(key)
+        if name in expected and role in (_DOWN, _UP, _ALPHA):
+            in_file.setdefault(name, {})[role] = tensor
+        else:
+            report.unexpected.append(key)
+
+    for name, (module_name, layer) in expected.items():
+        found = in_file.get(name, {})
+        absent = [f"{name}.{role}" for role in (_DOWN, _UP) if role not in found]
+        if absent:
+            report.missing.extend(absent)
+            continue
+        targets = ((_DOWN, layer.lora_A[adapter_name].weight), (_UP, layer.lora_B[adapter_name].weight))
+        fitted = []
+        for role, param in targets:
+            value = _fit_shape(found[role], param.shape)
+            if value is None:
+                problems.append(
+                    f"{name}.{role}: shape {tuple(found[role].shape)} in file, {tuple(param.shape)} in model"
+                )
+            else:
+                fitted.append((param, value))
+        if len(fitted) != 2:
+            continue
+        file_rank = int(found[_DOWN].shape[0])
+        file_alpha = float(found[_ALPHA].item()) if _ALPHA in found else float(file_rank)
+        model_alpha = float(layer.lora_alpha[adapter_name])
+        if not math.isclose(file_alpha, model_alpha, rel_tol=1e-3, abs_tol=1e-6):
+            alpha_mismatch.append(f"{name} (file {file_alpha:g}, model {model_alpha:g})")
+            continue
+        pending.extend(fitted)
+        report.loaded.append(name)
+
+    if any(".lora_down." in p or ".lora_up." in p for p in problems):
+        problems.append(
+            "the rank differs between file and model: set network_dim to the file's rank or use dim_from_weights"
+        )
+    if alpha_mismatch:
+        problems.append(
+            _listing("modules with a different alpha", alpha_mismatch)
+            + "; set network_alpha to the file's alpha or use dim_from_weights"
+        )
+    if strict and report.missing:
+        problems.append(_listing("missing keys", report.missing))
+    if strict and report.unexpected:
+        problems.append(_listing("unexpected keys", report.unexpected))
+    if problems:
+        raise ValueError("cannot load LoRA weights:\n  " + "\n  ".join(problems))
+
+    with torch.no_grad():
+        for param, value in pending:
+            param.copy_(value.to(device=param.device, dtype=param.dtype))
+    return report
+
+
+# --------------------------------------------------------------------------------------------- metadata
+
+
+def base_model_version(v2: bool = False, v_parameterization: bool = False, sdxl: bool = False) -> str:
+    """kohya's ss_base_model_version: "sd_v1", "sd_v2", "sd_v2_v" (v-prediction), "sdxl_base_v1-0"."""
+    if sdxl:
+        return "sdxl_base_v1-0"
+    return "sd" + ("_v2" if v2 else "_v1") + ("_v" if v_parameterization else "")
+
+
+def modelspec_architecture(v2: bool = False, v_parameterization: bool = False, sdxl: bool = False) -> str:
+    """ModelSpec architecture id of a LoRA for the base model, e.g. "stable-diffusion-v1/lora"."""
+    if sdxl:
+        arch = "stable-diffusion-xl-v1-base"
+    elif v2:
+        arch = "stable-diffusion-v2-768-v" if v_parameterization else "stable-diffusion-v2-512"
+    else:
+        arch = "stable-diffusion-v1"
+    return arch + "/lora"
+
+
+def _resolution_pair(resolution: int | tuple[int, int] | list[int] | None, sdxl: bool, v768: bool) -> tuple[int, int]:
+    if resolution is None:
+        side = 1024 if sdxl else 768 if v768 else 512
+        return side, side
+    if isinstance(resolution, int):
+        return resolution, resolution
+    pair = tuple(int(x) for x in resolution)
+    return (pair[0], pair[0]) if len(pair) == 1 else (pair[0], pair[1])
+
+
+def lora_metadata(
+    *,
+    network_dim: int,
+    network_alpha: float,
+    v2: bool = False,
+    v_parameterization: bool = False,
+    sdxl: bool = False,
+    network_module: str = "networks.lora",
+    network_args: Mapping[str, Any] | None = None,
+    network_dropout: float | None = None,
+    learning_rate: float | None = None,
+    unet_lr: float | None = None,
+    text_encoder_lr: float | None = None,
+    max_train_steps: int | None = None,
+    steps: int | None = None,
+    epoch: int | None = None,
+    num_epochs: int | None = None,
+    seed: int | None = None,
+    resolution: int | tuple[int, int] | None = None,
+    training_started_at: float | None = None,
+    training_finished_at: float | None = None,
+    num_train_images: int | None = None,
+    num_reg_images: int | None = None,
+    num_batches_per_epoch: int | None = None,
+    batch_size: int | None = None,
+    output_name: str | None = None,
+    sd_model_name: str | None = None,
+    vae_name: str | None = None,
+    mixed_precision: str | None = None,
+    lr_scheduler: str | None = None,
+    lr_warmup_steps: int | None = None,
+    optimizer: str | None = None,
+    gradient_accumulation_steps: int | None = None,
+    gradient_checkpointing: bool | None = None,
+    max_grad_norm: float | None = None,
+    min_snr_gamma: float | None = None,
+    noise_offset: float | None = None,
+    clip_skip: int | None = None,
+    training_comment: str | None = None,
+    session_id: int | None = None,
+    title: str | None = None,
+    author: str | None = None,
+    description: str | None = None,
+    license: str | None = None,
+    tags: str | None = None,
+    implementation: str = "diffusers",
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, str]:
+    """kohya's `ss_*` training metadata and ModelSpec `modelspec.*` basics, every value a string.
+
+    Values are written with str() as kohya does (None -> "None", True -> "True", (512, 512) -> "(512, 512)").
+    `extra` adds more keys (e.g. ss_datasets, ss_tag_frequency). The sshs_* hashes depend on the tensors and
+    are added by save_lora_file.
+    """
+    now = time.time()
+    finished = now if training_finished_at is None else training_finished_at
+    reso = _resolution_pair(resolution, sdxl, v2 and v_parameterization)
+    if sd_model_name is not None and os.path.exists(sd_model_name):
+        sd_model_name = os.path.basename(os.path.normpath(sd_model_name))  # kohya keeps only the name of a local path
+    if vae_name is not None and os.path.exists(vae_name):
+        vae_name = os.path.basename(os.path.normpath(vae_name))
+
+    ss: dict[str, Any] = {
+        "ss_session_id": session_id,
+        "ss_training_started_at": now if training_started_at is None else training_started_at,
+        "ss_training_finished_at": finished,
+        "ss_output_name": output_name,
+        "ss_learning_rate": learning_rate,
+        "ss_unet_lr": unet_lr,
+        "ss_text_encoder_lr": text_encoder_lr,
+        "ss_num_train_images": num_train_images,
+        "ss_num_reg_images": num_reg_images,
+        "ss_num_batches_per_epoch": num_batches_per_epoch,
+        "ss_batch_size_per_device": batch_size,
+        "ss_num_epochs": num_epochs,
+        "ss_epoch": epoch,
+        "ss_steps": steps,
+        "ss_max_train_steps": max_train_steps,
+        "ss_gradient_checkpointing": gradient_checkpointing,
+        "ss_gradient_accumulation_steps": gradient_accumulation_steps,
+        "ss_lr_warmup_steps": lr_warmup_steps,
+        "ss_lr_scheduler": lr_scheduler,
+        "ss_optimizer": optimizer,
+        "ss_max_grad_norm": max_grad_norm,
+        "ss_network_module": network_module,
+        "ss_network_dim": network_dim,
+        "ss_network_alpha": network_alpha,
+        "ss_network_dropout": network_dropout,
+        "ss_network_args": json.dumps(dict(network_args or {})),
+        "ss_mixed_precision": mixed_precision,
+        "ss_v2": bool(v2),
+        "ss_base_model_version": base_model_version(v2, v_parameterization, sdxl),
+        "ss_sd_model_name": sd_model_name,
+        "ss_vae_name": vae_name,
+        "ss_resolution": reso,
+        "ss_clip_skip": clip_skip,
+        "ss_seed": seed,
+        "ss_noise_offset": noise_offset,
+        "ss_min_snr_gamma": min_snr_gamma,
+        "ss_training_comment": training_comment,
+    }
+    if session_id is None:
+        del ss["ss_session_id"]
+    if vae_name is None:
+        del ss["ss_vae_name"]
+
+    spec: dict[str, Any] = {
+        "modelspec.sai_model_spec": "1.0.0",
+        "modelspec.architecture": modelspec_architecture(v2, v_parameterization, sdxl),
+        "modelspec.implementation": implementation,
+        "modelspec.title": title or output_name or f"LoRA@{finished}",
+        "modelspec.resolution": f"{reso[0]}x{reso[1]}",
+        # kohya: local time of the save, ISO 8601 without microseconds
+        "modelspec.date": datetime.datetime.fromtimestamp(int(finished)).isoformat(),
+        "modelspec.prediction_type": "v" if v_parameterization else "epsilon",
+    }
+    optional = {
+        "modelspec.author": author,
+        "modelspec.description": description,
+        "modelspec.license": license,
+        "modelspec.tags": tags,
+        "modelspec.encoder_layer": clip_skip,
+    }
+    spec.update({k: v for k, v in optional.items() if v is not None})
+
+    metadata = {k: str(v) for k, v in {**ss, **spec}.items()}
+    metadata.update({str(k): v if isinstance(v, str) else str(v) for k, v in (extra or {}).items()})
+    return metadata
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """Only the metadata of a safetensors file (cheap: reads the header)."""
+    with safetensors.safe_open(os.fspath(path), framework="pt", device="cpu") as f:
+        return dict(f.metadata() or {})
