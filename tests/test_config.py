@@ -1,0 +1,173 @@
+"""The option schema: TOML loading, command-line overrides, validation that names every problem."""
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from library.config import OPTIONS, ConfigError, parse_config
+
+
+@pytest.fixture()
+def paths(tmp_path: Path) -> dict[str, str]:
+    model = tmp_path / "model"
+    data = tmp_path / "data"
+    model.mkdir()
+    data.mkdir()
+    return {"pretrained_model_name_or_path": str(model), "train_data_dir": str(data),
+            "output_dir": str(tmp_path / "out")}
+
+
+def write_toml(path: Path, text: str) -> str:
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def required_args(paths: dict[str, str]) -> list[str]:
+    return [arg for name, value in paths.items() for arg in (f"--{name}", value)]
+
+
+def problems_of(argv: list[str]) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        parse_config(argv)
+    return info.value.problems
+
+
+def test_kohya_sectioned_toml_is_flattened_and_typed(tmp_path, paths):
+    config_file = write_toml(tmp_path / "lora.toml", f"""
+[model_arguments]
+pretrained_model_name_or_path = "{paths['pretrained_model_name_or_path']}"
+v2 = false
+
+[dataset_arguments]
+train_data_dir = "{paths['train_data_dir']}"
+resolution = "512,768"
+caption_extention = ".txt"
+
+[training_arguments]
+output_dir = "{paths['output_dir']}"
+max_train_steps = 100
+learning_rate = 1e-4
+mixed_precision = "bf16"
+gradient_checkpointing = true
+network_args = []
+optimizer_args = ["weight_decay=0.1"]
+
+[network_arguments]
+network_dim = 16
+network_alpha = 8
+""")
+    config, notes = parse_config(["--config", config_file])
+    assert config.resolution == (512, 768)
+    assert config.caption_extension == ".txt"  # kohya's misspelt alias
+    assert config.network_dim == 16 and config.network_alpha == 8.0 and isinstance(config.network_alpha, float)
+    assert config.learning_rate == pytest.approx(1e-4)
+    assert config.gradient_checkpointing is True
+    assert config.optimizer_args == ["weight_decay=0.1"]
+    assert config.is_set("network_dim") and not config.is_set("seed")
+    assert notes == []
+
+
+def test_command_line_overrides_file_including_switching_a_flag_off(tmp_path, paths):
+    config_file = write_toml(tmp_path / "lora.toml", """
+gradient_checkpointing = true
+network_train_unet_only = true
+network_dim = 8
+""")
+    base = ["--config_file", config_file] + required_args(paths)
+    config, _ = parse_config(base + ["--network_dim", "32", "--gradient_checkpointing", "false",
+                                     "--no_network_train_unet_only"])
+    assert config.network_dim == 32
+    assert config.gradient_checkpointing is False
+    assert config.network_train_unet_only is False
+    config, _ = parse_config(base)
+    assert config.network_dim == 8 and config.gradient_checkpointing and config.network_train_unet_only
+
+
+def test_all_problems_reported_at_once_with_suggestions(tmp_path, paths):
+    config_file = write_toml(tmp_path / "lora.toml", """
+netwrok_dim = 8
+learning_rate = "fast"
+lr_scheduler = "cosin"
+max_train_steps = 1.5
+""")
+    problems = problems_of(["--config", config_file, "--mixed_precision", "fp32"] + required_args(paths))
+    text = "\n".join(problems)
+    assert len(problems) == 5, text
+    assert "unknown option 'netwrok_dim'" in text and "did you mean 'network_dim'" in text
+    assert "learning_rate = 'fast'" in text
+    assert "did you mean 'cosine'" in text
+    assert "max_train_steps = 1.5: expected an integer" in text
+    assert "mixed_precision = 'fp32': must be one of no, fp16, bf16" in text
+
+
+def test_missing_required_paths_are_named(tmp_path):
+    problems = problems_of(["--pretrained_model_name_or_path", str(tmp_path / "missing")])
+    text = "\n".join(problems)
+    assert f"{tmp_path / 'missing'} does not exist" in text
+    assert "train_data_dir is required" in text
+    assert "output_dir is required" in text
+
+
+def test_unknown_command_line_option_and_its_value_count_once(paths):
+    problems = problems_of(required_args(paths) + ["--learing_rate", "1e-4"])
+    assert problems == ["command line: unknown option 'learing_rate' (did you mean 'learning_rate'?)"]
+
+
+def test_kohya_options_without_effect_are_noted_and_unsupported_ones_named(tmp_path, paths):
+    config_file = write_toml(tmp_path / "lora.toml", "xformers = true\nsave_every_n_epochs = 1\n")
+    problems = problems_of(["--config", config_file] + required_args(paths))
+    assert problems == [f"{config_file}: save_every_n_epochs is a kohya option this trainer does not support yet; "
+                        "remove it"]
+    config_file = write_toml(tmp_path / "lora2.toml", "xformers = true\nsdpa = true\n")
+    _, notes = parse_config(["--config", config_file] + required_args(paths))
+    assert len(notes) == 2 and all("no effect" in note for note in notes)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("network_dim = 0", "network_dim must be at least 1"),
+    ("network_dropout = 1.0", "network_dropout must be in [0, 1)"),
+    ("min_timestep = 500\nmax_timestep = 100", "need 0 <= min_timestep < max_timestep <= 1000"),
+    ("network_train_unet_only = true\nnetwork_train_text_encoder_only = true", "cannot both be set"),
+    ("lr_warmup_steps = 2.5", "lr_warmup_steps must be a whole number of steps or a fraction"),
+    ("resolution = \"512,x\"", "expected a size"),
+    ("gradient_checkpointing = \"maybe\"", "expected true or false"),
+    ("[a]\n[a.b]\nc = 1", "nested tables are not options"),
+    ("optimizer_args = [\"weight_decay\"]", "must look like key=value"),
+])
+def test_value_checks(tmp_path, paths, text, message):
+    config_file = write_toml(tmp_path / "bad.toml", text + "\n")
+    problems = problems_of(["--config", config_file] + required_args(paths))
+    assert any(message in p for p in problems), problems
+
+
+def test_invalid_toml_is_reported_with_its_path(tmp_path):
+    config_file = write_toml(tmp_path / "broken.toml", "network_dim = = 3\n")
+    problems = problems_of(["--config", config_file])
+    assert len(problems) == 1 and problems[0].startswith(f"{config_file}: not valid TOML")
+
+
+def test_resolved_config_round_trips(tmp_path, paths):
+    config, _ = parse_config(required_args(paths) + ["--network_dim", "12", "--resolution", "320,256",
+                                                     "--optimizer_args", "weight_decay=0.05", "betas=(0.9,0.99)",
+                                                     "--training_comment", 'say "hi"\nthere'])
+    dumped = write_toml(tmp_path / "resolved.toml", config.to_toml())
+    written = {key for table in tomllib.loads(Path(dumped).read_text()).values() for key in table}
+    assert not written & {"output_config", "config_file"}
+    reloaded, _ = parse_config(["--config", dumped])
+    assert {**reloaded.as_dict(), "config_file": None} == config.as_dict()
+
+
+def test_trackers_get_no_secrets_and_no_absolute_paths(paths):
+    config, _ = parse_config(required_args(paths))
+    clean = config.for_trackers()
+    assert clean["pretrained_model_name_or_path"] == "model"
+    assert not any(str(v).startswith("/") for v in clean.values())
+    assert set(clean) <= set(OPTIONS)
+
+
+def test_config_is_read_only(paths):
+    config, _ = parse_config(required_args(paths))
+    with pytest.raises(AttributeError):
+        config.network_dim = 3

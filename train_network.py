@@ -1,0 +1,45 @@
+"""Train a LoRA for Stable Diffusion: python train_network.py --config lora.toml [--option value ...]"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from library.config import UserError, parse_config, write_config
+
+    try:
+        config, notes = parse_config(argv)
+    except UserError as e:
+        return _report(e)
+    if config.output_config is not None:
+        write_config(config, config.output_config)
+        print(f"wrote the resolved configuration to {config.output_config}")
+        return 0
+
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=config.console_log_level if rank == 0 else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for note in notes:
+        logging.getLogger("config").info(note)
+
+    from library import trainer
+    try:
+        trainer.run(config)
+    except UserError as e:
+        return _report(e)
+    return 0
+
+
+def _report(error: Exception) -> int:
+    problems = getattr(error, "problems", [str(error)])
+    print(f"error: {len(problems)} problem{'s' if len(problems) > 1 else ''}:" if len(problems) > 1 else "error:",
+          file=sys.stderr)
+    for problem in problems:
+        print(f"  - {problem}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
