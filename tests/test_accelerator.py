@@ -1,0 +1,78 @@
+"""How the config becomes Accelerator arguments (the multi-process behaviour itself is tested elsewhere)."""
+from __future__ import annotations
+
+import datetime
+import importlib.util
+
+import pytest
+from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
+
+from library.accelerator import accelerator_kwargs
+from library.config import UserError, parse_config
+
+
+def config_with(tmp_path, *extra: str):
+    (tmp_path / "m").mkdir(exist_ok=True)
+    config, _ = parse_config(["--pretrained_model_name_or_path", str(tmp_path / "m"), "--train_data_dir",
+                              str(tmp_path), "--output_dir", str(tmp_path / "o"), *extra])
+    return config
+
+
+def handler(kwargs, kind):
+    found = [h for h in kwargs["kwargs_handlers"] if isinstance(h, kind)]
+    return found[0] if found else None
+
+
+def test_single_process_defaults(tmp_path, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    kwargs = accelerator_kwargs(config_with(tmp_path))
+    assert kwargs["kwargs_handlers"] == []
+    assert kwargs["dynamo_backend"] == "no"
+    assert kwargs["mixed_precision"] == "no"
+    assert "deepspeed_plugin" not in kwargs
+
+
+def test_process_group_and_ddp_kwargs(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    kwargs = accelerator_kwargs(config_with(tmp_path, "--ddp_timeout", "90", "--ddp_static_graph",
+                                            "--ddp_gradient_as_bucket_view", "--gradient_accumulation_steps", "3"))
+    group = handler(kwargs, InitProcessGroupKwargs)
+    assert group.timeout == datetime.timedelta(minutes=90)
+    assert group.backend in ("gloo", "nccl")
+    ddp = handler(kwargs, DistributedDataParallelKwargs)
+    assert ddp.static_graph and ddp.gradient_as_bucket_view
+    assert kwargs["gradient_accumulation_steps"] == 3
+
+
+def test_no_process_group_handler_in_a_single_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    kwargs = accelerator_kwargs(config_with(tmp_path, "--ddp_timeout", "90"))
+    assert handler(kwargs, InitProcessGroupKwargs) is None
+
+
+def test_torch_compile_selects_the_dynamo_backend(tmp_path):
+    assert accelerator_kwargs(config_with(tmp_path, "--torch_compile"))["dynamo_backend"] == "inductor"
+    kwargs = accelerator_kwargs(config_with(tmp_path, "--torch_compile", "--dynamo_backend", "aot_eager"))
+    assert kwargs["dynamo_backend"] == "aot_eager"
+    assert accelerator_kwargs(config_with(tmp_path, "--dynamo_backend", "eager"))["dynamo_backend"] == "no"
+
+
+def test_missing_deepspeed_is_a_user_error_with_the_install_command(tmp_path, monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "deepspeed" else real_find_spec(name, *a))
+    with pytest.raises(UserError, match="pip install deepspeed"):
+        accelerator_kwargs(config_with(tmp_path, "--deepspeed"))
+
+
+def test_deepspeed_plugin_batch_sizes(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    kwargs = accelerator_kwargs(config_with(tmp_path, "--deepspeed", "--zero_stage", "2", "--train_batch_size",
+                                            "3", "--gradient_accumulation_steps", "4", "--offload_optimizer_device",
+                                            "cpu", "--max_grad_norm", "0.5"))
+    ds = kwargs["deepspeed_plugin"].deepspeed_config
+    assert ds["train_micro_batch_size_per_gpu"] == 3
+    assert ds["train_batch_size"] == 3 * 4 * 2
+    assert ds["zero_optimization"]["stage"] == 2
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert ds["gradient_clipping"] == 0.5
