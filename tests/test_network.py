@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 
 import pytest
 import safetensors.torch
@@ -18,86 +17,16 @@ RANK = 4
 
 
 # --------------------------------------------------------------------------------------------- tiny models
-# One place to build the models, so that library/tiny.py can replace it later.
-
-
-def _byte_level_tokenizer(directory: str):
-    """A CLIPTokenizer with only byte-level tokens (no merges): offline, a few KB."""
-    from transformers import CLIPTokenizer
-
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    extra = [b for b in range(256) if b not in printable]
-    chars = [chr(c) for c in printable] + [chr(256 + i) for i in range(len(extra))]
-    vocab = {c: i for i, c in enumerate(chars)}
-    vocab.update({c + "</w>": len(chars) + i for i, c in enumerate(chars)})
-    vocab["<|startoftext|>"] = len(vocab)
-    vocab["<|endoftext|>"] = len(vocab)
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "vocab.json"), "w", encoding="utf-8") as f:
-        json.dump(vocab, f)
-    with open(os.path.join(directory, "merges.txt"), "w", encoding="utf-8") as f:
-        f.write("#version: 0.2\n")
-    vocab_file, merges_file = os.path.join(directory, "vocab.json"), os.path.join(directory, "merges.txt")
-    return CLIPTokenizer(vocab_file, merges_file, model_max_length=77)
-
-
-def _tiny_unet(**overrides):
-    from diffusers import UNet2DConditionModel
-
-    kwargs = dict(
-        block_out_channels=(32, 64),
-        layers_per_block=2,
-        cross_attention_dim=32,
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        attention_head_dim=8,
-        norm_num_groups=32,
-    )
-    kwargs.update(overrides)
-    return UNet2DConditionModel(**kwargs)
-
-
-def build_tiny_sd1(tmp_dir: str) -> dict:
-    """Tiny SD1-shaped components: unet, text_encoder, vae, tokenizer, scheduler (fixed seed)."""
-    from diffusers import AutoencoderKL, DDPMScheduler
-    from transformers import CLIPTextConfig, CLIPTextModel
-
-    torch.manual_seed(0)
-    unet = _tiny_unet()
-    text_encoder = CLIPTextModel(
-        CLIPTextConfig(
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=37,
-            vocab_size=1000,
-            max_position_embeddings=77,
-            bos_token_id=0,
-            eos_token_id=2,
-            pad_token_id=1,
-        )
-    )
-    vae = AutoencoderKL(
-        block_out_channels=(32, 32, 32, 32),
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        latent_channels=4,
-        norm_num_groups=32,
-        sample_size=64,
-    )
-    scheduler = DDPMScheduler(steps_offset=1, clip_sample=False)
-    tokenizer = _byte_level_tokenizer(os.path.join(tmp_dir, "tokenizer"))
-    for m in (unet, text_encoder, vae):
-        m.eval().requires_grad_(False)
-    return dict(unet=unet, text_encoder=text_encoder, vae=vae, tokenizer=tokenizer, scheduler=scheduler)
 
 
 @pytest.fixture(scope="session")
-def tiny(tmp_path_factory):
-    return build_tiny_sd1(str(tmp_path_factory.mktemp("tiny")))
+def tiny():
+    from library.tiny import build_tiny_sd1
+
+    components = build_tiny_sd1(seed=0)
+    for name in ("unet", "text_encoder", "vae"):
+        components[name].eval().requires_grad_(False)
+    return components
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -201,6 +130,15 @@ def test_unet_targets_sd1_exact(tiny):
     assert isinstance(modules["down_blocks.0.attentions.0.proj_in"], nn.Conv2d)
     assert "down_blocks.0.resnets.0.conv1" not in names and "time_embedding.linear_1" not in names
     assert "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_out.1" not in names  # Dropout
+
+
+def _tiny_unet(**overrides):
+    from diffusers import UNet2DConditionModel
+
+    kwargs = dict(block_out_channels=(32, 64), layers_per_block=2, cross_attention_dim=32, sample_size=8,
+                  down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                  up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), attention_head_dim=8)
+    return UNet2DConditionModel(**(kwargs | overrides))
 
 
 def test_unet_targets_sd2_sdxl_layouts():
