@@ -66,6 +66,9 @@ def deepspeed_plugin(config: Config, world_size: int) -> DeepSpeedPlugin:
 
 def prepare_accelerator(config: Config) -> Accelerator:
     """The Accelerator kohya's train_network would build, checked against the launcher's process count."""
+    if not torch.cuda.is_available():
+        # What DeepSpeed would detect anyway, said up front so its import does not warn about a missing GPU.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     accelerator = Accelerator(**accelerator_kwargs(config))
     expected = launcher_world_size()
     if accelerator.num_processes != expected:

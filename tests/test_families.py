@@ -1,0 +1,63 @@
+"""Loading a local diffusers model folder."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from library.config import UserError
+from library.families import load_sd_components, tokenize
+from library.tiny import save_tiny_sd1
+
+
+@pytest.fixture(scope="module")
+def tiny_v_dir(tmp_path_factory):
+    return save_tiny_sd1(tmp_path_factory.mktemp("v") / "tiny-v", prediction_type="v_prediction")
+
+
+def test_v_prediction_is_read_from_the_scheduler(tiny_sd1_dir, tiny_v_dir):
+    assert load_sd_components(tiny_v_dir).v_prediction
+    assert not load_sd_components(tiny_sd1_dir).v_prediction
+    assert load_sd_components(tiny_sd1_dir, v_parameterization=True).v_prediction
+
+
+def test_components_load_in_the_weight_dtype(tiny_sd1_dir):
+    components = load_sd_components(tiny_sd1_dir, weight_dtype=torch.bfloat16, vae_dtype=torch.float32)
+    assert components.unet.dtype == torch.bfloat16 and components.text_encoder.dtype == torch.bfloat16
+    assert components.vae.dtype == torch.float32
+    assert components.base_model_version == "sd_v1"
+
+
+def test_incomplete_folder_names_what_is_missing(tiny_sd1_dir, tmp_path):
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_sd1_dir, copy)
+    shutil.rmtree(copy / "vae")
+    shutil.rmtree(copy / "tokenizer")
+    with pytest.raises(UserError, match="missing vae, tokenizer"):
+        load_sd_components(copy)
+
+
+def test_corrupt_weights_are_a_user_error(tiny_sd1_dir, tmp_path):
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_sd1_dir, copy)
+    for weights in (copy / "unet").glob("*.safetensors"):
+        weights.write_bytes(b"not a safetensors file")
+    with pytest.raises(UserError, match="cannot load the model"):
+        load_sd_components(copy)
+
+
+def test_single_file_checkpoint_is_refused_with_a_message(tmp_path):
+    checkpoint = tmp_path / "model.safetensors"
+    checkpoint.write_bytes(b"")
+    with pytest.raises(UserError, match="single-file checkpoints are not supported yet"):
+        load_sd_components(checkpoint)
+
+
+def test_tokenize_pads_to_the_model_length(tiny_sd1_dir):
+    tokenizer = load_sd_components(tiny_sd1_dir).tokenizer
+    ids = tokenize(tokenizer, "sks shape, a red circle")
+    assert ids.shape == (77,)
+    assert ids[0].item() == tokenizer.bos_token_id
+    long_ids = tokenize(tokenizer, "word " * 200)
+    assert long_ids.shape == (77,) and long_ids[-1].item() == tokenizer.eos_token_id
