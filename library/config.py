@@ -234,6 +234,21 @@ _OUTPUT = [
     _opt("save_model_as", _to_str, "safetensors", "file format of the LoRA", choices=("safetensors",)),
     _opt("save_precision", _to_str, None, "dtype of the saved LoRA (default float)",
          choices=("float", "fp16", "bf16")),
+    _opt("save_every_n_steps", _to_int, None, "also save a LoRA snapshot (name-step00000500) every n steps"),
+    _opt("save_every_n_epochs", _to_int, None, "also save a LoRA snapshot (name-000003) every n epochs"),
+    _opt("save_last_n_steps", _to_int, None,
+         "keep only the step snapshots of the last n steps (older ones are removed)"),
+    _opt("save_last_n_epochs", _to_int, None, "keep only the last n epoch snapshots"),
+    _opt("save_state", _to_bool, False,
+         "with each snapshot, also save a training state dir (name-...-state) to resume from"),
+    _opt("save_last_n_steps_state", _to_int, None, "keep only the state dirs of the last n steps"),
+    _opt("save_last_n_epochs_state", _to_int, None, "keep only the last n epoch state dirs"),
+    _opt("save_state_on_train_end", _to_bool, False, "save a state dir when training ends"),
+    _opt("resume", _to_str, None,
+         "continue from a state dir, or 'latest' for the newest complete one in output_dir", metavar="DIR|latest"),
+    _opt("network_weights", _to_str, None, "start from this kohya-format LoRA file", is_path=True,
+         metavar="PATH"),
+    _opt("dim_from_weights", _to_bool, False, "take network_dim and network_alpha from network_weights"),
     _opt("no_metadata", _to_bool, False, "write no ss_* training metadata into the LoRA file"),
     _opt("training_comment", _to_str, None, "free text stored as ss_training_comment"),
 ]
@@ -294,28 +309,24 @@ UNSUPPORTED_KOHYA_OPTIONS: tuple[str, ...] = (
     "caption_dropout_rate", "caption_prefix", "caption_separator", "caption_suffix", "caption_tag_dropout_rate",
     "clip_skip", "color_aug", "conditioning_data_dir", "console_log_file", "cpu_offload_checkpointing",
     "dataset_class", "dataset_config", "dataset_repeats", "debiased_estimation_loss", "debug_dataset",
-    "dim_from_weights", "enable_bucket", "enable_wildcard", "face_crop_aug_range", "flip_aug",
-    "fp16_master_weights_and_gradients", "fp8_base", "fp8_base_unet", "full_bf16", "full_fp16",
-    "fused_backward_pass", "huber_c", "huber_scale", "huber_schedule", "huggingface_path_in_repo",
-    "huggingface_repo_id", "huggingface_repo_type", "huggingface_repo_visibility", "huggingface_token",
-    "in_json", "initial_epoch", "initial_step", "ip_noise_gamma", "ip_noise_gamma_random_strength",
-    "keep_tokens", "keep_tokens_separator", "log_config", "log_tracker_config", "log_tracker_name", "log_with",
-    "loraplus_lr_ratio", "loraplus_text_encoder_lr_ratio", "loraplus_unet_lr_ratio", "loss_type",
-    "lr_decay_steps", "lr_scheduler_args", "lr_scheduler_min_lr_ratio", "lr_scheduler_timescale",
-    "lr_scheduler_type", "masked_loss", "max_bucket_reso", "max_token_length", "max_validation_steps",
-    "metadata_author", "metadata_description", "metadata_license", "metadata_tags", "metadata_title",
-    "min_bucket_reso", "multires_noise_discount", "multires_noise_iterations", "network_weights",
-    "noise_offset_random_strength", "offload_optimizer_nvme_path", "offload_param_nvme_path",
-    "prior_loss_weight", "random_crop", "reg_data_dir", "resume", "resume_from_huggingface", "sample_at_first",
-    "sample_every_n_epochs", "sample_every_n_steps", "sample_prompts", "sample_sampler", "save_every_n_epochs",
-    "save_every_n_steps", "save_last_n_epochs", "save_last_n_epochs_state", "save_last_n_steps",
-    "save_last_n_steps_state", "save_n_epoch_ratio", "save_state", "save_state_on_train_end",
-    "save_state_to_huggingface", "scale_v_pred_loss_like_noise_pred", "scale_weight_norms",
-    "secondary_separator", "shuffle_caption", "skip_cache_check", "skip_until_initial_step",
-    "token_warmup_min", "token_warmup_step", "use_8bit_adam", "use_lion_optimizer", "v_pred_like_loss",
-    "validate_every_n_epochs", "validate_every_n_steps", "validation_seed", "validation_split", "vae",
-    "vae_batch_size", "wandb_api_key", "wandb_run_name", "weighted_captions", "zero3_init_flag",
-    "zero3_save_16bit_model", "zero_terminal_snr",
+    "enable_bucket", "enable_wildcard", "face_crop_aug_range", "flip_aug", "fp16_master_weights_and_gradients",
+    "fp8_base", "fp8_base_unet", "full_bf16", "full_fp16", "fused_backward_pass", "huber_c", "huber_scale",
+    "huber_schedule", "huggingface_path_in_repo", "huggingface_repo_id", "huggingface_repo_type",
+    "huggingface_repo_visibility", "huggingface_token", "in_json", "initial_epoch", "initial_step",
+    "ip_noise_gamma", "ip_noise_gamma_random_strength", "keep_tokens", "keep_tokens_separator", "log_config",
+    "log_tracker_config", "log_tracker_name", "log_with", "loraplus_lr_ratio", "loraplus_text_encoder_lr_ratio",
+    "loraplus_unet_lr_ratio", "loss_type", "lr_decay_steps", "lr_scheduler_args", "lr_scheduler_min_lr_ratio",
+    "lr_scheduler_timescale", "lr_scheduler_type", "masked_loss", "max_bucket_reso", "max_token_length",
+    "max_validation_steps", "metadata_author", "metadata_description", "metadata_license", "metadata_tags",
+    "metadata_title", "min_bucket_reso", "multires_noise_discount", "multires_noise_iterations",
+    "noise_offset_random_strength", "offload_optimizer_nvme_path", "offload_param_nvme_path", "prior_loss_weight",
+    "random_crop", "reg_data_dir", "resume_from_huggingface", "sample_at_first", "sample_every_n_epochs",
+    "sample_every_n_steps", "sample_prompts", "sample_sampler", "save_n_epoch_ratio", "save_state_to_huggingface",
+    "scale_v_pred_loss_like_noise_pred", "scale_weight_norms", "secondary_separator", "shuffle_caption",
+    "skip_cache_check", "skip_until_initial_step", "token_warmup_min", "token_warmup_step", "use_8bit_adam",
+    "use_lion_optimizer", "v_pred_like_loss", "validate_every_n_epochs", "validate_every_n_steps",
+    "validation_seed", "validation_split", "vae", "vae_batch_size", "wandb_api_key", "wandb_run_name",
+    "weighted_captions", "zero3_init_flag", "zero3_save_16bit_model", "zero_terminal_snr",
 )
 
 
@@ -602,6 +613,13 @@ def _check_values(v: dict[str, Any]) -> list[str]:
          "network_train_unet_only and network_train_text_encoder_only cannot both be set")
     need(v["zero_stage"] in (0, 1, 2, 3), f"zero_stage must be 0, 1, 2 or 3 (got {v['zero_stage']})")
     need(v["ddp_timeout"] is None or v["ddp_timeout"] > 0, "ddp_timeout must be a positive number of minutes")
+    for name in ("save_every_n_steps", "save_every_n_epochs", "save_last_n_steps", "save_last_n_epochs",
+                 "save_last_n_steps_state", "save_last_n_epochs_state"):
+        need(v[name] is None or v[name] >= 1, f"{name} must be at least 1 (got {v[name]})")
+    need(not v["dim_from_weights"] or v["network_weights"] is not None,
+         "dim_from_weights needs network_weights (the LoRA file to read dim and alpha from)")
+    need(v["network_weights"] is None or Path(v["network_weights"]).is_file(),
+         f"network_weights: {v['network_weights']} is not a file")
     for arg in v["network_args"] + v["optimizer_args"]:
         need("=" in arg, f"{arg!r}: network_args and optimizer_args entries must look like key=value")
     need(not v["network_args"],

@@ -160,9 +160,12 @@ class SeededBatchSampler(torch.utils.data.Sampler):
         self.epoch = 0
         self.start_batch = 0
 
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        self.epoch = epoch
-        self.start_batch = start_batch
+    def set_epoch(self, epoch: int, start_batch: int | None = None) -> None:
+        """Without start_batch the start is kept for the same epoch: accelerate's loader calls set_epoch(epoch)
+        again when iteration begins."""
+        if start_batch is None:
+            start_batch = self.start_batch if epoch == self.epoch else 0
+        self.epoch, self.start_batch = epoch, start_batch
 
     def batches(self, epoch: int) -> list[list[int]]:
         if self.shuffle:

@@ -1,6 +1,8 @@
 """run(config): wires the parts together; the training loop."""
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import secrets
@@ -20,6 +22,9 @@ from library.config import Config, UserError
 from library.data import ImageCaptionDataset, SeededBatchSampler, discover_subsets
 from library.families import Components, encode_prompt, load_sd_components, tokenize
 from library.optim import build_lr_scheduler, build_optimizer, warmup_steps
+from library.state import (Checkpointer, TrainState, epoch_name, incompatibilities, library_versions,
+                           path_changes, prune_epochs, prune_steps, remove_stale_temporaries, resolve_resume,
+                           state_dir_name, step_name)
 
 logger = logging.getLogger(__name__)
 
@@ -104,12 +109,26 @@ class RunResult:
     step_times: list[float] = field(default_factory=list)  # wall seconds of each optimizer step
 
 
-def resolve_seed(config: Config, accelerator: Accelerator) -> int:
-    """The configured seed, or one random seed shared by every process."""
-    seed = config.seed if config.seed is not None else secrets.randbelow(2**31)
-    if accelerator.num_processes > 1 and config.seed is None:
-        seed = broadcast_object_list([seed])[0]
-    return seed
+@dataclass(frozen=True)
+class NetworkSpec:
+    """The LoRA's shape: from the config, or read from network_weights with dim_from_weights."""
+    dim: int
+    alpha: float
+    initial_weights: dict[str, torch.Tensor] | None = None
+
+
+def network_spec(config: Config) -> NetworkSpec:
+    if config.network_weights is None:
+        return NetworkSpec(config.network_dim, config.network_alpha)
+    try:
+        state_dict, _ = network.load_kohya_lora(config.network_weights)
+        dim, alpha = network.dims_from_state_dict(state_dict)
+    except (OSError, ValueError) as e:
+        raise UserError(f"network_weights {config.network_weights}: {e}") from None
+    if config.dim_from_weights:
+        logger.info("dim_from_weights: network_dim %d, network_alpha %g from %s", dim, alpha, config.network_weights)
+        return NetworkSpec(dim, alpha, state_dict)
+    return NetworkSpec(config.network_dim, config.network_alpha, state_dict)
 
 
 def trained_parts(config: Config) -> tuple[bool, bool]:
@@ -117,8 +136,10 @@ def trained_parts(config: Config) -> tuple[bool, bool]:
     return not config.network_train_text_encoder_only, not config.network_train_unet_only
 
 
-def build_model(config: Config, components: Components, device: torch.device) -> tuple[DiffusionModel, list[dict[str, Any]]]:
+def build_model(config: Config, components: Components, device: torch.device,
+                spec: NetworkSpec | None = None) -> tuple[DiffusionModel, list[dict[str, Any]]]:
     """Freeze the base (already in its weight dtype), attach fp32 LoRA; return the model and optimizer groups."""
+    spec = spec or NetworkSpec(config.network_dim, config.network_alpha)
     train_unet, train_text_encoder = trained_parts(config)
     unet, text_encoder = components.unet, components.text_encoder
     for module in (unet, text_encoder, components.vae):
@@ -129,13 +150,13 @@ def build_model(config: Config, components: Components, device: torch.device) ->
 
     groups: list[dict[str, Any]] = []
     if train_unet:
-        params = network.attach_lora(unet, network.unet_target_modules(unet), config.network_dim,
-                                     config.network_alpha, config.network_dropout)
+        params = network.attach_lora(unet, network.unet_target_modules(unet), spec.dim, spec.alpha,
+                                     config.network_dropout)
         groups.append({"params": params, "lr": config.unet_lr if config.unet_lr is not None
                        else config.learning_rate, "name": "unet"})
     if train_text_encoder:
         params = network.attach_lora(text_encoder, network.text_encoder_target_modules(text_encoder),
-                                     config.network_dim, config.network_alpha, config.network_dropout)
+                                     spec.dim, spec.alpha, config.network_dropout)
         groups.append({"params": params, "lr": config.text_encoder_lr if config.text_encoder_lr is not None
                        else config.learning_rate, "name": "text_encoder"})
     if config.gradient_checkpointing:
@@ -145,7 +166,10 @@ def build_model(config: Config, components: Components, device: torch.device) ->
             text_encoder.activation_checkpointing_enable({"use_reentrant": False})
     unet.train(train_unet)
     text_encoder.train(train_text_encoder)
-    return DiffusionModel(unet, text_encoder, train_text_encoder), groups
+    model = DiffusionModel(unet, text_encoder, train_text_encoder)
+    if spec.initial_weights is not None:
+        load_adapter(config, model, spec.initial_weights, strict=False, source=str(config.network_weights))
+    return model, groups
 
 
 def lora_modules(model: DiffusionModel, config: Config) -> dict[str, torch.nn.Module]:
@@ -158,30 +182,71 @@ def lora_modules(model: DiffusionModel, config: Config) -> dict[str, torch.nn.Mo
     return modules
 
 
-def save_lora(config: Config, model: DiffusionModel, path: Path, metadata: dict[str, str]) -> None:
-    state_dict = network.kohya_state_dict(lora_modules(model, config), config.network_alpha,
-                                          SAVE_DTYPES[config.save_precision])
+def load_adapter(config: Config, model: DiffusionModel, state_dict: dict[str, torch.Tensor], strict: bool,
+                 source: str) -> None:
+    """Kohya-format weights into the attached LoRA. Keys for a part that is not trained are left out."""
+    modules = lora_modules(model, config)
+    if not strict:
+        state_dict = {k: v for k, v in state_dict.items() if k.startswith(tuple(f"{p}_" for p in modules))}
+    try:
+        report = network.apply_kohya_state_dict(modules, state_dict, strict=strict)
+    except ValueError as e:
+        raise UserError(f"{source}: {e}") from None
+    if report.missing:
+        logger.warning("%s: %d LoRA modules are not in the file and start from scratch", source,
+                       len(report.missing) // 2)
+
+
+def save_lora(config: Config, model: DiffusionModel, spec: NetworkSpec, path: Path, metadata: dict[str, str],
+              dtype: torch.dtype | None) -> None:
+    state_dict = network.kohya_state_dict(lora_modules(model, config), spec.alpha, dtype)
     network.save_lora_file(path, state_dict, {} if config.no_metadata else metadata)
 
 
-def training_metadata(config: Config, components: Components, plan: Plan, dataset: ImageCaptionDataset, seed: int,
-                      started_at: float, global_step: int, epoch: int) -> dict[str, str]:
-    return network.lora_metadata(
-        network_dim=config.network_dim, network_alpha=config.network_alpha,
-        v2=components.base_model_version == "sd_v2", v_parameterization=components.v_prediction,
-        network_module=config.network_module, network_dropout=config.network_dropout,
-        learning_rate=config.learning_rate, unet_lr=config.unet_lr, text_encoder_lr=config.text_encoder_lr,
-        max_train_steps=plan.total_steps, steps=global_step, epoch=epoch, num_epochs=plan.num_epochs, seed=seed,
-        resolution=config.resolution, training_started_at=started_at, training_finished_at=time.time(),
-        num_train_images=dataset.num_images, num_batches_per_epoch=plan.batches_per_epoch,
-        batch_size=config.train_batch_size, output_name=config.output_name,
-        sd_model_name=Path(config.pretrained_model_name_or_path).name, mixed_precision=config.mixed_precision,
-        lr_scheduler=config.lr_scheduler, lr_warmup_steps=warmup_steps(config.lr_warmup_steps, plan.total_steps),
-        optimizer=config.optimizer_type, gradient_accumulation_steps=config.gradient_accumulation_steps,
-        gradient_checkpointing=config.gradient_checkpointing, max_grad_norm=config.max_grad_norm,
-        min_snr_gamma=config.min_snr_gamma, noise_offset=config.noise_offset,
-        training_comment=config.training_comment,
-    )
+def run_fingerprint(config: Config, spec: NetworkSpec, components: Components,
+                    model: DiffusionModel) -> dict[str, Any]:
+    """What a state must share with this run to be resumed: the adapter's shape and the base architecture."""
+    train_unet, train_text_encoder = trained_parts(config)
+    return {
+        "network_module": config.network_module, "network_dim": spec.dim, "network_alpha": spec.alpha,
+        "network_args": list(config.network_args), "train_unet": train_unet,
+        "train_text_encoder": train_text_encoder, "optimizer_type": config.optimizer_type.lower(),
+        "lora_modules": _digest(sorted(name for prefix, module in lora_modules(model, config).items()
+                                       for name, _ in network.lora_layers(module))),
+        "base_model_version": components.base_model_version,
+        "unet_config": _digest(_architecture(components.unet.config)),
+        "text_encoder_config": _digest(_architecture(components.text_encoder.config.to_dict())),
+    }
+
+
+def _architecture(config: Any) -> dict[str, Any]:
+    return {k: v for k, v in dict(config).items() if not k.startswith("_") and k not in ("dtype", "torch_dtype")}
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+PATH_OPTIONS = ("seed", "train_batch_size", "gradient_accumulation_steps", "resolution", "train_data_dir",
+                "learning_rate", "unet_lr", "text_encoder_lr", "lr_scheduler", "lr_warmup_steps", "mixed_precision",
+                "max_grad_norm", "min_snr_gamma", "noise_offset", "min_timestep", "max_timestep", "network_dropout",
+                "optimizer_args", "v_parameterization")
+
+
+def path_settings(config: Config, seed: int) -> dict[str, Any]:
+    values = {name: getattr(config, name) for name in PATH_OPTIONS}
+    values["seed"] = seed
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+
+
+def resolve_seed(config: Config, accelerator: Accelerator, resumed: TrainState | None) -> int:
+    """The resumed run's seed, the configured one, or one random seed shared by every process."""
+    if resumed is not None and config.seed is None:
+        return resumed.seed
+    seed = config.seed if config.seed is not None else secrets.randbelow(2**31)
+    if accelerator.num_processes > 1 and config.seed is None:
+        seed = broadcast_object_list([seed])[0]
+    return seed
 
 
 def run(config: Config) -> RunResult:
@@ -195,9 +260,17 @@ def run(config: Config) -> RunResult:
 
 
 def _train(config: Config, accelerator: Accelerator, started_at: float) -> RunResult:
-    seed = resolve_seed(config, accelerator)
+    output_dir = Path(config.output_dir)
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(output_dir)
+    accelerator.wait_for_everyone()
+    resume_dir = resolve_resume(config.resume, output_dir)
+    resumed = TrainState.read(resume_dir) if resume_dir else None
+    seed = resolve_seed(config, accelerator, resumed)
     set_seed(seed)  # LoRA initialisation; the training path itself uses step generators
     weight_dtype = WEIGHT_DTYPES[config.mixed_precision]
+    spec = network_spec(config)
 
     subsets = discover_subsets(config.train_data_dir, config.caption_extension)
     components = load_sd_components(config.pretrained_model_name_or_path, config.v2, config.v_parameterization,
@@ -209,9 +282,12 @@ def _train(config: Config, accelerator: Accelerator, started_at: float) -> RunRe
         dataset, batch_sampler=sampler, num_workers=config.max_data_loader_n_workers,
         persistent_workers=config.persistent_data_loader_workers and config.max_data_loader_n_workers > 0)
 
-    model, groups = build_model(config, components, accelerator.device)
+    model, groups = build_model(config, components, accelerator.device, spec)
     trainable = [p for group in groups for p in group["params"]]
     optimizer = build_optimizer(config.optimizer_type, groups, config.learning_rate, config.optimizer_args)
+    state = TrainState(seed=seed, world_size=accelerator.num_processes,
+                       fingerprint=run_fingerprint(config, spec, components, model),
+                       path_settings=path_settings(config, seed), versions=library_versions())
 
     # The plan needs the per-process batch count, which only the prepared loader knows.
     model, optimizer, dataloader = accelerator.prepare(model, optimizer, dataloader)
@@ -220,21 +296,57 @@ def _train(config: Config, accelerator: Accelerator, started_at: float) -> RunRe
         config.lr_scheduler, optimizer, plan.total_steps, config.lr_warmup_steps, config.lr_scheduler_num_cycles,
         config.lr_scheduler_power))
 
+    unwrapped = accelerator.unwrap_model(model)
+    save_dtype = SAVE_DTYPES[config.save_precision]
+    checkpointer = Checkpointer(
+        accelerator,
+        write_adapter=lambda path: save_lora(config, unwrapped, spec, path, {}, None),
+        read_adapter=lambda path: load_adapter(config, unwrapped, network.load_kohya_lora(path)[0], strict=True,
+                                               source=str(path)))
+    if resumed is not None:
+        problems = incompatibilities(resumed, state)
+        if problems:
+            raise UserError([f"cannot resume from {resume_dir}: it was saved by an incompatible run"] + problems)
+        for change in path_changes(resumed, state):
+            logger.warning("resuming with a changed setting; the run will not follow the original path: %s", change)
+        checkpointer.load(resume_dir)
+        state.epoch, state.global_step, state.batch_in_epoch = (
+            resumed.epoch, resumed.global_step, resumed.batch_in_epoch)
+        logger.info("resumed from %s at step %d (epoch %d, batch %d)", resume_dir, state.global_step,
+                    state.epoch + 1, state.batch_in_epoch)
+
     obj = Objective(components.noise_scheduler.alphas_cumprod.to(accelerator.device), components.v_prediction,
                     config.min_timestep, config.max_timestep, config.noise_offset, config.min_snr_gamma)
     logger.info("%d images x repeats = %d samples, %d batches per epoch per process, %d epochs, %d steps",
                 dataset.num_images, len(dataset), plan.batches_per_epoch, plan.num_epochs, plan.total_steps)
 
-    result = RunResult(output_file=None, global_step=0)
-    progress = tqdm(total=plan.total_steps, desc="steps", disable=not accelerator.is_main_process,
-                    dynamic_ncols=True)
-    global_step, epoch = 0, 0
+    def metadata() -> dict[str, str]:
+        return training_metadata(config, spec, components, plan, dataset, seed, started_at, state)
+
+    def save_snapshot(name: str, with_state: bool) -> None:
+        if accelerator.is_main_process:
+            path = output_dir / f"{name}.safetensors"
+            save_lora(config, unwrapped, spec, path, metadata(), save_dtype)
+            logger.info("saved %s", path)
+        if with_state:
+            checkpointer.save(output_dir / state_dir_name(name), state)
+
+    result = RunResult(output_file=None, global_step=state.global_step)
+    progress = tqdm(total=plan.total_steps, initial=state.global_step, desc="steps",
+                    disable=not accelerator.is_main_process, dynamic_ncols=True)
     step_losses: list[torch.Tensor] = []
     step_started = time.perf_counter()
-    for epoch in range(plan.num_epochs):
-        sampler.set_epoch(epoch)
-        for batch_index, batch in enumerate(dataloader):
-            generator = objective.step_generator(seed, epoch, batch_index, accelerator.process_index)
+    while state.global_step < plan.total_steps and state.epoch < plan.num_epochs:
+        epoch, first_batch = state.epoch, state.batch_in_epoch
+        # Batches are dealt round-robin to processes, so k batches per process are k * world batches overall.
+        sampler.set_epoch(epoch, start_batch=first_batch * accelerator.num_processes)
+        # accelerate's loader calls set_epoch(its own pass count) when iteration starts: make that count ours.
+        dataloader.set_epoch(epoch)
+        for batch_index, batch in enumerate(dataloader, start=first_batch):
+            keys = (epoch, batch_index, accelerator.process_index)
+            generator = objective.step_generator(seed, *keys)
+            # Dropout draws from the global stream; reseeding it per batch makes it independent of history.
+            torch.manual_seed(objective.step_generator(seed, *keys, 1).initial_seed())
             with accelerator.accumulate(model):
                 latents = encode_latents(components.vae, batch["pixels"], generator).to(weight_dtype)
                 noise = objective.sample_noise(latents, generator, obj.noise_offset)
@@ -252,7 +364,10 @@ def _train(config: Config, accelerator: Accelerator, started_at: float) -> RunRe
                 continue
 
             lr_scheduler.step()
-            global_step += 1
+            state.global_step += 1
+            state.batch_in_epoch = batch_index + 1
+            if state.batch_in_epoch >= plan.batches_per_epoch:
+                state.epoch, state.batch_in_epoch = epoch + 1, 0
             now = time.perf_counter()
             result.step_times.append(now - step_started)
             step_started = now
@@ -261,21 +376,52 @@ def _train(config: Config, accelerator: Accelerator, started_at: float) -> RunRe
             progress.update(1)
             progress.set_postfix(loss=f"{result.losses[-1]:.4f}", s_per_step=f"{result.step_times[-1]:.3f}",
                                  refresh=False)
-            if global_step >= plan.total_steps:
+
+            if state.global_step >= plan.total_steps:
                 break
-        if global_step >= plan.total_steps:
-            break
+            if config.save_every_n_steps and state.global_step % config.save_every_n_steps == 0:
+                save_snapshot(step_name(config.output_name, state.global_step), config.save_state)
+                if accelerator.is_main_process:
+                    prune_steps(output_dir, config.output_name, state.global_step, config.save_last_n_steps, False)
+                    prune_steps(output_dir, config.output_name, state.global_step,
+                                config.save_last_n_steps_state, True)
+            if state.batch_in_epoch == 0 and config.save_every_n_epochs and \
+                    state.epoch % config.save_every_n_epochs == 0:
+                save_snapshot(epoch_name(config.output_name, state.epoch), config.save_state)
+                if accelerator.is_main_process:
+                    prune_epochs(output_dir, config.output_name, config.save_last_n_epochs, False)
+                    prune_epochs(output_dir, config.output_name, config.save_last_n_epochs_state, True)
+        else:
+            # The loader ran out without the step counter wrapping the epoch (an empty remainder).
+            if state.epoch == epoch:
+                state.epoch, state.batch_in_epoch = epoch + 1, 0
     progress.close()
 
-    result.global_step = global_step
-    result.model = accelerator.unwrap_model(model)
+    result.global_step = state.global_step
+    result.model = unwrapped
+    save_snapshot(config.output_name, config.save_state or config.save_state_on_train_end)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        output_dir = Path(config.output_dir)
-        output_dir.mkdir(parents=True, exist_ok=True)
-        path = output_dir / f"{config.output_name}.safetensors"
-        metadata = training_metadata(config, components, plan, dataset, seed, started_at, global_step, epoch + 1)
-        save_lora(config, result.model, path, metadata)
-        logger.info("saved %s", path)
-        result.output_file = path
+        result.output_file = output_dir / f"{config.output_name}.safetensors"
     return result
+
+
+def training_metadata(config: Config, spec: NetworkSpec, components: Components, plan: Plan,
+                      dataset: ImageCaptionDataset, seed: int, started_at: float,
+                      state: TrainState) -> dict[str, str]:
+    return network.lora_metadata(
+        network_dim=spec.dim, network_alpha=spec.alpha,
+        v2=components.base_model_version == "sd_v2", v_parameterization=components.v_prediction,
+        network_module=config.network_module, network_dropout=config.network_dropout,
+        learning_rate=config.learning_rate, unet_lr=config.unet_lr, text_encoder_lr=config.text_encoder_lr,
+        max_train_steps=plan.total_steps, steps=state.global_step, epoch=state.epoch, num_epochs=plan.num_epochs,
+        seed=seed, resolution=config.resolution, training_started_at=started_at, training_finished_at=time.time(),
+        num_train_images=dataset.num_images, num_batches_per_epoch=plan.batches_per_epoch,
+        batch_size=config.train_batch_size, output_name=config.output_name,
+        sd_model_name=Path(config.pretrained_model_name_or_path).name, mixed_precision=config.mixed_precision,
+        lr_scheduler=config.lr_scheduler, lr_warmup_steps=warmup_steps(config.lr_warmup_steps, plan.total_steps),
+        optimizer=config.optimizer_type, gradient_accumulation_steps=config.gradient_accumulation_steps,
+        gradient_checkpointing=config.gradient_checkpointing, max_grad_norm=config.max_grad_norm,
+        min_snr_gamma=config.min_snr_gamma, noise_offset=config.noise_offset,
+        training_comment=config.training_comment,
+    )

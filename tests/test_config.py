@@ -116,9 +116,9 @@ def test_unknown_command_line_option_and_its_value_count_once(paths):
 
 
 def test_kohya_options_without_effect_are_noted_and_unsupported_ones_named(tmp_path, paths):
-    config_file = write_toml(tmp_path / "lora.toml", "xformers = true\nsave_every_n_epochs = 1\n")
+    config_file = write_toml(tmp_path / "lora.toml", "xformers = true\nhuggingface_repo_id = \"me/lora\"\n")
     problems = problems_of(["--config", config_file] + required_args(paths))
-    assert problems == [f"{config_file}: save_every_n_epochs is a kohya option this trainer does not support yet; "
+    assert problems == [f"{config_file}: huggingface_repo_id is a kohya option this trainer does not support yet; "
                         "remove it"]
     config_file = write_toml(tmp_path / "lora2.toml", "xformers = true\nsdpa = true\n")
     _, notes = parse_config(["--config", config_file] + required_args(paths))
