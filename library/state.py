@@ -182,10 +182,13 @@ def resolve_resume(resume: str | None, output_dir: Path) -> Path | None:
     return path
 
 
+_STALE_FILE = re.compile(r"\..+\.safetensors\.[0-9a-f]{8}\.tmp")  # network.save_lora_file's temporaries
+
+
 def remove_stale_temporaries(output_dir: Path) -> None:
     """Half-written saves from a run that was killed; they are never resumed from."""
     for path in output_dir.iterdir() if output_dir.is_dir() else []:
-        if path.name.startswith(_TMP_PREFIX):
+        if path.name.startswith(_TMP_PREFIX) or _STALE_FILE.fullmatch(path.name):
             logger.info("removing an incomplete save left by an interrupted run: %s", path)
             _remove(path)
 

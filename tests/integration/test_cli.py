@@ -111,3 +111,13 @@ def test_help_is_grouped_by_topic():
     assert result.returncode == 0
     for title in ("Base model:", "Dataset:", "LoRA network:", "Optimizer and learning rate:"):
         assert title in result.stdout
+
+
+def test_resume_from_an_incompatible_state_exits_2_saying_what_differs(base_toml, tmp_path):
+    config = write(tmp_path / "lora.toml", base_toml + "max_train_steps = 1\nnetwork_dim = 4\n")
+    assert run_cli("--config", str(config), "--save_state_on_train_end").returncode == 0
+    state_dir = tmp_path / "out" / "last-state"
+    assert (state_dir / "train_state.json").is_file()
+    assert_user_error(run_cli("--config", str(config), "--network_dim", "8", "--max_train_steps", "2",
+                              "--resume", str(state_dir)),
+                      "cannot resume from", "network_dim: the state has 4, this run has 8")
