@@ -21,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=config.console_log_level if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    # accelerate logs every file of every save at INFO; our own log already says what was saved.
+    logging.getLogger("accelerate").setLevel(logging.WARNING)
     for note in notes:
         logging.getLogger("config").info(note)
 
