@@ -69,8 +69,13 @@ def prepare_accelerator(config: Config) -> Accelerator:
     if not torch.cuda.is_available():
         # What DeepSpeed would detect anyway, said up front so its import does not warn about a missing GPU.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    accelerator = Accelerator(**accelerator_kwargs(config))
     expected = launcher_world_size()
+    try:
+        accelerator = Accelerator(**accelerator_kwargs(config))
+    except ValueError as e:
+        # accelerate's own launch checks (missing MASTER_ADDR, inconsistent rank variables, ...)
+        raise UserError(f"cannot start {expected} process(es) as launched: {e}. Launch several processes with "
+                        "`accelerate launch --num_processes N` or `torchrun --nproc_per_node N`.") from None
     if accelerator.num_processes != expected:
         raise UserError(
             f"the launcher started {expected} processes but accelerate sees {accelerator.num_processes}; "

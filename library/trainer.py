@@ -105,7 +105,7 @@ class RunResult:
     output_file: Path | None
     global_step: int
     model: DiffusionModel | None = None  # the unwrapped trained model, for in-process callers
-    losses: list[float] = field(default_factory=list)  # mean loss of each optimizer step on this process
+    losses: list[float] = field(default_factory=list)  # each optimizer step's loss, averaged over processes
     step_times: list[float] = field(default_factory=list)  # wall seconds of each optimizer step
 
 
@@ -343,7 +343,9 @@ def _train(config: Config, accelerator: Accelerator, started_at: float) -> RunRe
         # accelerate's loader calls set_epoch(its own pass count) when iteration starts: make that count ours.
         dataloader.set_epoch(epoch)
         for batch_index, batch in enumerate(dataloader, start=first_batch):
-            keys = (epoch, batch_index, accelerator.process_index)
+            # Keyed by the batch's position in the epoch's global order (batches are dealt round-robin), so the
+            # same batch gets the same noise whatever the number of processes.
+            keys = (epoch, batch_index * accelerator.num_processes + accelerator.process_index)
             generator = objective.step_generator(seed, *keys)
             # Dropout draws from the global stream; reseeding it per batch makes it independent of history.
             torch.manual_seed(objective.step_generator(seed, *keys, 1).initial_seed())
@@ -371,7 +373,10 @@ def _train(config: Config, accelerator: Accelerator, started_at: float) -> RunRe
             now = time.perf_counter()
             result.step_times.append(now - step_started)
             step_started = now
-            result.losses.append(torch.stack(step_losses).float().mean().item())
+            step_loss = torch.stack(step_losses).float().mean()
+            if accelerator.num_processes > 1:
+                step_loss = accelerator.reduce(step_loss, reduction="mean")
+            result.losses.append(step_loss.item())
             step_losses.clear()
             progress.update(1)
             progress.set_postfix(loss=f"{result.losses[-1]:.4f}", s_per_step=f"{result.step_times[-1]:.3f}",

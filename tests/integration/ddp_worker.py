@@ -1,0 +1,29 @@
+"""Run by torchrun in the multi-process tests: trains, then writes this rank's LoRA and losses for comparison."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from library import network, trainer
+from library.config import parse_config
+
+
+def main() -> None:
+    config, _ = parse_config(sys.argv[1:])
+    result = trainer.run(config)
+    rank = int(os.environ.get("RANK", "0"))
+    out = Path(config.output_dir)
+    modules = trainer.lora_modules(result.model, config)
+    save_file(network.kohya_state_dict(modules), str(out / f"rank{rank}.safetensors"))
+    (out / f"rank{rank}.json").write_text(json.dumps({"losses": result.losses, "steps": result.global_step}))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # see train_network.py: skip interpreter teardown that can abort after gloo
+
+
+if __name__ == "__main__":
+    main()

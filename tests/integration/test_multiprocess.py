@@ -1,0 +1,75 @@
+"""Two processes over gloo on CPU: DDP keeps ranks identical and matches one process with the same global batch."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = REPO / "tests" / "integration" / "ddp_worker.py"
+
+
+def launch(nproc: int, args: list[str], timeout: int = 400, env_extra: dict | None = None):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+           **(env_extra or {})}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_port", str(29500 + os.getpid() % 1000), str(WORKER), *args]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def data(sample_data_dir, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("data")
+    subset = root / "1_sks shape"
+    subset.mkdir()
+    for image in sorted((sample_data_dir / "10_sks shape").glob("*.png"))[:8]:
+        shutil.copy(image, subset / image.name)
+        shutil.copy(image.with_suffix(".txt"), subset / image.with_suffix(".txt").name)
+    return root
+
+
+def common(tiny_sd1_dir, data, output_dir) -> list[str]:
+    return ["--pretrained_model_name_or_path", str(tiny_sd1_dir), "--train_data_dir", str(data),
+            "--output_dir", str(output_dir), "--resolution", "64", "--caption_extension", ".txt",
+            "--train_batch_size", "2", "--seed", "7", "--learning_rate", "3e-3", "--max_train_steps", "3",
+            "--lr_scheduler", "linear", "--lr_warmup_steps", "1"]
+
+
+def test_ddp_ranks_agree_and_match_one_process_with_the_same_global_batch(tiny_sd1_dir, data, tmp_path):
+    ddp = launch(2, common(tiny_sd1_dir, data, tmp_path / "ddp"))
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    # One process accumulating two batches of 2 sees the same global batches as two processes with 2 each.
+    single = launch(1, common(tiny_sd1_dir, data, tmp_path / "single") + ["--gradient_accumulation_steps", "2"])
+    assert single.returncode == 0, single.stderr[-3000:]
+
+    rank0, rank1 = (load_file(tmp_path / "ddp" / f"rank{r}.safetensors") for r in (0, 1))
+    reference = load_file(tmp_path / "single" / "rank0.safetensors")
+    assert rank0.keys() == rank1.keys() == reference.keys()
+    for key in rank0:
+        assert torch.equal(rank0[key], rank1[key]), key
+        torch.testing.assert_close(rank0[key], reference[key], atol=2e-6, rtol=1e-4)
+    # the LoRA moved, so agreement is not just two untouched initialisations
+    assert any(v.abs().max() > 0 for k, v in rank0.items() if "lora_up" in k)
+
+    logged = [json.loads((tmp_path / "ddp" / f"rank{r}.json").read_text())["losses"] for r in (0, 1)]
+    single_losses = json.loads((tmp_path / "single" / "rank0.json").read_text())["losses"]
+    assert logged[0] == logged[1]  # the mean over ranks, the same on every rank
+    assert logged[0] == pytest.approx(single_losses, rel=1e-5)
+    assert (tmp_path / "ddp" / "last.safetensors").is_file()
+
+
+def test_launcher_and_accelerate_disagreeing_on_process_count_exits_2(tiny_sd1_dir, data, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "WORLD_SIZE": "2"}
+    env.pop("LOCAL_RANK", None)
+    result = subprocess.run([sys.executable, str(REPO / "train_network.py"), *common(tiny_sd1_dir, data, tmp_path)],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert "cannot start 2 process(es) as launched" in result.stderr and "torchrun --nproc_per_node" in result.stderr
