@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 
 from library.config import UserError
 
@@ -228,7 +229,8 @@ class Checkpointer:
         accelerator.wait_for_everyone()
         self._pending = train_state
         try:
-            accelerator.save_state(str(tmp))
+            # DeepSpeed writes its own module file; without the frozen base it holds just the adapter.
+            accelerator.save_state(str(tmp), **self._deepspeed_kwargs(exclude_frozen_parameters=True))
         finally:
             self._pending = None
         accelerator.wait_for_everyone()
@@ -239,7 +241,10 @@ class Checkpointer:
         accelerator.wait_for_everyone()
 
     def load(self, state_dir: Path) -> None:
-        self.accelerator.load_state(str(state_dir))
+        self.accelerator.load_state(str(state_dir), **self._deepspeed_kwargs(load_module_strict=False))
+
+    def _deepspeed_kwargs(self, **kwargs: Any) -> dict[str, Any]:
+        return kwargs if self.accelerator.distributed_type == DistributedType.DEEPSPEED else {}
 
 
 def replace_dir(new: Path, target: Path) -> None:

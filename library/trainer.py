@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list, set_seed
+from accelerate.utils import DistributedType, broadcast_object_list, set_seed
 from tqdm.auto import tqdm
 
 from library import network, objective
@@ -289,12 +289,18 @@ def _train(config: Config, accelerator: Accelerator, started_at: float) -> RunRe
                        fingerprint=run_fingerprint(config, spec, components, model),
                        path_settings=path_settings(config, seed), versions=library_versions())
 
-    # The plan needs the per-process batch count, which only the prepared loader knows.
-    model, optimizer, dataloader = accelerator.prepare(model, optimizer, dataloader)
-    plan = make_plan(config, len(dataloader))
-    lr_scheduler = accelerator.prepare(build_lr_scheduler(
-        config.lr_scheduler, optimizer, plan.total_steps, config.lr_warmup_steps, config.lr_scheduler_num_cycles,
-        config.lr_scheduler_power))
+    # Batches are dealt round-robin to the processes; the scheduler must exist before prepare so that DeepSpeed
+    # owns and checkpoints it.
+    plan = make_plan(config, math.ceil(len(sampler) / accelerator.num_processes))
+    lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, plan.total_steps, config.lr_warmup_steps,
+                                      config.lr_scheduler_num_cycles, config.lr_scheduler_power)
+    model, optimizer, dataloader, lr_scheduler = accelerator.prepare(model, optimizer, dataloader, lr_scheduler)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        # DeepSpeed may swap in its own optimizer (CPU Adam for offload) and replaces its param groups when a state
+        # is loaded; the schedule must set the learning rate of the optimizer that actually steps.
+        lr_scheduler.scheduler.optimizer = optimizer.optimizer
+    if len(dataloader) != plan.batches_per_epoch:
+        raise RuntimeError(f"planned {plan.batches_per_epoch} batches per process, the loader has {len(dataloader)}")
 
     unwrapped = accelerator.unwrap_model(model)
     save_dtype = SAVE_DTYPES[config.save_precision]
@@ -378,6 +384,8 @@ def _train(config: Config, accelerator: Accelerator, started_at: float) -> RunRe
                 step_loss = accelerator.reduce(step_loss, reduction="mean")
             result.losses.append(step_loss.item())
             step_losses.clear()
+            logger.debug("step %d loss %.6f lr %s", state.global_step, result.losses[-1],
+                         [group["lr"] for group in optimizer.param_groups])
             progress.update(1)
             progress.set_postfix(loss=f"{result.losses[-1]:.4f}", s_per_step=f"{result.step_times[-1]:.3f}",
                                  refresh=False)

@@ -73,3 +73,31 @@ def test_launcher_and_accelerate_disagreeing_on_process_count_exits_2(tiny_sd1_d
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     assert "cannot start 2 process(es) as launched" in result.stderr and "torchrun --nproc_per_node" in result.stderr
+
+
+def test_deepspeed_zero2_cpu_offload_saves_adapter_only_and_resumes_exactly(tiny_sd1_dir, data, tmp_path):
+    deepspeed = ["--deepspeed", "--zero_stage", "2", "--offload_optimizer_device", "cpu", "--max_grad_norm", "1.0"]
+    args = common(tiny_sd1_dir, data, tmp_path / "a") + deepspeed + ["--max_train_steps", "5",
+                                                                       "--save_every_n_steps", "3", "--save_state"]
+    straight = launch(2, args)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    state_dir = tmp_path / "a" / "last-step00000003-state"
+    module_files = list((state_dir / "pytorch_model").glob("*model_states.pt"))
+    assert module_files
+    for module_file in module_files:
+        saved = torch.load(module_file, map_location="cpu", weights_only=False)["module"]
+        assert saved and all("lora_" in key for key in saved), [k for k in saved if "lora_" not in k][:5]
+
+    # The kohya file the trainer wrote is the engine's weights.
+    engine = load_file(tmp_path / "a" / "rank0.safetensors")
+    written = load_file(tmp_path / "a" / "last.safetensors")
+    assert engine.keys() == written.keys() and all(torch.equal(engine[k], written[k]) for k in engine)
+
+    resumed = launch(2, common(tiny_sd1_dir, data, tmp_path / "b") + deepspeed +
+                     ["--max_train_steps", "5", "--resume", str(state_dir)])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # With the optimizer's moments and step restored, the continued path is the straight one.
+    final = load_file(tmp_path / "b" / "last.safetensors")
+    assert all(torch.equal(final[k], written[k]) for k in written)
+    straight_losses = json.loads((tmp_path / "a" / "rank0.json").read_text())["losses"]
+    assert json.loads((tmp_path / "b" / "rank0.json").read_text())["losses"] == straight_losses[3:]
