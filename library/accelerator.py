@@ -39,7 +39,7 @@ def accelerator_kwargs(config: Config) -> dict[str, Any]:
         # The LR schedule counts optimizer steps; the trainer steps it once per optimizer step on every rank.
         "step_scheduler_with_optimizer": False,
     }
-    if config.deepspeed:
+    if config.deepspeed or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
         kwargs["deepspeed_plugin"] = deepspeed_plugin(config, world_size)
     elif not torch.cuda.is_available():
         # Without cpu=True, several CPU processes train unsynchronised copies and nothing says so.
@@ -51,12 +51,19 @@ def deepspeed_plugin(config: Config, world_size: int) -> DeepSpeedPlugin:
     if importlib.util.find_spec("deepspeed") is None:
         raise UserError("deepspeed = true needs DeepSpeed: pip install deepspeed "
                         "(DS_BUILD_OPS=0 pip install deepspeed installs without compiling ops)")
+    def setting(name: str, env: str) -> Any:
+        # The training config wins; otherwise what `accelerate launch` (its config file or flags) put in the env.
+        if config.is_set(name) or env not in os.environ:
+            return getattr(config, name)
+        value = os.environ[env]
+        return int(value) if name == "zero_stage" else (None if value == "none" else value)
+
     plugin = DeepSpeedPlugin(
-        zero_stage=config.zero_stage,
+        zero_stage=setting("zero_stage", "ACCELERATE_DEEPSPEED_ZERO_STAGE"),
         gradient_accumulation_steps=config.gradient_accumulation_steps,
         gradient_clipping=config.max_grad_norm or None,
-        offload_optimizer_device=config.offload_optimizer_device,
-        offload_param_device=config.offload_param_device,
+        offload_optimizer_device=setting("offload_optimizer_device", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"),
+        offload_param_device=setting("offload_param_device", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"),
     )
     micro_batch = config.train_batch_size
     plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch
