@@ -71,9 +71,11 @@ def diffusion_loss(model: torch.nn.Module, latents: torch.Tensor, input_ids: tor
 
 
 @torch.no_grad()
-def encode_latents(vae: torch.nn.Module, pixels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def encode_latents(vae: torch.nn.Module, pixels: torch.Tensor, generator: torch.Generator,
+                   vae_dtype: torch.dtype) -> torch.Tensor:
     """VAE posterior sample scaled to the UNet's latent range."""
-    distribution = vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist
+    # The dtype is passed in: diffusers' vae.dtype walks every submodule, a cost on every step.
+    distribution = vae.encode(pixels.to(dtype=vae_dtype)).latent_dist
     # Drawn on CPU from the step's generator, so the sample does not depend on the device or the global RNG.
     eps = torch.randn(distribution.mean.shape, generator=generator, dtype=torch.float32)
     latents = distribution.mean + distribution.std * eps.to(device=distribution.mean.device,
@@ -270,11 +272,12 @@ def _train(config: Config, accelerator: Accelerator, started_at: float) -> RunRe
     seed = resolve_seed(config, accelerator, resumed)
     set_seed(seed)  # LoRA initialisation; the training path itself uses step generators
     weight_dtype = WEIGHT_DTYPES[config.mixed_precision]
+    vae_dtype = torch.float32 if config.no_half_vae else weight_dtype
     spec = network_spec(config)
 
     subsets = discover_subsets(config.train_data_dir, config.caption_extension)
     components = load_sd_components(config.pretrained_model_name_or_path, config.v2, config.v_parameterization,
-                                    weight_dtype, torch.float32 if config.no_half_vae else weight_dtype)
+                                    weight_dtype, vae_dtype)
     dataset = ImageCaptionDataset(subsets, config.resolution,
                                   lambda caption: tokenize(components.tokenizer, caption))
     sampler = SeededBatchSampler(len(dataset), config.train_batch_size, seed)
@@ -356,7 +359,7 @@ def _train(config: Config, accelerator: Accelerator, started_at: float) -> RunRe
             # Dropout draws from the global stream; reseeding it per batch makes it independent of history.
             torch.manual_seed(objective.step_generator(seed, *keys, 1).initial_seed())
             with accelerator.accumulate(model):
-                latents = encode_latents(components.vae, batch["pixels"], generator).to(weight_dtype)
+                latents = encode_latents(components.vae, batch["pixels"], generator, vae_dtype).to(weight_dtype)
                 noise = objective.sample_noise(latents, generator, obj.noise_offset)
                 timesteps = objective.sample_timesteps(latents.shape[0], generator, obj.min_timestep,
                                                        obj.max_timestep, latents.device)
