@@ -18,6 +18,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote the resolved configuration to {config.output_config}")
         return 0
 
+    if config.dataset_check:
+        from library.data import dataset_report
+
+        text, usable = dataset_report(config)
+        print(text)
+        return 0 if usable else 2
+
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=config.console_log_level if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")

@@ -179,6 +179,37 @@ _DATASET = [
     _opt("caption_extension", _to_str, ".caption",
          "caption file extension; a .txt caption is used when this one is missing",
          aliases=("caption_extention",)),
+    _opt("dataset_config", _to_str, None,
+         "kohya dataset TOML ([general], [[datasets]], [[datasets.subsets]]); replaces train_data_dir",
+         is_path=True, metavar="PATH"),
+    _opt("reg_data_dir", _to_str, None, "folder of regularisation image folders (kohya names)", is_path=True,
+         metavar="PATH"),
+    _opt("prior_loss_weight", _to_float, 1.0, "loss weight of regularisation images"),
+    _opt("dataset_check", _to_bool, False,
+         "check the dataset without loading the UNet: counts, buckets, captions, problems; exit 0 when usable"),
+    _opt("skip_bad_images", _to_bool, False,
+         "leave out unusable images (listed in the log) instead of stopping with status 2"),
+    _opt("enable_bucket", _to_bool, False, "aspect-ratio buckets"),
+    _opt("min_bucket_reso", _to_int, 256, "smallest bucket side"),
+    _opt("max_bucket_reso", _to_int, 1024, "largest bucket side"),
+    _opt("bucket_reso_steps", _to_int, 64, "bucket sides are multiples of this"),
+    _opt("bucket_no_upscale", _to_bool, False, "never enlarge an image to fit a bucket"),
+    _opt("shuffle_caption", _to_bool, False, "shuffle the caption's tags each time it is used"),
+    _opt("caption_separator", _to_str, ",", "separator between caption tags"),
+    _opt("keep_tokens", _to_int, 0, "leading tags kept in place when shuffling or dropping"),
+    _opt("keep_tokens_separator", _to_str, "", "tags before this separator are kept in place"),
+    _opt("caption_prefix", _to_str, None, "text put before every caption"),
+    _opt("caption_suffix", _to_str, None, "text put after every caption"),
+    _opt("caption_dropout_rate", _to_float, 0.0, "probability of training an image with an empty caption"),
+    _opt("caption_dropout_every_n_epochs", _to_int, 0, "use empty captions every n-th epoch"),
+    _opt("caption_tag_dropout_rate", _to_float, 0.0, "probability of dropping each (non-kept) tag"),
+    _opt("flip_aug", _to_bool, False, "random horizontal flips"),
+    _opt("random_crop", _to_bool, False, "random instead of centred crops"),
+    _opt("cache_latents", _to_bool, False, "encode every image with the VAE once, before training"),
+    _opt("cache_latents_to_disk", _to_bool, False, "keep the latent cache on disk beside the images"),
+    _opt("vae_batch_size", _to_int, 1, "images per VAE batch when caching latents"),
+    _opt("cache_text_encoder_outputs", _to_bool, False,
+         "encode every caption once (only with a frozen text encoder and fixed captions)"),
     _opt("train_batch_size", _to_int, 1, "images per batch on each process"),
     _opt("max_data_loader_n_workers", _to_int, 0, "data loader worker processes (0 loads in the main process)"),
     _opt("persistent_data_loader_workers", _to_bool, False, "keep data loader workers alive between epochs"),
@@ -303,29 +334,24 @@ IGNORED_KOHYA_OPTIONS: dict[str, str] = {
 
 # kohya options this trainer does not offer (yet): named so a kohya user learns exactly what to change.
 UNSUPPORTED_KOHYA_OPTIONS: tuple[str, ...] = (
-    "adaptive_noise_scale", "alpha_mask", "async_upload", "base_weights", "base_weights_multiplier",
-    "bucket_no_upscale", "bucket_reso_steps", "cache_info", "cache_latents", "cache_latents_to_disk",
-    "cache_text_encoder_outputs", "cache_text_encoder_outputs_to_disk", "caption_dropout_every_n_epochs",
-    "caption_dropout_rate", "caption_prefix", "caption_separator", "caption_suffix", "caption_tag_dropout_rate",
-    "clip_skip", "color_aug", "conditioning_data_dir", "console_log_file", "cpu_offload_checkpointing",
-    "dataset_class", "dataset_config", "dataset_repeats", "debiased_estimation_loss", "debug_dataset",
-    "enable_bucket", "enable_wildcard", "face_crop_aug_range", "flip_aug", "fp16_master_weights_and_gradients",
-    "fp8_base", "fp8_base_unet", "full_bf16", "full_fp16", "fused_backward_pass", "huber_c", "huber_scale",
-    "huber_schedule", "huggingface_path_in_repo", "huggingface_repo_id", "huggingface_repo_type",
-    "huggingface_repo_visibility", "huggingface_token", "in_json", "initial_epoch", "initial_step",
-    "ip_noise_gamma", "ip_noise_gamma_random_strength", "keep_tokens", "keep_tokens_separator", "log_config",
-    "log_tracker_config", "log_tracker_name", "log_with", "loraplus_lr_ratio", "loraplus_text_encoder_lr_ratio",
-    "loraplus_unet_lr_ratio", "loss_type", "lr_decay_steps", "lr_scheduler_args", "lr_scheduler_min_lr_ratio",
-    "lr_scheduler_timescale", "lr_scheduler_type", "masked_loss", "max_bucket_reso", "max_token_length",
-    "max_validation_steps", "metadata_author", "metadata_description", "metadata_license", "metadata_tags",
-    "metadata_title", "min_bucket_reso", "multires_noise_discount", "multires_noise_iterations",
-    "noise_offset_random_strength", "offload_optimizer_nvme_path", "offload_param_nvme_path", "prior_loss_weight",
-    "random_crop", "reg_data_dir", "resume_from_huggingface", "sample_at_first", "sample_every_n_epochs",
-    "sample_every_n_steps", "sample_prompts", "sample_sampler", "save_n_epoch_ratio", "save_state_to_huggingface",
-    "scale_v_pred_loss_like_noise_pred", "scale_weight_norms", "secondary_separator", "shuffle_caption",
-    "skip_cache_check", "skip_until_initial_step", "token_warmup_min", "token_warmup_step", "use_8bit_adam",
-    "use_lion_optimizer", "v_pred_like_loss", "validate_every_n_epochs", "validate_every_n_steps",
-    "validation_seed", "validation_split", "vae", "vae_batch_size", "wandb_api_key", "wandb_run_name",
+    "adaptive_noise_scale", "alpha_mask", "async_upload", "base_weights", "base_weights_multiplier", "cache_info",
+    "cache_text_encoder_outputs_to_disk", "clip_skip", "color_aug", "conditioning_data_dir", "console_log_file",
+    "cpu_offload_checkpointing", "dataset_class", "dataset_repeats", "debiased_estimation_loss", "debug_dataset",
+    "enable_wildcard", "face_crop_aug_range", "fp16_master_weights_and_gradients", "fp8_base", "fp8_base_unet",
+    "full_bf16", "full_fp16", "fused_backward_pass", "huber_c", "huber_scale", "huber_schedule",
+    "huggingface_path_in_repo", "huggingface_repo_id", "huggingface_repo_type", "huggingface_repo_visibility",
+    "huggingface_token", "in_json", "initial_epoch", "initial_step", "ip_noise_gamma",
+    "ip_noise_gamma_random_strength", "log_config", "log_tracker_config", "log_tracker_name", "log_with",
+    "loraplus_lr_ratio", "loraplus_text_encoder_lr_ratio", "loraplus_unet_lr_ratio", "loss_type", "lr_decay_steps",
+    "lr_scheduler_args", "lr_scheduler_min_lr_ratio", "lr_scheduler_timescale", "lr_scheduler_type", "masked_loss",
+    "max_token_length", "max_validation_steps", "metadata_author", "metadata_description", "metadata_license",
+    "metadata_tags", "metadata_title", "multires_noise_discount", "multires_noise_iterations",
+    "noise_offset_random_strength", "offload_optimizer_nvme_path", "offload_param_nvme_path",
+    "resume_from_huggingface", "sample_at_first", "sample_every_n_epochs", "sample_every_n_steps", "sample_prompts",
+    "sample_sampler", "save_n_epoch_ratio", "save_state_to_huggingface", "scale_v_pred_loss_like_noise_pred",
+    "scale_weight_norms", "secondary_separator", "skip_cache_check", "skip_until_initial_step", "token_warmup_min",
+    "token_warmup_step", "use_8bit_adam", "use_lion_optimizer", "v_pred_like_loss", "validate_every_n_epochs",
+    "validate_every_n_steps", "validation_seed", "validation_split", "vae", "wandb_api_key", "wandb_run_name",
     "weighted_captions", "zero3_init_flag", "zero3_save_16bit_model", "zero_terminal_snr",
 )
 
@@ -581,11 +607,20 @@ def _check_values(v: dict[str, Any]) -> list[str]:
         elif not Path(model).exists():
             problems.append(f"pretrained_model_name_or_path: {model} does not exist "
                             "(models are read from local folders only)")
-        data = v["train_data_dir"]
-        if data is None:
-            problems.append("train_data_dir is required: a folder of kohya-style image folders")
+        data, dataset_config = v["train_data_dir"], v["dataset_config"]
+        if dataset_config is not None:
+            if not Path(dataset_config).is_file():
+                problems.append(f"dataset_config: {dataset_config} is not a file")
+            for name in ("train_data_dir", "reg_data_dir"):
+                need(v[name] is None, f"{name} cannot be combined with dataset_config, whose subsets name the image "
+                                      "folders (kohya ignores it there); remove one of them")
+        elif data is None:
+            problems.append("train_data_dir is required: a folder of kohya-style image folders "
+                            "(or give dataset_config)")
         elif not Path(data).is_dir():
             problems.append(f"train_data_dir: {data} is not a folder")
+        if dataset_config is None and v["reg_data_dir"] is not None and not Path(v["reg_data_dir"]).is_dir():
+            problems.append(f"reg_data_dir: {v['reg_data_dir']} is not a folder")
         if v["output_dir"] is None:
             problems.append("output_dir is required: where the LoRA file is written")
         elif Path(v["output_dir"]).exists() and not Path(v["output_dir"]).is_dir():
@@ -597,6 +632,40 @@ def _check_values(v: dict[str, Any]) -> list[str]:
     need(v["max_train_epochs"] is None or v["max_train_epochs"] >= 1,
          f"max_train_epochs must be at least 1 (got {v['max_train_epochs']})")
     need(v["max_data_loader_n_workers"] >= 0, "max_data_loader_n_workers must be 0 or more")
+    # Dataset options. With dataset_config they are only fallbacks; library.dataset_config checks each
+    # dataset's resolved values the same way.
+    need(v["prior_loss_weight"] >= 0, f"prior_loss_weight must not be negative (got {v['prior_loss_weight']})")
+    need(v["vae_batch_size"] >= 1, f"vae_batch_size must be at least 1 (got {v['vae_batch_size']})")
+    need(v["bucket_reso_steps"] >= 8 and v["bucket_reso_steps"] % 8 == 0,
+         f"bucket_reso_steps must be a positive multiple of 8 (got {v['bucket_reso_steps']})")
+    need(1 <= v["min_bucket_reso"] <= v["max_bucket_reso"],
+         f"need 1 <= min_bucket_reso <= max_bucket_reso (got {v['min_bucket_reso']}, {v['max_bucket_reso']})")
+    need(v["keep_tokens"] >= 0, f"keep_tokens must not be negative (got {v['keep_tokens']})")
+    need(v["caption_dropout_every_n_epochs"] >= 0,
+         f"caption_dropout_every_n_epochs must not be negative (got {v['caption_dropout_every_n_epochs']})")
+    for name in ("caption_dropout_rate", "caption_tag_dropout_rate"):
+        need(0 <= v[name] <= 1, f"{name} must be in [0, 1] (got {v[name]})")
+    need(v["caption_separator"] != "", "caption_separator must not be empty")
+    need(not v["cache_text_encoder_outputs"] or v["network_train_unet_only"],
+         "cache_text_encoder_outputs needs a frozen text encoder: set network_train_unet_only")
+    if v["dataset_config"] is None:
+        width, height = v["resolution"]
+        if v["enable_bucket"]:
+            need(v["min_bucket_reso"] <= min(width, height),
+                 f"min_bucket_reso {v['min_bucket_reso']} is larger than the resolution's shorter side "
+                 f"{min(width, height)}")
+            need(v["max_bucket_reso"] >= max(width, height),
+                 f"max_bucket_reso {v['max_bucket_reso']} is smaller than the resolution's longer side "
+                 f"{max(width, height)}")
+        else:
+            need(width % 8 == 0 and height % 8 == 0,
+                 f"resolution {width}x{height}: sides must be multiples of 8 (the VAE downsamples 8x)")
+        need(not (v["random_crop"] and (v["cache_latents"] or v["cache_latents_to_disk"])),
+             "random_crop draws a new crop each time and cannot use cached latents; turn off random_crop or "
+             "cache_latents / cache_latents_to_disk")
+        need(not (v["cache_text_encoder_outputs"] and (v["shuffle_caption"] or v["caption_tag_dropout_rate"] > 0)),
+             "shuffle_caption and caption_tag_dropout_rate change the caption each time and cannot use "
+             "cache_text_encoder_outputs; turn off one")
     need(v["network_alpha"] > 0, f"network_alpha must be positive (got {v['network_alpha']})")
     need(0 <= v["network_dropout"] < 1, f"network_dropout must be in [0, 1) (got {v['network_dropout']})")
     for name in ("learning_rate", "unet_lr", "text_encoder_lr"):

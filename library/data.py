@@ -1,121 +1,103 @@
-"""Images and captions: kohya folder names, caption files, resize and crop, a resumable seeded batch sampler."""
+"""What is on disk and how it is fed: images, captions, aspect-ratio buckets, the dataset, a resumable seeded sampler.
+
+Every image is decoded and every caption read once before training, and every problem is collected: the run stops
+with all of them listed (status 2), or, with skip_bad_images, leaves the unusable files out and logs them. Random
+choices per item (flip, random crop, caption shuffle / dropout) come from generators seeded by (seed, epoch, index),
+so they do not depend on worker processes, the global random stream or resuming.
+"""
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
-import re
-from dataclasses import dataclass
+import os
+import random
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from library.config import UserError
+from library.config import Config, ConfigError, UserError
+from library.dataset_config import DatasetSpec, SubsetSpec, resolve_datasets
 
 logger = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
-_KOHYA_FOLDER = re.compile(r"^(\d+)_(.*)$")
+_FORMATS = {".png": ("PNG",), ".jpg": ("JPEG", "MPO"), ".jpeg": ("JPEG", "MPO"), ".webp": ("WEBP",), ".bmp": ("BMP",)}
+_SHOWN = 5  # paths listed per warning before "... and N more"
 
 
-@dataclass(frozen=True)
-class ImageItem:
-    path: Path
-    caption: str
+# ------------------------------------------------------------------------------------------------------- images
+
+class ImageProblem(Exception):
+    """An image that cannot be used; the message is the reason."""
 
 
-@dataclass(frozen=True)
-class Subset:
-    """One image folder: its images, how often each is repeated per epoch, and its class tokens."""
-    directory: Path
-    num_repeats: int
-    class_tokens: str
-    items: tuple[ImageItem, ...]
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Any PIL mode -> 8-bit RGB: transparency composited on white, 16-bit and float greyscale scaled, not clipped."""
+    mode = image.mode
+    if mode.startswith("I;16") or mode in ("I", "F"):
+        array = np.asarray(image).astype(np.float64)
+        if mode.startswith("I;16") or (mode == "I" and array.max(initial=0) > 255):
+            array = array / 257.0  # 16-bit -> 8-bit; convert("L") would clip everything above 255 to white
+        elif mode == "F" and array.max(initial=0) <= 1.0:
+            array = array * 255.0
+        image = Image.fromarray(np.clip(np.rint(array), 0, 255).astype(np.uint8), "L")
+        mode = "L"
+    if mode in ("P", "PA") or "transparency" in image.info:
+        image = image.convert("RGBA")
+        mode = "RGBA"
+    if mode in ("RGBA", "LA", "RGBa", "La"):
+        rgba = image.convert("RGBA")
+        # Transparent pixels often hold black or garbage RGB; kohya's convert("RGB") trains on it.
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        background.alpha_composite(rgba)
+        return background.convert("RGB")
+    return image if mode == "RGB" else image.convert("RGB")
 
 
-def parse_kohya_folder_name(name: str) -> tuple[int, str] | None:
-    """`10_sks dog` -> (10, "sks dog"); None when the name has no repeat count."""
-    match = _KOHYA_FOLDER.match(name)
-    if match is None:
-        return None
-    return int(match.group(1)), match.group(2).strip()
+def _has_alpha(image: Image.Image) -> bool:
+    return image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info
 
 
-def read_caption(image_path: Path, caption_extension: str) -> str | None:
-    """The caption beside an image, trying `caption_extension` first, then `.txt`."""
-    stem = image_path.with_suffix("")
-    for extension in dict.fromkeys((caption_extension, ".txt")):
-        candidate = stem.with_name(stem.name + extension)
-        if candidate.is_file():
-            try:
-                return candidate.read_text(encoding="utf-8-sig").strip()
-            except UnicodeDecodeError:
-                raise UserError(f"{candidate}: caption is not UTF-8 text") from None
-    return None
-
-
-def list_images(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
-
-
-def discover_subsets(train_data_dir: str | Path, caption_extension: str) -> list[Subset]:
-    """Find kohya-style subsets (`<repeats>_<class tokens>` folders) under train_data_dir."""
-    root = Path(train_data_dir)
-    subsets: list[Subset] = []
-    skipped: list[str] = []
-    for directory in sorted(p for p in root.iterdir() if p.is_dir()):
-        parsed = parse_kohya_folder_name(directory.name)
-        if parsed is None:
-            skipped.append(directory.name)
-            continue
-        repeats, class_tokens = parsed
-        images = list_images(directory)
-        items = []
-        missing = 0
-        for image in images:
-            caption = read_caption(image, caption_extension)
-            if caption is None:
-                missing += 1
-                caption = class_tokens
-            items.append(ImageItem(image, caption))
-        if missing:
-            logger.warning("%s: %d of %d images have no caption file; their class tokens %r are used",
-                           directory, missing, len(images), class_tokens)
-        if repeats == 0 or not items:
-            logger.warning("%s: no training images (repeats %d, %d images)", directory, repeats, len(items))
-            continue
-        subsets.append(Subset(directory, repeats, class_tokens, tuple(items)))
-    if skipped:
-        logger.warning("%s: folders without a repeat count are ignored (name them like '10_sks dog'): %s",
-                       root, ", ".join(skipped))
-    if not subsets:
-        raise UserError(f"train_data_dir {root}: no images found in folders named like '10_sks dog' "
-                        f"(extensions {', '.join(IMAGE_EXTENSIONS)})")
-    return subsets
-
-
-def load_image(path: Path) -> Image.Image:
-    """Open an image upright (EXIF orientation) as RGB."""
+def _decode(path: Path) -> tuple[Image.Image, str, bool]:
+    """(upright RGB image, file format, had transparency); raises ImageProblem."""
     try:
         with Image.open(path) as image:
-            image = ImageOps.exif_transpose(image)
-            return image.convert("RGB")
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path}: cannot read image: {e}") from None
+            image.load()
+            file_format, alpha = image.format or "?", _has_alpha(image)
+            if image.getexif().get(0x0112, 1) != 1:
+                image = ImageOps.exif_transpose(image)
+            return to_rgb(image), file_format, alpha
+    except Image.DecompressionBombError as e:
+        raise ImageProblem(f"image too large to decode safely: {e}") from None
+    except (OSError, SyntaxError, ValueError, EOFError) as e:
+        reason = str(e) or type(e).__name__
+        raise ImageProblem(("truncated image file: " if "truncated" in reason else "cannot read image: ")
+                           + reason) from None
 
 
-def resize_and_center_crop(image: Image.Image, width: int, height: int) -> Image.Image:
-    """Scale so the image covers width x height, then crop the centre."""
-    scale = max(width / image.width, height / image.height)
-    resized_w = max(width, round(image.width * scale))
-    resized_h = max(height, round(image.height * scale))
-    if (resized_w, resized_h) != image.size:
-        image = image.resize((resized_w, resized_h), Image.Resampling.LANCZOS)
-    left = (resized_w - width) // 2
-    top = (resized_h - height) // 2
-    return image.crop((left, top, left + width, top + height))
+def open_image(path: Path) -> Image.Image:
+    """Decode fully (by content, whatever the extension), upright by EXIF orientation, as RGB."""
+    return _decode(path)[0]
+
+
+@dataclass(frozen=True)
+class ImageFacts:
+    size: tuple[int, int]  # (width, height), upright
+    format: str
+    alpha: bool
+
+
+def inspect_image(path: Path) -> ImageFacts:
+    """Decode the whole file once (truncation only shows when decoding) the way training will; raises ImageProblem."""
+    image, file_format, alpha = _decode(path)
+    return ImageFacts(image.size, file_format, alpha)
 
 
 def to_tensor(image: Image.Image) -> torch.Tensor:
@@ -124,59 +106,765 @@ def to_tensor(image: Image.Image) -> torch.Tensor:
     return torch.from_numpy(array.transpose(2, 0, 1).copy())
 
 
-class ImageCaptionDataset(torch.utils.data.Dataset):
-    """Every image once per repeat; items are (pixels, token ids)."""
+def prepare_image(path: Path, size: tuple[int, int], resized: tuple[int, int], bucket: tuple[int, int],
+                  crop_left_top: tuple[int, int], flipped: bool) -> torch.Tensor:
+    """Decode, resize to `resized`, crop `bucket` at crop_left_top, maybe flip: the pixels the VAE sees."""
+    try:
+        image = open_image(path)
+    except ImageProblem as e:
+        raise UserError(f"{path}: {e} (it was readable when the dataset was checked)") from None
+    if image.size != size:
+        raise UserError(f"{path}: the image changed since the dataset was checked ({size} -> {image.size}); "
+                        "restart training")
+    if resized != image.size:
+        image = image.resize(resized, Image.Resampling.LANCZOS, reducing_gap=3.0)
+    left, top = crop_left_top
+    if (left, top, left + bucket[0], top + bucket[1]) != (0, 0) + image.size:
+        image = image.crop((left, top, left + bucket[0], top + bucket[1]))
+    if flipped:
+        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return to_tensor(image)
 
-    def __init__(self, subsets: Sequence[Subset], resolution: tuple[int, int],
-                 tokenize: Callable[[str], torch.Tensor]):
-        self.subsets = list(subsets)
-        self.resolution = resolution
-        self.tokenize = tokenize
-        self.entries: list[ImageItem] = [
-            item for subset in self.subsets for _ in range(subset.num_repeats) for item in subset.items]
+
+def list_images(directory: Path) -> list[Path]:
+    """Image files by extension (any case); hidden files such as macOS `._x.png` are not images."""
+    return sorted(p for p in directory.iterdir()
+                  if p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".") and p.is_file())
+
+
+# ----------------------------------------------------------------------------------------------------- captions
+
+class CaptionRead(NamedTuple):
+    text: str | None  # None: no caption file
+    path: Path | None
+    problem: str | None
+
+
+def read_caption(image_path: Path, caption_extension: str) -> CaptionRead:
+    """The caption beside an image (`caption_extension`, then `.txt`): its first non-blank line."""
+    for extension in dict.fromkeys((caption_extension, ".txt")):
+        candidate = image_path.with_name(image_path.stem + extension)
+        if not candidate.is_file():
+            continue
+        try:
+            text = candidate.read_text(encoding="utf-8-sig")
+        except UnicodeDecodeError as e:
+            return CaptionRead(None, candidate, f"{candidate}: caption is not UTF-8 text ({e.reason} at byte "
+                                                f"{e.start}); re-save it as UTF-8")
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        if not lines:
+            return CaptionRead(None, candidate, f"{candidate}: caption file is empty; write a caption or delete "
+                                                "the file to train with the folder's class tokens")
+        return CaptionRead(lines[0], candidate, None)
+    return CaptionRead(None, None, None)
+
+
+def process_caption(caption: str, subset: SubsetSpec, epoch: int, rng: random.Random) -> str:
+    """kohya's process_caption: prefix/suffix, whole-caption dropout, kept tokens, shuffle, tag dropout.
+
+    `epoch` counts from 0; caption_dropout_every_n_epochs drops in epochs n, 2n, ... counted from 1, as kohya does.
+    """
+    if subset.caption_prefix:
+        caption = subset.caption_prefix + " " + caption
+    if subset.caption_suffix:
+        caption = caption + " " + subset.caption_suffix
+    dropped = subset.caption_dropout_rate > 0 and rng.random() < subset.caption_dropout_rate
+    every = subset.caption_dropout_every_n_epochs
+    if dropped or (every > 0 and (epoch + 1) % every == 0):
+        return ""
+    separator, keep_separator = subset.caption_separator, subset.keep_tokens_separator
+    has_keep_separator = bool(keep_separator) and keep_separator in caption
+    if not (subset.shuffle_caption or subset.caption_tag_dropout_rate > 0 or has_keep_separator):
+        return caption
+
+    def tags(text: str) -> list[str]:
+        return [t.strip() for t in text.split(separator) if t.strip()]
+
+    fixed_suffix: list[str] = []
+    if has_keep_separator:
+        fixed_part, flex_part = caption.split(keep_separator, 1)
+        if keep_separator in flex_part:
+            flex_part, suffix_part = flex_part.split(keep_separator, 1)
+            fixed_suffix = tags(suffix_part)
+        fixed, flex = tags(fixed_part), tags(flex_part)
+    else:
+        all_tags = tags(caption)
+        fixed, flex = all_tags[:subset.keep_tokens], all_tags[subset.keep_tokens:]
+    if subset.shuffle_caption:
+        rng.shuffle(flex)
+    if subset.caption_tag_dropout_rate > 0:
+        flex = [t for t in flex if rng.random() >= subset.caption_tag_dropout_rate]
+    return ", ".join(fixed + flex + fixed_suffix)
+
+
+# ------------------------------------------------------------------------------------------------------ buckets
+
+def make_bucket_resolutions(resolution: tuple[int, int], min_size: int, max_size: int,
+                            steps: int) -> list[tuple[int, int]]:
+    """kohya's bucket set: sides in multiples of `steps` within [min_size, max_size], area at most resolution's."""
+    max_area = resolution[0] * resolution[1]
+    side = int(math.sqrt(max_area) // steps) * steps
+    resos = {(side, side)}
+    # Sides start at the first multiple of steps (kohya starts at min_size, which gives sides the VAE cannot
+    # take when min_size is not a multiple of steps).
+    top = max_size // steps * steps
+    width = math.ceil(min_size / steps) * steps
+    while width <= top:
+        height = min(top, int(max_area // width) // steps * steps)
+        if height >= min_size:
+            resos.add((width, height))
+            resos.add((height, width))
+        width += steps
+    return sorted(resos)
+
+
+class Placement(NamedTuple):
+    bucket: tuple[int, int]  # (width, height) trained
+    resized: tuple[int, int]  # the image is resized to this, then cropped to the bucket
+    problem: str | None = None
+
+
+class Bucketer:
+    """Chooses each image's bucket and resize for one dataset (a single bucket when bucketing is off)."""
+
+    def __init__(self, spec: DatasetSpec):
+        self.spec = spec
+        self.no_upscale = spec.enable_bucket and spec.bucket_no_upscale
+        if not spec.enable_bucket:
+            self.resos = [tuple(spec.resolution)]
+        elif self.no_upscale:
+            self.resos = []  # each image's own size, rounded down
+        else:
+            self.resos = make_bucket_resolutions(spec.resolution, spec.min_bucket_reso, spec.max_bucket_reso,
+                                                 spec.bucket_reso_steps)
+        self._ratios = [w / h for w, h in self.resos]
+
+    def place(self, width: int, height: int) -> Placement:
+        if self.no_upscale:
+            return self._place_no_upscale(width, height)
+        ratio = width / height
+        if (width, height) in self.resos:
+            bucket = (width, height)
+        else:
+            bucket = self.resos[min(range(len(self.resos)), key=lambda i: abs(self._ratios[i] - ratio))]
+        # Scale to cover the bucket: the image's relatively longer side is cropped.
+        scale = bucket[1] / height if ratio > bucket[0] / bucket[1] else bucket[0] / width
+        resized = (max(bucket[0], int(width * scale + 0.5)), max(bucket[1], int(height * scale + 0.5)))
+        return Placement(bucket, resized)
+
+    def _place_no_upscale(self, width: int, height: int) -> Placement:
+        spec, steps = self.spec, self.spec.bucket_reso_steps
+        ratio = width / height
+        max_area = spec.resolution[0] * spec.resolution[1]
+        resized = (width, height)
+        if width * height > max_area:  # shrink to the resolution's area, keeping the aspect ratio (kohya)
+            def to_steps(x: float) -> int:
+                x = int(x + 0.5)
+                return x - x % steps
+
+            resized_w = math.sqrt(max_area * ratio)
+            by_width = to_steps(resized_w)
+            by_height = to_steps(max_area / resized_w)
+            error_w = abs(by_width / max(1, to_steps(by_width / ratio)) - ratio)
+            error_h = abs(to_steps(by_height * ratio) / max(1, by_height) - ratio)
+            resized = ((by_width, int(by_width / ratio + 0.5)) if error_w < error_h
+                       else (int(by_height * ratio + 0.5), by_height))
+        bucket = (resized[0] - resized[0] % steps, resized[1] - resized[1] % steps)
+        if min(bucket) < max(spec.min_bucket_reso, steps):
+            return Placement(bucket, resized,
+                             f"{width}x{height} is smaller than the smallest bucket side "
+                             f"{max(spec.min_bucket_reso, steps)} and bucket_no_upscale forbids enlarging it "
+                             "(lower min_bucket_reso, or allow upscaling)")
+        return Placement(bucket, resized)
+
+
+def center_crop(resized: tuple[int, int], bucket: tuple[int, int]) -> tuple[int, int]:
+    return (resized[0] - bucket[0]) // 2, (resized[1] - bucket[1]) // 2
+
+
+# ------------------------------------------------------------------------------------------------------ records
+
+@dataclass
+class ImageRecord:
+    """One usable image of one subset."""
+    path: Path
+    dataset_index: int
+    subset_index: int  # within its dataset
+    subset: SubsetSpec
+    caption: str  # before per-use processing; the class tokens when there is no caption file
+    caption_from_file: bool
+    size: tuple[int, int]  # original (width, height), upright
+    bucket: tuple[int, int]
+    resized: tuple[int, int]
+    repeats: int  # per epoch; for regularisation images after balancing against the training images
+    is_reg: bool
+    alpha: bool = False
 
     @property
-    def num_images(self) -> int:
-        return sum(len(s.items) for s in self.subsets)
+    def crop(self) -> tuple[int, int]:
+        return center_crop(self.resized, self.bucket)
+
+    @property
+    def upscaled(self) -> bool:
+        return self.resized[0] > self.size[0] or self.resized[1] > self.size[1]
+
+
+@dataclass
+class SubsetReport:
+    dataset_index: int
+    subset_index: int
+    spec: SubsetSpec
+    images: int = 0
+    captions_from_file: int = 0
+    left_out: int = 0
+    used: bool = True
+
+
+@dataclass
+class Scan:
+    records: list[ImageRecord] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    subsets: list[SubsetReport] = field(default_factory=list)
+
+
+def _listing(paths: Sequence[Any]) -> str:
+    shown = ", ".join(str(p) for p in paths[:_SHOWN])
+    return shown + (f" ... and {len(paths) - _SHOWN} more" if len(paths) > _SHOWN else "")
+
+
+def _check_image(path: Path, subset: SubsetSpec,
+                 bucketer: Bucketer) -> tuple[dict[str, Any] | None, list[str], list[str]]:
+    """(record fields or None, problems, notes) for one image file; runs in a worker thread."""
+    problems: list[str] = []
+    notes: list[str] = []
+    facts = None
+    try:
+        facts = inspect_image(path)
+    except ImageProblem as e:
+        problems.append(f"{path}: {e}")
+    caption = read_caption(path, subset.caption_extension)
+    if caption.problem:
+        problems.append(caption.problem)
+    elif caption.text is None and subset.class_tokens is None:
+        problems.append(f"{path}: no caption file ({subset.caption_extension}"
+                        f"{', .txt' if subset.caption_extension != '.txt' else ''}) and the subset has no class "
+                        "tokens; it would train with an empty caption")
+    if facts is None or problems:
+        return None, problems, notes
+    expected = _FORMATS.get(path.suffix.lower(), ())
+    if facts.format not in expected:
+        notes.append(f"wrong-extension:{path} is {facts.format} data with a {path.suffix} extension; decoded as "
+                     f"{facts.format}")
+    placement = bucketer.place(*facts.size)
+    if placement.problem:
+        return None, [f"{path}: {placement.problem}"], notes
+    fields_ = {"path": path, "caption": caption.text if caption.text is not None else subset.class_tokens,
+               "caption_from_file": caption.text is not None, "size": facts.size, "bucket": placement.bucket,
+               "resized": placement.resized, "alpha": facts.alpha}
+    return fields_, problems, notes
+
+
+def scan_datasets(specs: Sequence[DatasetSpec], threads: int | None = None) -> Scan:
+    """Read every image and caption of every subset; collect usable records, problems and warnings."""
+    scan = Scan()
+    jobs: list[tuple[SubsetReport, Path, Bucketer]] = []
+    for d, spec in enumerate(specs):
+        bucketer = Bucketer(spec)
+        seen: set[Path] = set()
+        for s, subset in enumerate(spec.subsets):
+            report = SubsetReport(d, s, subset)
+            scan.subsets.append(report)
+            directory = subset.image_dir
+            if directory.resolve() in seen:
+                scan.warnings.append(f"{directory}: the same folder is already a subset of dataset {d}; "
+                                     "this one is ignored (kohya does the same)")
+                report.used = False
+                continue
+            seen.add(directory.resolve())
+            if subset.num_repeats == 0:
+                scan.warnings.append(f"{directory}: num_repeats is 0; the subset is not used")
+                report.used = False
+                continue
+            if not directory.exists():
+                scan.problems.append(f"{directory}: image folder not found")
+                report.used = False
+                continue
+            if not directory.is_dir():
+                scan.problems.append(f"{directory}: not a folder")
+                report.used = False
+                continue
+            images = list_images(directory)
+            if not images:
+                scan.problems.append(f"{directory}: no images (extensions {', '.join(IMAGE_EXTENSIONS)})")
+                report.used = False
+                continue
+            report.images = len(images)
+            jobs.extend((report, path, bucketer) for path in images)
+
+    workers = threads or min(8, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        results = list(pool.map(lambda job: _check_image(job[1], job[0].spec, job[2]), jobs))
+
+    notes: dict[str, list[str]] = {}
+    class_token_users: dict[int, list[Path]] = {}
+    for (report, path, _), (fields_, problems, image_notes) in zip(jobs, results):
+        scan.problems.extend(problems)
+        for note in image_notes:
+            kind, text = note.split(":", 1)
+            notes.setdefault(kind, []).append(text)
+        if fields_ is None:
+            report.left_out += 1
+            continue
+        record = ImageRecord(dataset_index=report.dataset_index, subset_index=report.subset_index,
+                             subset=report.spec, repeats=report.spec.num_repeats, is_reg=report.spec.is_reg,
+                             **fields_)
+        scan.records.append(record)
+        if record.caption_from_file:
+            report.captions_from_file += 1
+        else:
+            class_token_users.setdefault(id(report), []).append(path)
+        if record.upscaled:
+            notes.setdefault("upscaled", []).append(
+                f"{path} ({record.size[0]}x{record.size[1]} -> bucket {record.bucket[0]}x{record.bucket[1]})")
+        if record.alpha:
+            notes.setdefault("alpha", []).append(str(path))
+
+    for report in scan.subsets:
+        users = class_token_users.get(id(report), [])
+        if users:
+            scan.warnings.append(
+                f"{report.spec.image_dir}: {len(users)} of {report.images} images have no caption file "
+                f"({report.spec.caption_extension}); they use the class tokens {report.spec.class_tokens!r}: "
+                + _listing(users))
+    if "wrong-extension" in notes:
+        scan.warnings.append(f"{len(notes['wrong-extension'])} images have an extension that does not match "
+                             "their content (decoded by content): " + _listing(notes["wrong-extension"]))
+    if "upscaled" in notes:
+        scan.warnings.append(f"{len(notes['upscaled'])} images are smaller than their bucket and are enlarged "
+                             "(set bucket_no_upscale to keep them small): " + _listing(notes["upscaled"]))
+    if "alpha" in notes:
+        scan.warnings.append(f"{len(notes['alpha'])} images have transparency; it is composited on white: "
+                             + _listing(notes["alpha"]))
+    return scan
+
+
+def balance_regularisation(records: list[ImageRecord]) -> None:
+    """kohya: regularisation images are repeated (round-robin) until they match the training images per epoch;
+    when there are more, the ones past that count are not used."""
+    num_train = sum(r.repeats for r in records if not r.is_reg)
+    reg = [r for r in records if r.is_reg]
+    for r in reg:
+        r.repeats = 0
+    if not reg:
+        return
+    total, first_pass = 0, True
+    while total < num_train:
+        for r in reg:
+            added = r.subset.num_repeats if first_pass else 1
+            r.repeats += added
+            total += added
+            if total >= num_train:
+                break
+        first_pass = False
+
+
+# ------------------------------------------------------------------------------------------------------ dataset
+
+def derive_seed(seed: int, *keys: Any) -> int:
+    digest = hashlib.blake2b(repr((seed,) + keys).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def item_rng(seed: int, purpose: str, epoch: int, index: int) -> random.Random:
+    """A generator for one use of one item: the same (seed, epoch, index) always draws the same values."""
+    return random.Random(derive_seed(seed, purpose, epoch, index))
+
+
+class SampleKey(NamedTuple):
+    """What the sampler yields for each item: the epoch is part of the key so the item's random draws follow it."""
+    epoch: int
+    index: int
+
+
+class TrainingDataset(torch.utils.data.Dataset):
+    """Each image once per repeat. Items are dicts; see `collate` for the batch layout.
+
+    `latents` (set by library.cache.cache_latents) replaces the pixels with the VAE posterior parameters;
+    `text_encoder_outputs` (set by cache_text_encoder_outputs) replaces token ids with hidden states.
+    """
+
+    def __init__(self, records: list[ImageRecord], samples: list[int], seed: int,
+                 tokenize: Callable[[str], torch.Tensor] | None, prior_loss_weight: float):
+        self.records = records
+        self.samples = samples  # sample index -> record index
+        self.seed = seed
+        self.tokenize = tokenize
+        self.prior_loss_weight = prior_loss_weight
+        self.latents: Any = None  # object with get(record_index, flipped) -> (mean, logvar)
+        self.text_encoder_outputs: dict[str, torch.Tensor] | None = None
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return len(self.samples)
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        item = self.entries[index]
-        width, height = self.resolution
-        pixels = to_tensor(resize_and_center_crop(load_image(item.path), width, height))
-        return {"pixels": pixels, "input_ids": self.tokenize(item.caption)}
+    def __getitem__(self, key: SampleKey | tuple[int, int] | int) -> dict[str, Any]:
+        epoch, index = (0, key) if isinstance(key, int) else key
+        record_index = self.samples[index]
+        record = self.records[record_index]
+        subset = record.subset
+        rng = item_rng(self.seed, "image", epoch, index)
+        flipped = subset.flip_aug and rng.random() < 0.5
+        left, top = record.crop
+        if subset.random_crop:
+            left = rng.randint(0, record.resized[0] - record.bucket[0])
+            top = rng.randint(0, record.resized[1] - record.bucket[1])
+        item: dict[str, Any] = {
+            "index": index, "path": str(record.path), "flipped": flipped,
+            "loss_weight": self.prior_loss_weight if record.is_reg else 1.0,
+            "original_size": (record.size[1], record.size[0]),
+            # SDXL's crop conditioning: pixels cropped from the top and the left of the resized image, as seen
+            # after the flip.
+            "crop_top_left": (top, record.resized[0] - left - record.bucket[0] if flipped else left),
+            "target_size": (record.bucket[1], record.bucket[0]),
+        }
+        if self.latents is not None:
+            item["latent_mean"], item["latent_logvar"] = self.latents.get(record_index, flipped)
+        else:
+            item["pixels"] = prepare_image(record.path, record.size, record.resized, record.bucket, (left, top),
+                                           flipped)
+        caption = process_caption(record.caption, subset, epoch, item_rng(self.seed, "caption", epoch, index))
+        item["caption"] = caption
+        if self.text_encoder_outputs is not None:
+            item["encoder_hidden_states"] = self.text_encoder_outputs[caption]
+        elif self.tokenize is not None:
+            item["input_ids"] = self.tokenize(caption)
+        return item
 
 
-class SeededBatchSampler(torch.utils.data.Sampler):
-    """Shuffled batches whose order in epoch e depends only on (seed, e); can start at batch k of an epoch."""
+_STACKED = ("pixels", "latent_mean", "latent_logvar", "input_ids", "encoder_hidden_states")
 
-    def __init__(self, num_items: int, batch_size: int, seed: int, shuffle: bool = True):
-        self.num_items = num_items
-        self.batch_size = batch_size
+
+def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """Stack tensors; per-item sizes as (B, 2) long tensors in (height, width) / (top, left) order."""
+    batch: dict[str, Any] = {key: torch.stack([item[key] for item in items]) for key in _STACKED if key in items[0]}
+    batch["loss_weight"] = torch.tensor([item["loss_weight"] for item in items], dtype=torch.float32)
+    for key in ("original_size", "crop_top_left", "target_size"):
+        batch[key] = torch.tensor([item[key] for item in items], dtype=torch.long)
+    batch["flipped"] = torch.tensor([item["flipped"] for item in items], dtype=torch.bool)
+    batch["index"] = torch.tensor([item["index"] for item in items], dtype=torch.long)
+    batch["caption"] = [item["caption"] for item in items]
+    batch["path"] = [item["path"] for item in items]
+    return batch
+
+
+# ------------------------------------------------------------------------------------------------------ sampler
+
+class BucketBatchSampler(torch.utils.data.Sampler):
+    """Batches drawn from one bucket each; the order of epoch e depends only on (seed, e).
+
+    Within each bucket the samples are shuffled and cut into batches (the last one may be short), then all batches
+    are shuffled together, as kohya does. The epoch is padded with its own first batches to a multiple of
+    `num_processes`, so that accelerate's BatchSamplerShard never has to pad (which would make a resumed epoch
+    differ). There is deliberately no `batch_size` attribute: batches differ in size, and BatchSamplerShard then
+    passes whole batches through.
+    """
+
+    def __init__(self, groups: Sequence[tuple[int, Sequence[int]]], seed: int, num_processes: int = 1):
+        self.groups = [(batch_size, tuple(members)) for batch_size, members in groups if members]
         self.seed = seed
-        self.shuffle = shuffle
+        self.num_processes = num_processes
+        unpadded = sum(math.ceil(len(m) / b) for b, m in self.groups)
+        self.num_batches = math.ceil(unpadded / num_processes) * num_processes
         self.epoch = 0
         self.start_batch = 0
 
     def set_epoch(self, epoch: int, start_batch: int | None = None) -> None:
-        """Without start_batch the start is kept for the same epoch: accelerate's loader calls set_epoch(epoch)
-        again when iteration begins."""
+        """Iterate epoch `epoch` from batch `start_batch` (counted over all processes: per-process batches done x
+        num_processes). Without start_batch the start is kept when the epoch is unchanged (accelerate's
+        DataLoaderShard calls set_epoch(epoch) again when iteration begins), else reset to 0."""
         if start_batch is None:
             start_batch = self.start_batch if epoch == self.epoch else 0
+        if not 0 <= start_batch <= self.num_batches:
+            raise ValueError(f"start_batch {start_batch} outside the epoch's {self.num_batches} batches")
         self.epoch, self.start_batch = epoch, start_batch
 
     def batches(self, epoch: int) -> list[list[int]]:
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            order = torch.randperm(self.num_items, generator=generator).tolist()
-        else:
-            order = list(range(self.num_items))
-        return [order[i:i + self.batch_size] for i in range(0, self.num_items, self.batch_size)]
+        """Every batch of the epoch as sample indices."""
+        rng = random.Random(derive_seed(self.seed, "batches", epoch))
+        batches: list[list[int]] = []
+        for batch_size, members in self.groups:
+            order = list(members)
+            rng.shuffle(order)
+            batches.extend(order[i:i + batch_size] for i in range(0, len(order), batch_size))
+        rng.shuffle(batches)
+        unpadded = len(batches)
+        for i in range(self.num_batches - unpadded):
+            batches.append(list(batches[i % unpadded]))
+        return batches
 
-    def __iter__(self) -> Iterator[list[int]]:
-        yield from self.batches(self.epoch)[self.start_batch:]
+    def __iter__(self) -> Iterator[list[SampleKey]]:
+        epoch = self.epoch
+        for batch in self.batches(epoch)[self.start_batch:]:
+            yield [SampleKey(epoch, i) for i in batch]
 
     def __len__(self) -> int:
-        return math.ceil(self.num_items / self.batch_size) - self.start_batch
+        return self.num_batches - self.start_batch
+
+
+# -------------------------------------------------------------------------------------------------- assembling
+
+@dataclass
+class TrainingData:
+    """Everything the trainer needs from the data side; built by build_training_data."""
+    specs: list[DatasetSpec]
+    records: list[ImageRecord]
+    dataset: TrainingDataset
+    sampler: BucketBatchSampler
+    seed: int
+    num_processes: int
+    warnings: list[str]
+    left_out: list[str]  # "path: reason" of files left out under skip_bad_images
+    subsets: list[SubsetReport]
+
+    collate_fn = staticmethod(collate)
+
+    @property
+    def num_train_images(self) -> int:
+        """Training images x repeats (kohya's ss_num_train_images)."""
+        return sum(r.subset.num_repeats for r in self.records if not r.is_reg)
+
+    @property
+    def num_reg_images(self) -> int:
+        """Regularisation images x their folder repeats, before balancing (kohya's ss_num_reg_images)."""
+        return sum(r.subset.num_repeats for r in self.records if r.is_reg)
+
+    @property
+    def num_unique_images(self) -> int:
+        return sum(1 for r in self.records if not r.is_reg)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Over all processes (each process gets batches_per_epoch / num_processes)."""
+        return self.sampler.num_batches
+
+    def dataloader(self, num_workers: int = 0, persistent_workers: bool = False) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(self.dataset, batch_sampler=self.sampler, collate_fn=collate,
+                                           num_workers=num_workers,
+                                           persistent_workers=persistent_workers and num_workers > 0)
+
+    def bucket_histogram(self) -> list[tuple[int, tuple[int, int], int, int]]:
+        """(dataset index, bucket (w, h), samples per epoch, images), sorted."""
+        samples: Counter = Counter()
+        images: Counter = Counter()
+        for r in self.records:
+            if r.repeats:
+                samples[(r.dataset_index, r.bucket)] += r.repeats
+                images[(r.dataset_index, r.bucket)] += 1
+        return [(d, b, samples[(d, b)], images[(d, b)]) for d, b in sorted(samples)]
+
+    def drop_records(self, paths: set[Path], reasons: Sequence[str]) -> None:
+        """Leave images out after the build (e.g. NaN latents under skip_bad_images); rebuilds the sampler."""
+        self.records[:] = [r for r in self.records if r.path not in paths]
+        self.left_out.extend(reasons)
+        dataset, sampler = _assemble(self.specs, self.records, self.seed, self.num_processes,
+                                     self.dataset.tokenize, self.dataset.prior_loss_weight)
+        dataset.latents, dataset.text_encoder_outputs = self.dataset.latents, self.dataset.text_encoder_outputs
+        self.dataset, self.sampler = dataset, sampler
+        if not self.sampler.num_batches:
+            raise UserError(["the dataset has no usable images left"] + list(reasons))
+
+    def fingerprint(self) -> str:
+        """Hash of what the sampler and items depend on (images, sizes, buckets, repeats, captions, batch sizes):
+        a resumed run can compare it to tell whether the data path will be the same."""
+        digest = hashlib.blake2b(digest_size=16)
+        digest.update(repr([(s.batch_size, s.resolution) for s in self.specs]).encode())
+        for r in self.records:
+            digest.update(repr((str(r.path), r.size, r.bucket, r.resized, r.repeats, r.is_reg, r.caption,
+                                r.subset)).encode())
+        return digest.hexdigest()
+
+    def kohya_metadata(self) -> dict[str, str]:
+        """kohya's dataset fields for the LoRA file's ss_* metadata."""
+        import json
+
+        first = self.specs[0]
+        dirs = {}
+        for report in self.subsets:
+            if report.used:
+                dirs[report.spec.image_dir.name] = {"n_repeats": report.spec.num_repeats,
+                                                    "img_count": report.images - report.left_out}
+        buckets = {str(i): {"resolution": list(b), "count": n}
+                   for i, (_, b, n, _) in enumerate(self.bucket_histogram())}
+        tags: dict[str, Counter] = {}
+        for r in self.records:
+            counter = tags.setdefault(r.subset.image_dir.name, Counter())
+            counter.update(t.strip().lower() for t in r.caption.split(",") if t.strip())
+        return {
+            "ss_tag_frequency": json.dumps({d: dict(c) for d, c in tags.items()}),
+            "ss_num_train_images": str(self.num_train_images),
+            "ss_num_reg_images": str(self.num_reg_images),
+            "ss_num_batches_per_epoch": str(self.batches_per_epoch // self.num_processes),
+            "ss_enable_bucket": str(first.enable_bucket),
+            "ss_min_bucket_reso": str(first.min_bucket_reso),
+            "ss_max_bucket_reso": str(first.max_bucket_reso),
+            "ss_bucket_no_upscale": str(first.bucket_no_upscale),
+            "ss_dataset_dirs": json.dumps(dirs),
+            "ss_bucket_info": json.dumps({"buckets": buckets}),
+        }
+
+
+def _assemble(specs: Sequence[DatasetSpec], records: list[ImageRecord], seed: int, num_processes: int,
+              tokenize: Callable[[str], torch.Tensor] | None,
+              prior_loss_weight: float) -> tuple[TrainingDataset, BucketBatchSampler]:
+    for d in range(len(specs)):
+        in_dataset = [r for r in records if r.dataset_index == d]
+        for r in in_dataset:
+            if not r.is_reg:
+                r.repeats = r.subset.num_repeats
+        balance_regularisation(in_dataset)
+    samples: list[int] = []
+    groups: dict[tuple[int, tuple[int, int]], list[int]] = {}
+    for record_index, r in enumerate(records):
+        members = groups.setdefault((r.dataset_index, r.bucket), [])
+        for _ in range(r.repeats):
+            members.append(len(samples))
+            samples.append(record_index)
+    dataset = TrainingDataset(records, samples, seed, tokenize, prior_loss_weight)
+    sampler = BucketBatchSampler([(specs[d].batch_size, groups[(d, b)]) for d, b in sorted(groups)], seed,
+                                 num_processes)
+    return dataset, sampler
+
+
+def _collect(config: Config, tokenize: Callable[[str], torch.Tensor] | None, seed: int,
+             num_processes: int) -> tuple[TrainingData | None, list[str], list[str]]:
+    """Build what can be built; returns (data or None, problems, warnings) without raising for data problems."""
+    warnings: list[str] = []
+    problems: list[str] = []
+    specs = resolve_datasets(config, warnings, problems)
+    scan = scan_datasets(specs)
+    problems += scan.problems
+    warnings += scan.warnings
+    records = scan.records
+    skip = config.skip_bad_images
+    left_out = list(problems) if skip else []
+    dataset, sampler = _assemble(specs, records, seed, num_processes, tokenize, config.prior_loss_weight)
+    data = TrainingData(specs, records, dataset, sampler, seed, num_processes, warnings, left_out, scan.subsets)
+    if sampler.num_batches == 0 and (skip or not problems):
+        has_train = any(not r.is_reg for r in records)
+        problems.append("the dataset yields no batches: " + (
+            "every usable image is a regularisation image" if records and not has_train
+            else "no usable images" + (" are left after leaving out the unusable ones" if left_out else "")))
+        return data, problems, warnings
+    return data, ([] if skip else problems), warnings
+
+
+def build_training_data(config: Config, tokenize: Callable[[str], torch.Tensor] | None, seed: int,
+                        num_processes: int = 1) -> TrainingData:
+    """Resolve the datasets, read and check every image and caption, assign buckets, build dataset and sampler.
+
+    Raises UserError listing every problem (ConfigError for dataset TOML mistakes) unless skip_bad_images, which
+    leaves unusable files out and logs each with its reason. An empty result is always an error.
+    """
+    data, problems, warnings = _collect(config, tokenize, seed, num_processes)
+    for warning in warnings:
+        logger.warning(warning)
+    if problems:
+        raise UserError(problems)
+    assert data is not None
+    if data.left_out:
+        logger.warning("skip_bad_images: %d unusable files or folders are left out:\n  %s", len(data.left_out),
+                       "\n  ".join(data.left_out))
+    logger.info("%d training images (%d with repeats), %d regularisation images with repeats; %d batches per "
+                "epoch over %d process(es)", data.num_unique_images, data.num_train_images, data.num_reg_images,
+                data.batches_per_epoch, num_processes)
+    return data
+
+
+# ------------------------------------------------------------------------------------------------ dataset check
+
+def _load_tokenizer(config: Config) -> Any:
+    model = config.pretrained_model_name_or_path
+    if model is None or not (Path(model) / "tokenizer").is_dir():
+        return None
+    try:
+        from transformers import CLIPTokenizer
+
+        tokenizer = CLIPTokenizer.from_pretrained(model, subfolder="tokenizer", local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - the report still works without token counts
+        logger.info("no tokenizer for the dataset check (%s); captions are not tokenized", e)
+        return None
+    # transformers 5 returns an empty tokenizer instead of failing when the vocabulary files are missing.
+    return tokenizer if len(tokenizer) > 256 and tokenizer.model_max_length < 100_000 else None
+
+
+def dataset_report(config: Config, tokenizer: Any = None, num_processes: int = 1) -> tuple[str, bool]:
+    """A readable check of the dataset without loading the UNet: (text, usable).
+
+    Images per subset with repeats, the bucket histogram, batches and steps per epoch, caption coverage and every
+    problem. With no tokenizer given, the model folder's tokenizer/ is used when it loads.
+    """
+    lines: list[str] = []
+    try:
+        data, problems, warnings = _collect(config, None, 0, num_processes)
+    except ConfigError as e:
+        return "\n".join(["dataset check: the dataset configuration is not usable:"]
+                         + [f"  - {p}" for p in e.problems]), False
+    assert data is not None
+    source = config.dataset_config or config.train_data_dir
+    lines.append(f"dataset check: {source}" + (f" (+ reg_data_dir {config.reg_data_dir})"
+                                               if config.reg_data_dir else ""))
+    for d, spec in enumerate(data.specs):
+        bucketing = (f"buckets {spec.min_bucket_reso}..{spec.max_bucket_reso} step {spec.bucket_reso_steps}"
+                     + (", no upscale" if spec.bucket_no_upscale else "")) if spec.enable_bucket else "no buckets"
+        lines.append(f"dataset {d}: resolution {spec.resolution[0]}x{spec.resolution[1]}, batch size "
+                     f"{spec.batch_size}, {bucketing}")
+        for report in (r for r in data.subsets if r.dataset_index == d):
+            spec_s = report.spec
+            kind = "reg " if spec_s.is_reg else ""
+            usable = report.images - report.left_out
+            if not report.used:
+                lines.append(f"  {kind}subset {report.subset_index}: {spec_s.image_dir}: not used")
+                continue
+            per_epoch = sum(r.repeats for r in data.records if r.subset is spec_s)
+            lines.append(f"  {kind}subset {report.subset_index}: {spec_s.image_dir}: {usable} images"
+                         + (f" ({report.left_out} left out)" if report.left_out else "")
+                         + f" x {spec_s.num_repeats} repeats -> {per_epoch} samples per epoch; captions: "
+                         f"{report.captions_from_file} from files, {usable - report.captions_from_file} class tokens")
+        histogram = [h for h in data.bucket_histogram() if h[0] == d]
+        if histogram:
+            lines.append("  buckets (width x height: samples per epoch / images):")
+            lines.extend(f"    {b[0]}x{b[1]}: {n} / {m}" for _, b, n, m in histogram)
+    batches = data.batches_per_epoch // num_processes
+    steps = math.ceil(batches / config.gradient_accumulation_steps) if batches else 0
+    lines.append(f"per epoch: {data.num_train_images} training samples, "
+                 f"{sum(r.repeats for r in data.records if r.is_reg)} regularisation samples; {batches} batches "
+                 f"and {steps} optimizer steps per process ({num_processes} process(es), gradient_accumulation_steps "
+                 f"{config.gradient_accumulation_steps})")
+    from_files = sum(r.caption_from_file for r in data.records)
+    total = len(data.records)
+    lines.append(f"captions: {from_files} of {total} usable images have a caption file"
+                 + (f" ({100 * from_files / total:.0f}%)" if total else ""))
+    tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config)
+    if tokenizer is not None and data.records:
+        limit = tokenizer.model_max_length - 2
+        texts = [" ".join(t for t in (r.subset.caption_prefix, r.caption, r.subset.caption_suffix) if t)
+                 for r in data.records]
+        lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
+        long = [str(r.path) for r, n in zip(data.records, lengths) if n > limit]
+        lines.append(f"  longest caption {max(lengths)} tokens; {len(long)} longer than {limit} tokens are "
+                     "truncated" + (f": {_listing(long)}" if long else ""))
+    if warnings:
+        lines.append(f"warnings ({len(warnings)}):")
+        lines.extend(f"  - {w}" for w in warnings)
+    if data.left_out and not problems:
+        lines.append(f"left out by skip_bad_images ({len(data.left_out)}):")
+        lines.extend(f"  - {p}" for p in data.left_out)
+    if problems:
+        lines.append(f"problems ({len(problems)}):")
+        lines.extend(f"  - {p}" for p in problems)
+        lines.append("result: NOT USABLE" + ("" if config.skip_bad_images else
+                                             " (fix these, or set skip_bad_images to leave unusable files out)"))
+    else:
+        lines.append("result: usable")
+    return "\n".join(lines), not problems
+

@@ -1,6 +1,7 @@
 """run(config): wires the parts together; the training loop."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -19,7 +20,8 @@ from tqdm.auto import tqdm
 from library import network, objective
 from library.accelerator import prepare_accelerator
 from library.config import Config, UserError
-from library.data import ImageCaptionDataset, SeededBatchSampler, discover_subsets
+from library.cache import cache_latents, cache_text_encoder_outputs, check_finite_latents, sample_cached_latents
+from library.data import TrainingData, build_training_data
 from library.families import Components, encode_prompt, load_sd_components, tokenize
 from library.optim import build_lr_scheduler, build_optimizer, warmup_steps
 from library.state import (Checkpointer, TrainState, epoch_name, incompatibilities, library_versions,
@@ -41,9 +43,13 @@ class DiffusionModel(torch.nn.Module):
         self.text_encoder = text_encoder
         self.train_text_encoder = train_text_encoder
 
-    def forward(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        with torch.set_grad_enabled(self.train_text_encoder and torch.is_grad_enabled()):
-            hidden_states = encode_prompt(self.text_encoder, input_ids)
+    def forward(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, conditioning: torch.Tensor) -> torch.Tensor:
+        """`conditioning`: token ids, or text-encoder hidden states when they were cached (float)."""
+        if conditioning.is_floating_point():
+            hidden_states = conditioning
+        else:
+            with torch.set_grad_enabled(self.train_text_encoder and torch.is_grad_enabled()):
+                hidden_states = encode_prompt(self.text_encoder, conditioning)
         return self.unet(noisy_latents, timesteps, hidden_states, return_dict=False)[0]
 
 
@@ -81,6 +87,35 @@ def encode_latents(vae: torch.nn.Module, pixels: torch.Tensor, generator: torch.
     latents = distribution.mean + distribution.std * eps.to(device=distribution.mean.device,
                                                               dtype=distribution.mean.dtype)
     return latents * vae.config.scaling_factor
+
+
+def batch_latents(batch: dict[str, Any], vae: torch.nn.Module, generator: torch.Generator,
+                  vae_dtype: torch.dtype) -> torch.Tensor:
+    """The batch's latents: a posterior sample from cached parameters, or from encoding its pixels."""
+    if "latent_mean" in batch:
+        return sample_cached_latents(batch["latent_mean"], batch["latent_logvar"], generator,
+                                     vae.config.scaling_factor, vae_dtype)
+    latents = encode_latents(vae, batch["pixels"], generator, vae_dtype)
+    check_finite_latents(latents, batch["path"])
+    return latents
+
+
+def cache_inputs(config: Config, data: TrainingData, components: Components, accelerator: Accelerator,
+                 vae_dtype: torch.dtype) -> None:
+    """Encode latents and text-encoder outputs once, before training, when asked."""
+    if config.cache_latents or config.cache_latents_to_disk:
+        cache_latents(data, components.vae, accelerator.device, vae_dtype, config.vae_batch_size,
+                      config.cache_latents_to_disk, process_index=accelerator.process_index,
+                      num_processes=accelerator.num_processes, wait_for_everyone=accelerator.wait_for_everyone,
+                      skip_bad_images=config.skip_bad_images)
+    if config.cache_text_encoder_outputs:
+        text_encoder = components.text_encoder
+
+        @torch.no_grad()
+        def encode(input_ids: torch.Tensor) -> torch.Tensor:
+            return encode_prompt(text_encoder, input_ids.to(accelerator.device)).cpu()
+
+        cache_text_encoder_outputs(data, encode)
 
 
 @dataclass(frozen=True)
@@ -235,9 +270,10 @@ PATH_OPTIONS = ("seed", "train_batch_size", "gradient_accumulation_steps", "reso
                 "optimizer_args", "v_parameterization")
 
 
-def path_settings(config: Config, seed: int) -> dict[str, Any]:
+def path_settings(config: Config, seed: int, data: TrainingData) -> dict[str, Any]:
     values = {name: getattr(config, name) for name in PATH_OPTIONS}
     values["seed"] = seed
+    values["dataset"] = data.fingerprint()
     return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
 
 
@@ -275,22 +311,21 @@ def _train(config: Config, accelerator: Accelerator, started_at: float) -> RunRe
     vae_dtype = torch.float32 if config.no_half_vae else weight_dtype
     spec = network_spec(config)
 
-    subsets = discover_subsets(config.train_data_dir, config.caption_extension)
+    # The images are checked before the model is loaded, so data problems surface in seconds.
+    data = build_training_data(config, None, seed, accelerator.num_processes)
     components = load_sd_components(config.pretrained_model_name_or_path, config.v2, config.v_parameterization,
                                     weight_dtype, vae_dtype)
-    dataset = ImageCaptionDataset(subsets, config.resolution,
-                                  lambda caption: tokenize(components.tokenizer, caption))
-    sampler = SeededBatchSampler(len(dataset), config.train_batch_size, seed)
-    dataloader = torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, num_workers=config.max_data_loader_n_workers,
-        persistent_workers=config.persistent_data_loader_workers and config.max_data_loader_n_workers > 0)
+    data.dataset.tokenize = functools.partial(tokenize, components.tokenizer)
 
     model, groups = build_model(config, components, accelerator.device, spec)
     trainable = [p for group in groups for p in group["params"]]
+    cache_inputs(config, data, components, accelerator, vae_dtype)
+    sampler = data.sampler
+    dataloader = data.dataloader(config.max_data_loader_n_workers, config.persistent_data_loader_workers)
     optimizer = build_optimizer(config.optimizer_type, groups, config.learning_rate, config.optimizer_args)
     state = TrainState(seed=seed, world_size=accelerator.num_processes,
                        fingerprint=run_fingerprint(config, spec, components, model),
-                       path_settings=path_settings(config, seed), versions=library_versions())
+                       path_settings=path_settings(config, seed, data), versions=library_versions())
 
     # Batches are dealt round-robin to the processes; the scheduler must exist before prepare so that DeepSpeed
     # owns and checkpoints it.
@@ -326,11 +361,11 @@ def _train(config: Config, accelerator: Accelerator, started_at: float) -> RunRe
 
     obj = Objective(components.noise_scheduler.alphas_cumprod.to(accelerator.device), components.v_prediction,
                     config.min_timestep, config.max_timestep, config.noise_offset, config.min_snr_gamma)
-    logger.info("%d images x repeats = %d samples, %d batches per epoch per process, %d epochs, %d steps",
-                dataset.num_images, len(dataset), plan.batches_per_epoch, plan.num_epochs, plan.total_steps)
+    logger.info("%d batches per epoch per process, %d epochs, %d steps", plan.batches_per_epoch, plan.num_epochs,
+                plan.total_steps)
 
     def metadata() -> dict[str, str]:
-        return training_metadata(config, spec, components, plan, dataset, seed, started_at, state)
+        return training_metadata(config, spec, components, plan, data, seed, started_at, state)
 
     def save_snapshot(name: str, with_state: bool) -> None:
         if accelerator.is_main_process:
@@ -359,12 +394,14 @@ def _train(config: Config, accelerator: Accelerator, started_at: float) -> RunRe
             # Dropout draws from the global stream; reseeding it per batch makes it independent of history.
             torch.manual_seed(objective.step_generator(seed, *keys, 1).initial_seed())
             with accelerator.accumulate(model):
-                latents = encode_latents(components.vae, batch["pixels"], generator, vae_dtype).to(weight_dtype)
+                latents = batch_latents(batch, components.vae, generator, vae_dtype).to(weight_dtype)
                 noise = objective.sample_noise(latents, generator, obj.noise_offset)
                 timesteps = objective.sample_timesteps(latents.shape[0], generator, obj.min_timestep,
                                                        obj.max_timestep, latents.device)
                 with accelerator.autocast():
-                    loss = diffusion_loss(model, latents, batch["input_ids"], noise, timesteps, obj).mean()
+                    conditioning = batch.get("encoder_hidden_states", batch.get("input_ids"))
+                    loss = diffusion_loss(model, latents, conditioning, noise, timesteps, obj)
+                    loss = (loss * batch["loss_weight"]).mean()
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and config.max_grad_norm:
                     accelerator.clip_grad_norm_(trainable, config.max_grad_norm)
@@ -423,8 +460,7 @@ def _train(config: Config, accelerator: Accelerator, started_at: float) -> RunRe
 
 
 def training_metadata(config: Config, spec: NetworkSpec, components: Components, plan: Plan,
-                      dataset: ImageCaptionDataset, seed: int, started_at: float,
-                      state: TrainState) -> dict[str, str]:
+                      data: TrainingData, seed: int, started_at: float, state: TrainState) -> dict[str, str]:
     return network.lora_metadata(
         network_dim=spec.dim, network_alpha=spec.alpha,
         v2=components.base_model_version == "sd_v2", v_parameterization=components.v_prediction,
@@ -432,12 +468,13 @@ def training_metadata(config: Config, spec: NetworkSpec, components: Components,
         learning_rate=config.learning_rate, unet_lr=config.unet_lr, text_encoder_lr=config.text_encoder_lr,
         max_train_steps=plan.total_steps, steps=state.global_step, epoch=state.epoch, num_epochs=plan.num_epochs,
         seed=seed, resolution=config.resolution, training_started_at=started_at, training_finished_at=time.time(),
-        num_train_images=dataset.num_images, num_batches_per_epoch=plan.batches_per_epoch,
+        num_train_images=data.num_train_images, num_reg_images=data.num_reg_images,
+        num_batches_per_epoch=plan.batches_per_epoch,
         batch_size=config.train_batch_size, output_name=config.output_name,
         sd_model_name=Path(config.pretrained_model_name_or_path).name, mixed_precision=config.mixed_precision,
         lr_scheduler=config.lr_scheduler, lr_warmup_steps=warmup_steps(config.lr_warmup_steps, plan.total_steps),
         optimizer=config.optimizer_type, gradient_accumulation_steps=config.gradient_accumulation_steps,
         gradient_checkpointing=config.gradient_checkpointing, max_grad_norm=config.max_grad_norm,
         min_snr_gamma=config.min_snr_gamma, noise_offset=config.noise_offset,
-        training_comment=config.training_comment,
+        training_comment=config.training_comment, extra=data.kohya_metadata(),
     )

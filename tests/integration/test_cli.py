@@ -82,7 +82,8 @@ def test_trains_and_writes_a_kohya_file(base_toml, tmp_path):
     assert metadata["ss_network_dim"] == "4" and float(metadata["ss_network_alpha"]) == 2.0
     assert metadata["ss_learning_rate"] == "0.001"
     assert metadata["ss_training_comment"] == "cli test"
-    assert metadata["ss_steps"] == "3" and metadata["ss_num_train_images"] == "16"
+    assert metadata["ss_steps"] == "3"
+    assert metadata["ss_num_train_images"] == "160"  # kohya counts images x repeats (16 x 10)
     assert metadata["ss_base_model_version"] == "sd_v1"
     assert metadata["modelspec.architecture"] == "stable-diffusion-v1/lora"
     assert not list((tmp_path / "out").glob("*.tmp"))

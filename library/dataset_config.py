@@ -1,0 +1,372 @@
+"""What the user asked for: kohya's dataset TOML or train_data_dir / reg_data_dir folders -> DatasetSpec objects.
+
+A value is looked up as kohya does: subset -> dataset -> [general] -> command line / --config -> default. The TOML is
+checked strictly: unknown keys (with a suggestion), keys at the wrong level and wrong types are all reported at once.
+"""
+from __future__ import annotations
+
+import difflib
+import logging
+import math
+import re
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from library.config import Config, ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SubsetSpec:
+    """One image folder and how its images and captions are used."""
+    image_dir: Path
+    num_repeats: int = 1
+    is_reg: bool = False
+    class_tokens: str | None = None
+    caption_extension: str = ".caption"
+    shuffle_caption: bool = False
+    caption_separator: str = ","
+    keep_tokens: int = 0
+    keep_tokens_separator: str = ""
+    caption_prefix: str | None = None
+    caption_suffix: str | None = None
+    caption_dropout_rate: float = 0.0
+    caption_dropout_every_n_epochs: int = 0
+    caption_tag_dropout_rate: float = 0.0
+    flip_aug: bool = False
+    random_crop: bool = False
+
+    @property
+    def caption_ops(self) -> bool:
+        """Whether the caption changes from one use to the next in ways a text-encoder cache cannot follow."""
+        return self.shuffle_caption or self.caption_tag_dropout_rate > 0
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """Images sharing a resolution, batch size and bucket settings; each batch comes from one of its buckets."""
+    subsets: tuple[SubsetSpec, ...]
+    resolution: tuple[int, int] = (512, 512)
+    batch_size: int = 1
+    enable_bucket: bool = False
+    min_bucket_reso: int = 256
+    max_bucket_reso: int = 1024
+    bucket_reso_steps: int = 64
+    bucket_no_upscale: bool = False
+
+
+# --- strict TOML value checks: (raw) -> value, or ValueError with a short reason
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ValueError("expected true or false")
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ValueError("expected an integer")
+
+
+def _float(value: Any) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    raise ValueError("expected a number")
+
+
+def _str(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    raise ValueError("expected a string")
+
+
+def _resolution(value: Any) -> tuple[int, int]:
+    """kohya: a number or a [width, height] pair; "512,768" is also accepted."""
+    parts: list[Any]
+    if isinstance(value, str):
+        parts = [p.strip() for p in value.split(",")]
+        try:
+            parts = [int(p) for p in parts]
+        except ValueError:
+            raise ValueError("expected a size like 512 or [512, 768]") from None
+    elif isinstance(value, list):
+        parts = list(value)
+    else:
+        parts = [value]
+    parts = parts * 2 if len(parts) == 1 else parts
+    if len(parts) != 2 or not all(isinstance(p, int) and not isinstance(p, bool) for p in parts):
+        raise ValueError("expected a size like 512 or [512, 768]")
+    if min(parts) <= 0:
+        raise ValueError("sizes must be positive")
+    return parts[0], parts[1]
+
+
+# Keys a subset takes; kohya lets every one of them be set on the dataset or in [general] as a default.
+SUBSET_KEYS: dict[str, Callable[[Any], Any]] = {
+    "num_repeats": _int, "class_tokens": _str, "caption_extension": _str, "shuffle_caption": _bool,
+    "caption_separator": _str, "keep_tokens": _int, "keep_tokens_separator": _str, "caption_prefix": _str,
+    "caption_suffix": _str, "caption_dropout_rate": _float, "caption_dropout_every_n_epochs": _int,
+    "caption_tag_dropout_rate": _float, "flip_aug": _bool, "random_crop": _bool,
+}
+SUBSET_ONLY_KEYS: dict[str, Callable[[Any], Any]] = {"image_dir": _str, "is_reg": _bool}
+DATASET_KEYS: dict[str, Callable[[Any], Any]] = {
+    "resolution": _resolution, "batch_size": _int, "enable_bucket": _bool, "min_bucket_reso": _int,
+    "max_bucket_reso": _int, "bucket_reso_steps": _int, "bucket_no_upscale": _bool,
+}
+_ALIASES = {"caption_extention": "caption_extension"}  # kohya's misspelling, accepted on its command line
+# kohya dataset keys this trainer does not offer; named so the user knows exactly what to change.
+UNSUPPORTED_KEYS = (
+    "alpha_mask", "cache_info", "color_aug", "conditioning_data_dir", "enable_wildcard", "face_crop_aug_range",
+    "metadata_file", "network_multiplier", "resize_interpolation", "secondary_separator", "token_warmup_min",
+    "token_warmup_step", "max_token_length", "debug_dataset",
+)
+# A TOML key -> the --config / command-line option that is its fallback.
+_COMMAND_LINE_NAME = {"batch_size": "train_batch_size"}
+_LEVEL_KEYS = {
+    "general": {**DATASET_KEYS, **SUBSET_KEYS},
+    "dataset": {**DATASET_KEYS, **SUBSET_KEYS},
+    "subset": {**SUBSET_KEYS, **SUBSET_ONLY_KEYS},
+}
+
+
+def _suggest(name: str, candidates: list[str]) -> str:
+    match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def _check_table(table: Mapping[str, Any], level: str, where: str, problems: list[str]) -> dict[str, Any]:
+    """Typed values of one [general] / [[datasets]] / [[datasets.subsets]] table; problems appended."""
+    allowed = _LEVEL_KEYS[level]
+    values: dict[str, Any] = {}
+    for raw_name, raw in table.items():
+        name = _ALIASES.get(raw_name, raw_name)
+        if level == "dataset" and name == "subsets":
+            continue
+        if name in allowed:
+            try:
+                values[name] = allowed[name](raw)
+            except ValueError as e:
+                problems.append(f"{where}: {raw_name} = {raw!r}: {e}")
+        elif name in UNSUPPORTED_KEYS:
+            problems.append(f"{where}: {raw_name} is a kohya dataset option this trainer does not support yet; "
+                            "remove it")
+        elif name in SUBSET_ONLY_KEYS:
+            problems.append(f"{where}: {raw_name} belongs in a [[datasets.subsets]] table")
+        elif name in DATASET_KEYS:
+            problems.append(f"{where}: {raw_name} is a dataset setting; put it in [[datasets]] or [general]")
+        else:
+            problems.append(f"{where}: unknown key {raw_name!r}" + _suggest(name, sorted(allowed)))
+    return values
+
+
+def read_dataset_toml(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Parse and check a kohya dataset TOML. Returns ([general] values, [{"values": ..., "subsets": [...]}]).
+
+    Raises ConfigError listing every problem in the file.
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"dataset_config: {path} not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"dataset_config: {path} is a folder, not a TOML file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
+
+    problems: list[str] = []
+    for key in raw:
+        if key not in ("general", "datasets"):
+            problems.append(f"{path}: unknown top-level key {key!r}" + _suggest(key, ["general", "datasets"])
+                            + "; a dataset TOML has [general] and [[datasets]] with [[datasets.subsets]]")
+    general_raw = raw.get("general", {})
+    if not isinstance(general_raw, dict):
+        problems.append(f"{path}: general must be a table ([general])")
+        general_raw = {}
+    general = _check_table(general_raw, "general", f"{path}: [general]", problems)
+
+    datasets_raw = raw.get("datasets", [])
+    if not isinstance(datasets_raw, list) or not all(isinstance(d, dict) for d in datasets_raw):
+        problems.append(f"{path}: datasets must be an array of tables ([[datasets]])")
+        datasets_raw = []
+    if not datasets_raw and not problems:
+        problems.append(f"{path}: no [[datasets]] table; add one with at least one [[datasets.subsets]]")
+    datasets: list[dict[str, Any]] = []
+    for i, dataset_raw in enumerate(datasets_raw):
+        where = f"{path}: datasets[{i}]"
+        values = _check_table(dataset_raw, "dataset", where, problems)
+        subsets_raw = dataset_raw.get("subsets", [])
+        if not isinstance(subsets_raw, list) or not all(isinstance(s, dict) for s in subsets_raw):
+            problems.append(f"{where}: subsets must be an array of tables ([[datasets.subsets]])")
+            subsets_raw = []
+        if not subsets_raw:
+            problems.append(f"{where}: no [[datasets.subsets]] table; each dataset needs at least one image_dir")
+        subsets = []
+        for j, subset_raw in enumerate(subsets_raw):
+            subset_where = f"{where}.subsets[{j}]"
+            subset = _check_table(subset_raw, "subset", subset_where, problems)
+            if "image_dir" not in subset_raw:
+                problems.append(f"{subset_where}: image_dir is required")
+            subsets.append(subset)
+        datasets.append({"values": values, "subsets": subsets})
+    if problems:
+        raise ConfigError(problems)
+    return general, datasets
+
+
+def _lookup(name: str, layers: list[Mapping[str, Any]], config: Config | None, default: Any) -> Any:
+    """kohya's search order: the first layer that has the key, then the command line / --config, then default."""
+    for layer in layers:
+        if name in layer:
+            return layer[name]
+    option = _COMMAND_LINE_NAME.get(name, name)
+    if config is not None:
+        try:
+            return getattr(config, option)
+        except AttributeError:
+            pass
+    return default
+
+
+_SUBSET_DEFAULTS = {f.name: f.default for f in fields(SubsetSpec) if f.name != "image_dir"}
+_DATASET_DEFAULTS = {f.name: f.default for f in fields(DatasetSpec) if f.name != "subsets"}
+
+
+def _resolve_subset(layers: list[Mapping[str, Any]], config: Config | None,
+                    image_dir: Path | None = None) -> SubsetSpec:
+    values = {name: _lookup(name, layers, config, default) for name, default in _SUBSET_DEFAULTS.items()}
+    extension = values["caption_extension"]
+    if extension and not extension.startswith("."):
+        values["caption_extension"] = "." + extension  # kohya adds the dot
+    if values["class_tokens"] is not None and not values["class_tokens"].strip():
+        values["class_tokens"] = None
+    directory = image_dir if image_dir is not None else Path(layers[0]["image_dir"])
+    return SubsetSpec(image_dir=directory, **values)
+
+
+def _resolve_dataset(layers: list[Mapping[str, Any]], config: Config | None,
+                     subsets: tuple[SubsetSpec, ...]) -> DatasetSpec:
+    values = {name: _lookup(name, layers, config, default) for name, default in _DATASET_DEFAULTS.items()}
+    return DatasetSpec(subsets=subsets, **values)
+
+
+def datasets_from_toml(path: str | Path, config: Config | None) -> list[DatasetSpec]:
+    """DatasetSpecs from a kohya dataset TOML; the config supplies the command-line layer."""
+    general, datasets = read_dataset_toml(path)
+    specs = []
+    for dataset in datasets:
+        subsets = tuple(_resolve_subset([subset, dataset["values"], general], config) for subset in dataset["subsets"])
+        specs.append(_resolve_dataset([dataset["values"], general], config, subsets))
+    problems = [p for i, spec in enumerate(specs) for p in check_dataset_spec(spec, config, f"{path}: datasets[{i}]")]
+    if problems:
+        raise ConfigError(problems)
+    return specs
+
+
+_KOHYA_FOLDER = re.compile(r"^(\d+)(?:_(.*))?$", re.DOTALL)
+
+
+def parse_kohya_folder_name(name: str) -> tuple[int, str] | None:
+    """`10_sks dog` -> (10, "sks dog"); `5` -> (5, ""); None when the name has no repeat count."""
+    match = _KOHYA_FOLDER.match(name)
+    if match is None:
+        return None
+    return int(match.group(1)), (match.group(2) or "").strip()
+
+
+def subsets_from_folder(root: Path, is_reg: bool, config: Config | None,
+                        warnings: list[str], problems: list[str]) -> list[SubsetSpec]:
+    """kohya folders under root: `<repeats>_<class tokens>`; other folders are ignored with a warning."""
+    what = "reg_data_dir" if is_reg else "train_data_dir"
+    if not root.is_dir():
+        problems.append(f"{what}: {root} is not a folder")
+        return []
+    subsets, ignored = [], []
+    for directory in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        parsed = parse_kohya_folder_name(directory.name)
+        if parsed is None:
+            ignored.append(directory.name)
+            continue
+        repeats, class_tokens = parsed
+        layer = {"num_repeats": repeats, "is_reg": is_reg, "class_tokens": class_tokens}
+        subsets.append(_resolve_subset([layer], config, image_dir=directory))
+    if ignored:
+        warnings.append(f"{what} {root}: folders without a repeat count are ignored (name them like "
+                        f"'10_sks dog'): {', '.join(ignored)}")
+    if not subsets:
+        problems.append(f"{what} {root}: no images found in folders named like '10_sks dog' (no folder name "
+                        "starts with a repeat count)")
+    return subsets
+
+
+def check_dataset_spec(spec: DatasetSpec, config: Config | None, where: str) -> list[str]:
+    """Ranges and cache conflicts of resolved values (the command-line values get the same checks in config)."""
+    problems: list[str] = []
+
+    def need(condition: bool, message: str) -> None:
+        if not condition:
+            problems.append(f"{where}: {message}")
+
+    width, height = spec.resolution
+    need(spec.batch_size >= 1, f"batch_size must be at least 1 (got {spec.batch_size})")
+    need(spec.bucket_reso_steps >= 8 and spec.bucket_reso_steps % 8 == 0,
+         f"bucket_reso_steps must be a positive multiple of 8 (got {spec.bucket_reso_steps})")
+    need(1 <= spec.min_bucket_reso <= spec.max_bucket_reso,
+         f"need 1 <= min_bucket_reso <= max_bucket_reso (got {spec.min_bucket_reso}, {spec.max_bucket_reso})")
+    if spec.enable_bucket:
+        need(spec.min_bucket_reso <= min(width, height),
+             f"min_bucket_reso {spec.min_bucket_reso} is larger than the resolution's shorter side "
+             f"{min(width, height)}")
+        need(spec.max_bucket_reso >= max(width, height),
+             f"max_bucket_reso {spec.max_bucket_reso} is smaller than the resolution's longer side "
+             f"{max(width, height)}")
+    else:
+        need(width % 8 == 0 and height % 8 == 0,
+             f"resolution {width}x{height}: sides must be multiples of 8 (the VAE downsamples 8x)")
+    caching_latents = config is not None and (config.cache_latents or config.cache_latents_to_disk)
+    caching_text = config is not None and config.cache_text_encoder_outputs
+    for j, subset in enumerate(spec.subsets):
+        at = f"subsets[{j}] ({subset.image_dir})"
+        need(subset.num_repeats >= 0, f"{at}: num_repeats must not be negative (got {subset.num_repeats})")
+        need(subset.keep_tokens >= 0, f"{at}: keep_tokens must not be negative (got {subset.keep_tokens})")
+        need(subset.caption_dropout_every_n_epochs >= 0,
+             f"{at}: caption_dropout_every_n_epochs must not be negative")
+        for name in ("caption_dropout_rate", "caption_tag_dropout_rate"):
+            rate = getattr(subset, name)
+            need(0 <= rate <= 1, f"{at}: {name} must be in [0, 1] (got {rate})")
+        need(subset.caption_separator != "", f"{at}: caption_separator must not be empty")
+        need(not (caching_latents and subset.random_crop),
+             f"{at}: random_crop draws a new crop each time and cannot use cached latents; turn off random_crop "
+             "or cache_latents")
+        need(not (caching_text and subset.caption_ops),
+             f"{at}: shuffle_caption and caption_tag_dropout_rate change the caption each time and cannot use "
+             "cache_text_encoder_outputs; turn off one")
+    return problems
+
+
+def resolve_datasets(config: Config, warnings: list[str] | None = None,
+                     problems: list[str] | None = None) -> list[DatasetSpec]:
+    """The datasets to train on: from dataset_config, or from train_data_dir (+ reg_data_dir) folder names.
+
+    TOML mistakes raise ConfigError. Folder-level data problems (no kohya folders) are appended to `problems`, as
+    are warnings, so that the dataset check can list them with everything else.
+    """
+    warnings = [] if warnings is None else warnings
+    problems = [] if problems is None else problems
+    if config.dataset_config is not None:
+        return datasets_from_toml(config.dataset_config, config)
+    subsets = subsets_from_folder(Path(config.train_data_dir), False, config, warnings, problems)
+    if config.reg_data_dir is not None:
+        subsets += subsets_from_folder(Path(config.reg_data_dir), True, config, warnings, problems)
+    spec = _resolve_dataset([], config, tuple(subsets))
+    check = check_dataset_spec(spec, config, "dataset")
+    if check:
+        raise ConfigError(check)
+    return [spec]
