@@ -26,6 +26,8 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from library.atomic import fsync_dir
+
 PREFIX_UNET = "lora_unet"
 PREFIX_TE = "lora_te"  # SD1.x / SD2.x text encoder
 PREFIX_TE1 = "lora_te1"  # SDXL text encoders
@@ -292,17 +294,7 @@ def save_lora_file(
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-    try:
-        # make the rename itself durable; not possible on every platform / filesystem
-        dir_fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(dir_fd)
+    fsync_dir(directory)
 
 
 def load_kohya_lora(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

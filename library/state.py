@@ -18,6 +18,7 @@ from typing import Any, Callable
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
+from library.atomic import fsync_dir
 from library.config import UserError
 
 logger = logging.getLogger(__name__)
@@ -255,7 +256,7 @@ def replace_dir(new: Path, target: Path) -> None:
         _remove(old)
         os.replace(target, old)
     os.replace(new, target)
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
     if old is not None:
         _remove(old)
 
@@ -265,17 +266,4 @@ def _fsync_tree(root: Path) -> None:
         if path.is_file():
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
-    _fsync_dir(root)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    fsync_dir(root)
