@@ -264,6 +264,12 @@ def safetensors_hashes(state_dict: Mapping[str, torch.Tensor], metadata: Mapping
     return model_hash, legacy_hash
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def save_lora_file(
     path: str | os.PathLike,
     state_dict: Mapping[str, torch.Tensor],
@@ -287,6 +293,8 @@ def save_lora_file(
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         safetensors.torch.save_file(dict(state_dict), tmp, metadata=metadata or None)
+        # safetensors creates the file owner-only; a LoRA is meant to be read by other programs and users.
+        os.chmod(tmp, 0o666 & ~_umask())
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

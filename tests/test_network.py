@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 
 import pytest
 import safetensors.torch
@@ -504,3 +505,13 @@ def test_save_is_atomic(tmp_path, monkeypatch):
     network.save_lora_file(path, {"a.lora_down.weight": torch.zeros(4, 4)}, {"ss_network_dim": "4"})
     assert network.load_kohya_lora(path)[0]["a.lora_down.weight"].shape == (4, 4)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lora.safetensors"]
+
+
+def test_saved_file_is_readable_by_others_as_the_umask_allows(tmp_path):
+    old = os.umask(0o022)
+    try:
+        path = tmp_path / "lora.safetensors"
+        network.save_lora_file(path, {"x": torch.zeros(2)}, {})
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o644
