@@ -85,7 +85,7 @@ def bare_batches(data, vae_batch_size: int):
     """The exact tensors cache_latents feeds the VAE, in the same bucket batches."""
     import torch
 
-    from library.data import prepare_image
+    from library.images import prepare_image
 
     items = [(i, f) for i, r in enumerate(data.records) for f in ((False, True) if r.subset.flip_aug else (False,))]
     by_bucket: dict = {}

@@ -10,7 +10,8 @@ import torch
 from PIL import Image
 
 from library.config import UserError, parse_config
-from library.data import build_training_data, dataset_report, open_image
+from library.data import build_training_data, dataset_report
+from library.images import open_image
 
 
 def make_config(tmp_path: Path, *args: str):
