@@ -18,6 +18,7 @@ from accelerate.utils import DistributedType, broadcast_object_list, set_seed
 from tqdm.auto import tqdm
 
 from library import network, objective
+from library.metadata import lora_metadata
 from library.accelerator import prepare_accelerator
 from library.config import Config, UserError
 from library.cache import cache_latents, cache_text_encoder_outputs, check_finite_latents, sample_cached_latents
@@ -461,7 +462,7 @@ def _train(config: Config, accelerator: Accelerator, started_at: float) -> RunRe
 
 def training_metadata(config: Config, spec: NetworkSpec, components: Components, plan: Plan,
                       data: TrainingData, seed: int, started_at: float, state: TrainState) -> dict[str, str]:
-    return network.lora_metadata(
+    return lora_metadata(
         network_dim=spec.dim, network_alpha=spec.alpha,
         v2=components.base_model_version == "sd_v2", v_parameterization=components.v_prediction,
         network_module=config.network_module, network_dropout=config.network_dropout,

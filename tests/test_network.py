@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from library import network
+from library.metadata import lora_metadata
 
 RANK = 4
 
@@ -289,7 +290,7 @@ def test_diffusers_kohya_loader_reproduces_our_outputs(tiny, tmp_path, alpha):
     # the adapter must matter, or the comparison proves nothing
     assert (ours_u - base_u).abs().max() > 1e-3 and (ours_t - base_t).abs().max() > 1e-3
 
-    path, _ = save(tmp_path, unet, te, alpha, metadata=network.lora_metadata(network_dim=RANK, network_alpha=alpha))
+    path, _ = save(tmp_path, unet, te, alpha, metadata=lora_metadata(network_dim=RANK, network_alpha=alpha))
     d_unet, d_te = diffusers_load(tiny, str(path))
     theirs_u, theirs_t = outputs(d_unet, d_te, x)
     torch.testing.assert_close(theirs_u, ours_u, atol=1e-5, rtol=0)
@@ -320,7 +321,7 @@ def test_diffusers_comparison_catches_a_wrong_alpha(tiny):
 def test_round_trip_through_file(tiny, tmp_path):
     alpha = 1.5
     unet, te = attached(tiny, alpha)
-    meta = network.lora_metadata(network_dim=RANK, network_alpha=alpha, output_name="sks", resolution=512)
+    meta = lora_metadata(network_dim=RANK, network_alpha=alpha, output_name="sks", resolution=512)
     path, sd = save(tmp_path, unet, te, alpha, metadata=meta)
 
     loaded, metadata = network.load_kohya_lora(path)
@@ -403,7 +404,7 @@ def test_dims_from_state_dict_rejects_mixed_dims():
 
 
 def test_metadata_names_and_formats():
-    meta = network.lora_metadata(
+    meta = lora_metadata(
         network_dim=8,
         network_alpha=4.0,
         network_args={"conv_dim": 4},
@@ -453,10 +454,10 @@ def test_metadata_names_and_formats():
     assert meta["modelspec.date"].startswith("2023-11-1")  # ISO date of training_finished_at
     assert meta["ss_tag_frequency"] == '{"a": {"dog": 1}}'
 
-    v2 = network.lora_metadata(network_dim=4, network_alpha=1, v2=True, v_parameterization=True, resolution=768)
+    v2 = lora_metadata(network_dim=4, network_alpha=1, v2=True, v_parameterization=True, resolution=768)
     assert v2["ss_base_model_version"] == "sd_v2_v" and v2["ss_v2"] == "True"
     assert v2["modelspec.architecture"] == "stable-diffusion-v2-768-v/lora" and v2["modelspec.prediction_type"] == "v"
-    xl = network.lora_metadata(network_dim=4, network_alpha=1, sdxl=True)
+    xl = lora_metadata(network_dim=4, network_alpha=1, sdxl=True)
     assert xl["ss_base_model_version"] == "sdxl_base_v1-0" and xl["modelspec.resolution"] == "1024x1024"
     assert xl["modelspec.architecture"] == "stable-diffusion-xl-v1-base/lora"
 
