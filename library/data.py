@@ -24,6 +24,7 @@ from library.config import Config, ConfigError, UserError
 from library.dataset_config import DatasetSpec, SubsetSpec, resolve_datasets
 from library.images import (FORMATS_BY_EXTENSION, IMAGE_EXTENSIONS, Bucketer, ImageProblem, center_crop, inspect_image,
                             prepare_image)
+from library.objective import derive_seed
 
 logger = logging.getLogger(__name__)
 
@@ -289,11 +290,6 @@ def balance_regularisation(records: list[ImageRecord]) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------ dataset
-
-def derive_seed(seed: int, *keys: Any) -> int:
-    digest = hashlib.blake2b(repr((seed,) + keys).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
-
 
 def item_rng(seed: int, purpose: str, epoch: int, index: int) -> random.Random:
     """A generator for one use of one item: the same (seed, epoch, index) always draws the same values."""

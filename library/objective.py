@@ -6,17 +6,26 @@ on the global random stream (which a resume cannot restore exactly and which oth
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 
-def step_generator(seed: int, *keys: int) -> torch.Generator:
-    """A CPU generator seeded from the run seed and integer keys (for example step, micro-batch, rank)."""
+def derive_seed(seed: int, *keys: Any) -> int:
+    """A 64-bit seed that depends only on the run seed and the keys (epoch, batch, purpose, ...)."""
     digest = hashlib.blake2b(repr((seed,) + keys).encode(), digest_size=8).digest()
-    generator = torch.Generator(device="cpu")
-    generator.manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
-    return generator
+    return int.from_bytes(digest, "little")
+
+
+def torch_seed(seed: int, *keys: Any) -> int:
+    """derive_seed within the range torch.manual_seed accepts."""
+    return derive_seed(seed, *keys) & ((1 << 63) - 1)
+
+
+def step_generator(seed: int, *keys: int) -> torch.Generator:
+    """A CPU generator seeded from the run seed and integer keys (for example epoch and batch position)."""
+    return torch.Generator(device="cpu").manual_seed(torch_seed(seed, *keys))
 
 
 def sample_noise(latents: torch.Tensor, generator: torch.Generator, noise_offset: float | None = None) -> torch.Tensor:

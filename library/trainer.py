@@ -393,7 +393,7 @@ def _train(config: Config, accelerator: Accelerator, started_at: float) -> RunRe
             keys = (epoch, batch_index * accelerator.num_processes + accelerator.process_index)
             generator = objective.step_generator(seed, *keys)
             # Dropout draws from the global stream; reseeding it per batch makes it independent of history.
-            torch.manual_seed(objective.step_generator(seed, *keys, 1).initial_seed())
+            torch.manual_seed(objective.torch_seed(seed, *keys, 1))
             with accelerator.accumulate(model):
                 latents = batch_latents(batch, components.vae, generator, vae_dtype).to(weight_dtype)
                 noise = objective.sample_noise(latents, generator, obj.noise_offset)
@@ -425,8 +425,9 @@ def _train(config: Config, accelerator: Accelerator, started_at: float) -> RunRe
                 step_loss = accelerator.reduce(step_loss, reduction="mean")
             result.losses.append(step_loss.item())
             step_losses.clear()
-            logger.debug("step %d loss %.6f lr %s", state.global_step, result.losses[-1],
-                         [group["lr"] for group in optimizer.param_groups])
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("step %d loss %.6f lr %s", state.global_step, result.losses[-1],
+                             [group["lr"] for group in optimizer.param_groups])
             progress.update(1)
             progress.set_postfix(loss=f"{result.losses[-1]:.4f}", s_per_step=f"{result.step_times[-1]:.3f}",
                                  refresh=False)
