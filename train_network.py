@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if config.dataset_check:
-        from library.data import dataset_report
+        from library.dataset_check import dataset_report
 
         text, usable = dataset_report(config)
         print(text)

@@ -25,7 +25,8 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from library.config import UserError
-from library.data import ImageRecord, TrainingData, process_caption
+from library.captions import process_caption
+from library.data import ImageRecord, TrainingData
 from library.images import prepare_image
 
 logger = logging.getLogger(__name__)

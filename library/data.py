@@ -20,7 +20,8 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
-from library.config import Config, ConfigError, UserError
+from library.captions import process_caption, read_caption
+from library.config import Config, UserError
 from library.dataset_config import DatasetSpec, SubsetSpec, resolve_datasets
 from library.images import (FORMATS_BY_EXTENSION, IMAGE_EXTENSIONS, Bucketer, ImageProblem, center_crop, inspect_image,
                             prepare_image)
@@ -39,69 +40,6 @@ def list_images(directory: Path) -> list[Path]:
                   if p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".") and p.is_file())
 
 
-# ----------------------------------------------------------------------------------------------------- captions
-
-class CaptionRead(NamedTuple):
-    text: str | None  # None: no caption file
-    path: Path | None
-    problem: str | None
-
-
-def read_caption(image_path: Path, caption_extension: str) -> CaptionRead:
-    """The caption beside an image (`caption_extension`, then `.txt`): its first non-blank line."""
-    for extension in dict.fromkeys((caption_extension, ".txt")):
-        candidate = image_path.with_name(image_path.stem + extension)
-        if not candidate.is_file():
-            continue
-        try:
-            text = candidate.read_text(encoding="utf-8-sig")
-        except UnicodeDecodeError as e:
-            return CaptionRead(None, candidate, f"{candidate}: caption is not UTF-8 text ({e.reason} at byte "
-                                                f"{e.start}); re-save it as UTF-8")
-        lines = [line.strip() for line in text.splitlines() if line.strip()]
-        if not lines:
-            return CaptionRead(None, candidate, f"{candidate}: caption file is empty; write a caption or delete "
-                                                "the file to train with the folder's class tokens")
-        return CaptionRead(lines[0], candidate, None)
-    return CaptionRead(None, None, None)
-
-
-def process_caption(caption: str, subset: SubsetSpec, epoch: int, rng: random.Random) -> str:
-    """kohya's process_caption: prefix/suffix, whole-caption dropout, kept tokens, shuffle, tag dropout.
-
-    `epoch` counts from 0; caption_dropout_every_n_epochs drops in epochs n, 2n, ... counted from 1, as kohya does.
-    """
-    if subset.caption_prefix:
-        caption = subset.caption_prefix + " " + caption
-    if subset.caption_suffix:
-        caption = caption + " " + subset.caption_suffix
-    dropped = subset.caption_dropout_rate > 0 and rng.random() < subset.caption_dropout_rate
-    every = subset.caption_dropout_every_n_epochs
-    if dropped or (every > 0 and (epoch + 1) % every == 0):
-        return ""
-    separator, keep_separator = subset.caption_separator, subset.keep_tokens_separator
-    has_keep_separator = bool(keep_separator) and keep_separator in caption
-    if not (subset.shuffle_caption or subset.caption_tag_dropout_rate > 0 or has_keep_separator):
-        return caption
-
-    def tags(text: str) -> list[str]:
-        return [t.strip() for t in text.split(separator) if t.strip()]
-
-    fixed_suffix: list[str] = []
-    if has_keep_separator:
-        fixed_part, flex_part = caption.split(keep_separator, 1)
-        if keep_separator in flex_part:
-            flex_part, suffix_part = flex_part.split(keep_separator, 1)
-            fixed_suffix = tags(suffix_part)
-        fixed, flex = tags(fixed_part), tags(flex_part)
-    else:
-        all_tags = tags(caption)
-        fixed, flex = all_tags[:subset.keep_tokens], all_tags[subset.keep_tokens:]
-    if subset.shuffle_caption:
-        rng.shuffle(flex)
-    if subset.caption_tag_dropout_rate > 0:
-        flex = [t for t in flex if rng.random() >= subset.caption_tag_dropout_rate]
-    return ", ".join(fixed + flex + fixed_suffix)
 # ------------------------------------------------------------------------------------------------------ records
 
 @dataclass
@@ -148,7 +86,7 @@ class Scan:
     subsets: list[SubsetReport] = field(default_factory=list)
 
 
-def _listing(paths: Sequence[Any]) -> str:
+def listing(paths: Sequence[Any]) -> str:
     shown = ", ".join(str(p) for p in paths[:_SHOWN])
     return shown + (f" ... and {len(paths) - _SHOWN} more" if len(paths) > _SHOWN else "")
 
@@ -256,16 +194,16 @@ def scan_datasets(specs: Sequence[DatasetSpec], threads: int | None = None) -> S
             scan.warnings.append(
                 f"{report.spec.image_dir}: {len(users)} of {report.images} images have no caption file "
                 f"({report.spec.caption_extension}); they use the class tokens {report.spec.class_tokens!r}: "
-                + _listing(users))
+                + listing(users))
     if "wrong-extension" in notes:
         scan.warnings.append(f"{len(notes['wrong-extension'])} images have an extension that does not match "
-                             "their content (decoded by content): " + _listing(notes["wrong-extension"]))
+                             "their content (decoded by content): " + listing(notes["wrong-extension"]))
     if "upscaled" in notes:
         scan.warnings.append(f"{len(notes['upscaled'])} images are smaller than their bucket and are enlarged "
-                             "(set bucket_no_upscale to keep them small): " + _listing(notes["upscaled"]))
+                             "(set bucket_no_upscale to keep them small): " + listing(notes["upscaled"]))
     if "alpha" in notes:
         scan.warnings.append(f"{len(notes['alpha'])} images have transparency; it is composited on white: "
-                             + _listing(notes["alpha"]))
+                             + listing(notes["alpha"]))
     return scan
 
 
@@ -550,7 +488,7 @@ def _assemble(specs: Sequence[DatasetSpec], records: list[ImageRecord], seed: in
     return dataset, sampler
 
 
-def _collect(config: Config, tokenize: Callable[[str], torch.Tensor] | None, seed: int,
+def collect_training_data(config: Config, tokenize: Callable[[str], torch.Tensor] | None, seed: int,
              num_processes: int) -> tuple[TrainingData | None, list[str], list[str]]:
     """Build what can be built; returns (data or None, problems, warnings) without raising for data problems."""
     warnings: list[str] = []
@@ -580,7 +518,7 @@ def build_training_data(config: Config, tokenize: Callable[[str], torch.Tensor] 
     Raises UserError listing every problem (ConfigError for dataset TOML mistakes) unless skip_bad_images, which
     leaves unusable files out and logs each with its reason. An empty result is always an error.
     """
-    data, problems, warnings = _collect(config, tokenize, seed, num_processes)
+    data, problems, warnings = collect_training_data(config, tokenize, seed, num_processes)
     for warning in warnings:
         logger.warning(warning)
     if problems:
@@ -593,93 +531,3 @@ def build_training_data(config: Config, tokenize: Callable[[str], torch.Tensor] 
                 "epoch over %d process(es)", data.num_unique_images, data.num_train_images, data.num_reg_images,
                 data.batches_per_epoch, num_processes)
     return data
-
-
-# ------------------------------------------------------------------------------------------------ dataset check
-
-def _load_tokenizer(config: Config) -> Any:
-    model = config.pretrained_model_name_or_path
-    if model is None or not (Path(model) / "tokenizer").is_dir():
-        return None
-    try:
-        from transformers import CLIPTokenizer
-
-        tokenizer = CLIPTokenizer.from_pretrained(model, subfolder="tokenizer", local_files_only=True)
-    except Exception as e:  # noqa: BLE001 - the report still works without token counts
-        logger.info("no tokenizer for the dataset check (%s); captions are not tokenized", e)
-        return None
-    # transformers 5 returns an empty tokenizer instead of failing when the vocabulary files are missing.
-    return tokenizer if len(tokenizer) > 256 and tokenizer.model_max_length < 100_000 else None
-
-
-def dataset_report(config: Config, tokenizer: Any = None, num_processes: int = 1) -> tuple[str, bool]:
-    """A readable check of the dataset without loading the UNet: (text, usable).
-
-    Images per subset with repeats, the bucket histogram, batches and steps per epoch, caption coverage and every
-    problem. With no tokenizer given, the model folder's tokenizer/ is used when it loads.
-    """
-    lines: list[str] = []
-    try:
-        data, problems, warnings = _collect(config, None, 0, num_processes)
-    except ConfigError as e:
-        return "\n".join(["dataset check: the dataset configuration is not usable:"]
-                         + [f"  - {p}" for p in e.problems]), False
-    assert data is not None
-    source = config.dataset_config or config.train_data_dir
-    lines.append(f"dataset check: {source}" + (f" (+ reg_data_dir {config.reg_data_dir})"
-                                               if config.reg_data_dir else ""))
-    for d, spec in enumerate(data.specs):
-        bucketing = (f"buckets {spec.min_bucket_reso}..{spec.max_bucket_reso} step {spec.bucket_reso_steps}"
-                     + (", no upscale" if spec.bucket_no_upscale else "")) if spec.enable_bucket else "no buckets"
-        lines.append(f"dataset {d}: resolution {spec.resolution[0]}x{spec.resolution[1]}, batch size "
-                     f"{spec.batch_size}, {bucketing}")
-        for report in (r for r in data.subsets if r.dataset_index == d):
-            spec_s = report.spec
-            kind = "reg " if spec_s.is_reg else ""
-            usable = report.images - report.left_out
-            if not report.used:
-                lines.append(f"  {kind}subset {report.subset_index}: {spec_s.image_dir}: not used")
-                continue
-            per_epoch = sum(r.repeats for r in data.records if r.subset is spec_s)
-            lines.append(f"  {kind}subset {report.subset_index}: {spec_s.image_dir}: {usable} images"
-                         + (f" ({report.left_out} left out)" if report.left_out else "")
-                         + f" x {spec_s.num_repeats} repeats -> {per_epoch} samples per epoch; captions: "
-                         f"{report.captions_from_file} from files, {usable - report.captions_from_file} class tokens")
-        histogram = [h for h in data.bucket_histogram() if h[0] == d]
-        if histogram:
-            lines.append("  buckets (width x height: samples per epoch / images):")
-            lines.extend(f"    {b[0]}x{b[1]}: {n} / {m}" for _, b, n, m in histogram)
-    batches = data.batches_per_epoch // num_processes
-    steps = math.ceil(batches / config.gradient_accumulation_steps) if batches else 0
-    lines.append(f"per epoch: {data.num_train_images} training samples, "
-                 f"{sum(r.repeats for r in data.records if r.is_reg)} regularisation samples; {batches} batches "
-                 f"and {steps} optimizer steps per process ({num_processes} process(es), gradient_accumulation_steps "
-                 f"{config.gradient_accumulation_steps})")
-    from_files = sum(r.caption_from_file for r in data.records)
-    total = len(data.records)
-    lines.append(f"captions: {from_files} of {total} usable images have a caption file"
-                 + (f" ({100 * from_files / total:.0f}%)" if total else ""))
-    tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config)
-    if tokenizer is not None and data.records:
-        limit = tokenizer.model_max_length - 2
-        texts = [" ".join(t for t in (r.subset.caption_prefix, r.caption, r.subset.caption_suffix) if t)
-                 for r in data.records]
-        lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
-        long = [str(r.path) for r, n in zip(data.records, lengths) if n > limit]
-        lines.append(f"  longest caption {max(lengths)} tokens; {len(long)} longer than {limit} tokens are "
-                     "truncated" + (f": {_listing(long)}" if long else ""))
-    if warnings:
-        lines.append(f"warnings ({len(warnings)}):")
-        lines.extend(f"  - {w}" for w in warnings)
-    if data.left_out and not problems:
-        lines.append(f"left out by skip_bad_images ({len(data.left_out)}):")
-        lines.extend(f"  - {p}" for p in data.left_out)
-    if problems:
-        lines.append(f"problems ({len(problems)}):")
-        lines.extend(f"  - {p}" for p in problems)
-        lines.append("result: NOT USABLE" + ("" if config.skip_bad_images else
-                                             " (fix these, or set skip_bad_images to leave unusable files out)"))
-    else:
-        lines.append("result: usable")
-    return "\n".join(lines), not problems
-

@@ -10,7 +10,8 @@ import torch
 from PIL import Image
 
 from library.config import parse_config
-from library.data import BucketBatchSampler, SampleKey, build_training_data, process_caption
+from library.captions import process_caption
+from library.data import BucketBatchSampler, SampleKey, build_training_data
 from library.images import Bucketer, make_bucket_resolutions, prepare_image
 from library.dataset_config import DatasetSpec, SubsetSpec
 

@@ -10,7 +10,8 @@ import torch
 from PIL import Image
 
 from library.config import UserError, parse_config
-from library.data import build_training_data, dataset_report
+from library.data import build_training_data
+from library.dataset_check import dataset_report
 from library.images import open_image
 
 
