@@ -3,14 +3,18 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
+import logging
 import os
 from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DeepSpeedPlugin, DistributedDataParallelKwargs, InitProcessGroupKwargs
+from accelerate.utils import (DeepSpeedPlugin, DistributedDataParallelKwargs, DistributedType,
+                               InitProcessGroupKwargs)
 
 from library.config import Config, UserError
+
+logger = logging.getLogger(__name__)
 
 
 def launcher_world_size() -> int:
@@ -58,17 +62,37 @@ def deepspeed_plugin(config: Config, world_size: int) -> DeepSpeedPlugin:
         value = os.environ[env]
         return int(value) if name == "zero_stage" else (None if value == "none" else value)
 
+    zero_stage = setting("zero_stage", "ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    offload_optimizer = setting("offload_optimizer_device", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE")
     plugin = DeepSpeedPlugin(
-        zero_stage=setting("zero_stage", "ACCELERATE_DEEPSPEED_ZERO_STAGE"),
+        zero_stage=zero_stage,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
         gradient_clipping=config.max_grad_norm or None,
-        offload_optimizer_device=setting("offload_optimizer_device", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"),
+        offload_optimizer_device=offload_optimizer,
         offload_param_device=setting("offload_param_device", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"),
     )
     micro_batch = config.train_batch_size
     plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch
     plugin.deepspeed_config["train_batch_size"] = micro_batch * config.gradient_accumulation_steps * world_size
+    if config.mixed_precision == "fp16":
+        # accelerate keeps an "fp16" section it finds and only fills in "enabled".
+        plugin.deepspeed_config["fp16"] = deepspeed_fp16_section(config, zero_stage, offload_optimizer)
     return plugin
+
+
+def deepspeed_fp16_section(config: Config, zero_stage: int, offload_optimizer: str | None) -> dict[str, Any]:
+    """kohya's fp16 settings: the dynamic loss scale starts at 2**0 instead of 2**16, which overflows the first
+    steps of a fresh LoRA; full_fp16 / fp16_master_weights_and_gradients keep fp16 master weights, which DeepSpeed
+    offers only for ZeRO-2 with its CPU Adam."""
+    section: dict[str, Any] = {"enabled": True, "auto_cast": True, "initial_scale_power": 0}
+    if config.full_fp16 or config.fp16_master_weights_and_gradients:
+        if zero_stage == 2 and offload_optimizer == "cpu":
+            section["fp16_master_weights_and_grads"] = True
+        else:
+            logger.warning("full_fp16 / fp16_master_weights_and_gradients under DeepSpeed need zero_stage 2 and "
+                           "offload_optimizer_device cpu (got zero_stage %s, offload_optimizer_device %s); the "
+                           "master weights stay fp32", zero_stage, offload_optimizer)
+    return section
 
 
 def prepare_accelerator(config: Config) -> Accelerator:
@@ -88,4 +112,20 @@ def prepare_accelerator(config: Config) -> Accelerator:
             f"the launcher started {expected} processes but accelerate sees {accelerator.num_processes}; "
             "every process would train as rank 0 on the same data. Launch with `accelerate launch "
             "--num_processes N` or `torchrun --nproc_per_node N`, and check the accelerate config.")
+    if config.full_fp16 and accelerator.scaler is not None:
+        allow_fp16_gradients(accelerator.scaler)
+    if config.fp16_master_weights_and_gradients and accelerator.distributed_type != DistributedType.DEEPSPEED:
+        logger.warning("fp16_master_weights_and_gradients is a DeepSpeed setting and has no effect without "
+                       "deepspeed = true; full_fp16 trains fp16 LoRA weights without DeepSpeed")
     return accelerator
+
+
+def allow_fp16_gradients(scaler: torch.amp.GradScaler) -> None:
+    """full_fp16: the trained weights are fp16 themselves, whose gradients torch's GradScaler refuses to unscale
+    (it expects fp32 master weights). Unscaling them in place is what full_fp16 asks for."""
+    unscale_grads = scaler._unscale_grads_
+
+    def unscale_allowing_fp16(optimizer, inv_scale, found_inf, allow_fp16):  # noqa: ARG001 (signature of torch's)
+        return unscale_grads(optimizer, inv_scale, found_inf, True)
+
+    scaler._unscale_grads_ = unscale_allowing_fp16

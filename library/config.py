@@ -353,6 +353,13 @@ def _check_values(v: dict[str, Any]) -> list[str]:
          f"need 0 <= min_timestep < max_timestep <= 1000 (got {v['min_timestep']}, {v['max_timestep']})")
     need(not (v["network_train_unet_only"] and v["network_train_text_encoder_only"]),
          "network_train_unet_only and network_train_text_encoder_only cannot both be set")
+    need(not v["full_fp16"] or v["mixed_precision"] == "fp16",
+         f"full_fp16 needs mixed_precision = \"fp16\" (got {v['mixed_precision']!r})")
+    need(not v["full_bf16"] or v["mixed_precision"] == "bf16",
+         f"full_bf16 needs mixed_precision = \"bf16\" (got {v['mixed_precision']!r})")
+    need(not v["fp16_master_weights_and_gradients"] or v["mixed_precision"] == "fp16",
+         "fp16_master_weights_and_gradients needs mixed_precision = \"fp16\" "
+         f"(got {v['mixed_precision']!r})")
     need(v["zero_stage"] in (0, 1, 2, 3), f"zero_stage must be 0, 1, 2 or 3 (got {v['zero_stage']})")
     need(v["ddp_timeout"] is None or v["ddp_timeout"] > 0, "ddp_timeout must be a positive number of minutes")
     for name in ("save_every_n_steps", "save_every_n_epochs", "save_last_n_steps", "save_last_n_epochs",

@@ -214,6 +214,11 @@ _TRAINING = [
     _opt("max_grad_norm", _to_float, 1.0, "clip the gradient norm to this (0 disables clipping)"),
     _opt("mixed_precision", _to_str, "no", "autocast precision; frozen weights are stored in it",
          choices=("no", "fp16", "bf16")),
+    _opt("full_fp16", _to_bool, False,
+         "keep the LoRA weights and their gradients in fp16 too (needs mixed_precision fp16); with DeepSpeed "
+         "ZeRO-2 and CPU optimizer offload, fp16 master weights and gradients"),
+    _opt("full_bf16", _to_bool, False, "keep the LoRA weights and their gradients in bf16 too (needs "
+         "mixed_precision bf16)"),
     _opt("gradient_checkpointing", _to_bool, False, "recompute activations in backward to save memory"),
     _opt("seed", _to_int, None, "random seed (a random one is drawn and recorded when unset)"),
 ]
@@ -277,6 +282,9 @@ _DISTRIBUTED = [
     _opt("zero_stage", _to_int, 2, "DeepSpeed ZeRO stage", metavar="{0,1,2,3}"),
     _opt("offload_optimizer_device", _to_str, None, "DeepSpeed optimizer offload", choices=("cpu", "nvme")),
     _opt("offload_param_device", _to_str, None, "DeepSpeed parameter offload", choices=("cpu", "nvme")),
+    _opt("fp16_master_weights_and_gradients", _to_bool, False,
+         "DeepSpeed: fp16 master weights and gradients, optimizer states in fp32 (ZeRO-2 with "
+         "offload_optimizer_device cpu, mixed_precision fp16)"),
 ]
 _CONFIG = [
     _opt("config_file", _to_str, None, "TOML file of options (command-line flags override it)",
@@ -311,8 +319,8 @@ UNSUPPORTED_KOHYA_OPTIONS: tuple[str, ...] = (
     "adaptive_noise_scale", "alpha_mask", "async_upload", "base_weights", "base_weights_multiplier", "cache_info",
     "cache_text_encoder_outputs_to_disk", "clip_skip", "color_aug", "conditioning_data_dir", "console_log_file",
     "cpu_offload_checkpointing", "dataset_class", "dataset_repeats", "debiased_estimation_loss", "debug_dataset",
-    "enable_wildcard", "face_crop_aug_range", "fp16_master_weights_and_gradients", "fp8_base", "fp8_base_unet",
-    "full_bf16", "full_fp16", "fused_backward_pass", "huber_c", "huber_scale", "huber_schedule",
+    "enable_wildcard", "face_crop_aug_range", "fp8_base", "fp8_base_unet",
+    "fused_backward_pass", "huber_c", "huber_scale", "huber_schedule",
     "huggingface_path_in_repo", "huggingface_repo_id", "huggingface_repo_type", "huggingface_repo_visibility",
     "huggingface_token", "in_json", "initial_epoch", "initial_step", "ip_noise_gamma",
     "ip_noise_gamma_random_strength", "log_config", "log_tracker_config", "log_tracker_name", "log_with",

@@ -176,7 +176,8 @@ def trained_parts(config: Config) -> tuple[bool, bool]:
 
 def build_model(config: Config, components: Components, device: torch.device,
                 spec: NetworkSpec | None = None) -> tuple[DiffusionModel, list[dict[str, Any]]]:
-    """Freeze the base (already in its weight dtype), attach fp32 LoRA; return the model and optimizer groups."""
+    """Freeze the base (already in its weight dtype), attach the LoRA (fp32, or the weight dtype with full_fp16 /
+    full_bf16); return the model and optimizer groups."""
     spec = spec or NetworkSpec(config.network_dim, config.network_alpha)
     train_unet, train_text_encoder = trained_parts(config)
     unet, text_encoder = components.unet, components.text_encoder
@@ -197,6 +198,10 @@ def build_model(config: Config, components: Components, device: torch.device,
                                      spec.dim, spec.alpha, config.network_dropout)
         groups.append({"params": params, "lr": config.text_encoder_lr if config.text_encoder_lr is not None
                        else config.learning_rate, "name": "text_encoder"})
+    if config.full_fp16 or config.full_bf16:
+        for group in groups:
+            for param in group["params"]:
+                param.data = param.data.to(WEIGHT_DTYPES[config.mixed_precision])
     if config.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
         if train_text_encoder:
@@ -268,7 +273,7 @@ def _digest(value: Any) -> str:
 PATH_OPTIONS = ("seed", "train_batch_size", "gradient_accumulation_steps", "resolution", "train_data_dir",
                 "learning_rate", "unet_lr", "text_encoder_lr", "lr_scheduler", "lr_warmup_steps", "mixed_precision",
                 "max_grad_norm", "min_snr_gamma", "noise_offset", "min_timestep", "max_timestep", "network_dropout",
-                "optimizer_args", "v_parameterization")
+                "optimizer_args", "v_parameterization", "full_fp16", "full_bf16")
 
 
 def path_settings(config: Config, seed: int, data: TrainingData) -> dict[str, Any]:
@@ -474,6 +479,7 @@ def training_metadata(config: Config, spec: NetworkSpec, components: Components,
         num_batches_per_epoch=plan.batches_per_epoch,
         batch_size=config.train_batch_size, output_name=config.output_name,
         sd_model_name=Path(config.pretrained_model_name_or_path).name, mixed_precision=config.mixed_precision,
+        full_fp16=config.full_fp16,
         lr_scheduler=config.lr_scheduler, lr_warmup_steps=warmup_steps(config.lr_warmup_steps, plan.total_steps),
         optimizer=config.optimizer_type, gradient_accumulation_steps=config.gradient_accumulation_steps,
         gradient_checkpointing=config.gradient_checkpointing, max_grad_norm=config.max_grad_norm,

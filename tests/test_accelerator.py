@@ -5,9 +5,10 @@ import datetime
 import importlib.util
 
 import pytest
+import torch
 from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
-from library.accelerator import accelerator_kwargs
+from library.accelerator import accelerator_kwargs, allow_fp16_gradients
 from library.config import UserError, parse_config
 
 
@@ -76,3 +77,53 @@ def test_deepspeed_plugin_batch_sizes(tmp_path, monkeypatch):
     assert ds["zero_optimization"]["stage"] == 2
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert ds["gradient_clipping"] == 0.5
+
+
+def test_deepspeed_fp16_uses_kohyas_loss_scale_and_fp16_master_weights_with_zero2_offload(tmp_path):
+    config = config_with(tmp_path, "--deepspeed", "--mixed_precision", "fp16", "--zero_stage", "2",
+                         "--offload_optimizer_device", "cpu", "--full_fp16")
+    fp16 = accelerator_kwargs(config)["deepspeed_plugin"].deepspeed_config["fp16"]
+    assert fp16["enabled"] is True and fp16["initial_scale_power"] == 0
+    assert fp16["fp16_master_weights_and_grads"] is True
+    # The same through the DeepSpeed-only spelling.
+    config = config_with(tmp_path, "--deepspeed", "--mixed_precision", "fp16", "--offload_optimizer_device", "cpu",
+                         "--fp16_master_weights_and_gradients")
+    assert accelerator_kwargs(config)["deepspeed_plugin"].deepspeed_config["fp16"]["fp16_master_weights_and_grads"]
+
+
+def test_fp16_master_weights_need_zero2_with_cpu_offload(tmp_path, caplog):
+    for extra in (("--zero_stage", "3", "--offload_optimizer_device", "cpu"), ("--zero_stage", "2")):
+        config = config_with(tmp_path, "--deepspeed", "--mixed_precision", "fp16", "--full_fp16", *extra)
+        fp16 = accelerator_kwargs(config)["deepspeed_plugin"].deepspeed_config["fp16"]
+        assert "fp16_master_weights_and_grads" not in fp16 and fp16["initial_scale_power"] == 0
+    assert "master weights stay fp32" in caplog.text
+    # Without fp16 there is no fp16 section for accelerate to keep.
+    bf16 = accelerator_kwargs(config_with(tmp_path, "--deepspeed", "--mixed_precision", "bf16"))
+    assert "fp16" not in bf16["deepspeed_plugin"].deepspeed_config
+
+
+def test_full_precision_options_need_the_matching_mixed_precision(tmp_path):
+    with pytest.raises(UserError) as e:
+        config_with(tmp_path, "--full_fp16", "--full_bf16", "--fp16_master_weights_and_gradients")
+    text = str(e.value)
+    assert 'full_fp16 needs mixed_precision = "fp16"' in text
+    assert 'full_bf16 needs mixed_precision = "bf16"' in text
+    assert 'fp16_master_weights_and_gradients needs mixed_precision = "fp16"' in text
+
+
+def test_full_fp16_lets_the_grad_scaler_unscale_fp16_gradients():
+    def scaled_step(patched: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(3, 2).half()
+        optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+        if patched:
+            allow_fp16_gradients(scaler)
+        scaler.scale(layer(torch.ones(1, 3, dtype=torch.float16)).float().sum()).backward()
+        scaler.unscale_(optimizer)
+        return layer.weight.grad
+
+    with pytest.raises(ValueError, match="unscale FP16 gradients"):
+        scaled_step(patched=False)
+    # d(sum(W x + b))/dW = x for each output row: the unscaled gradient is exactly 1, not the scale 8.
+    assert torch.equal(scaled_step(patched=True), torch.ones(2, 3, dtype=torch.float16))

@@ -134,6 +134,17 @@ def test_training_options_run_and_change_the_lora(tiny_sd1_dir, sample_data_dir,
     assert result.global_step == 2 and len(result.losses) == 2
 
 
+def test_full_bf16_trains_bf16_lora_weights(tiny_sd1_dir, sample_data_dir, tmp_path):
+    config = make_config(tiny_sd1_dir, sample_data_dir, tmp_path, "--max_train_steps", "2", "--learning_rate",
+                         "1e-2", "--mixed_precision", "bf16", "--full_bf16")
+    result = trainer.run(config)
+    params = network.lora_parameters(result.model.unet)
+    assert params and all(p.dtype == torch.bfloat16 for p in params)
+    state_dict = network.load_kohya_lora(result.output_file)[0]
+    ups = [v for k, v in state_dict.items() if k.endswith("lora_up.weight")]
+    assert ups and all(v.dtype == torch.bfloat16 and v.abs().max() > 0 for v in ups)
+
+
 def test_unet_only_and_text_encoder_only(tiny_sd1_dir, sample_data_dir, tmp_path):
     for flag, prefix in (("--network_train_unet_only", "lora_unet_"), ("--network_train_text_encoder_only",
                                                                         "lora_te_")):
