@@ -13,6 +13,7 @@ from accelerate.utils import (DeepSpeedPlugin, DistributedDataParallelKwargs, Di
                                InitProcessGroupKwargs)
 
 from library.config import Config, UserError
+from library.optim import parse_key_values, resolve_optimizer_type
 
 logger = logging.getLogger(__name__)
 
@@ -74,24 +75,39 @@ def deepspeed_plugin(config: Config, world_size: int) -> DeepSpeedPlugin:
     micro_batch = config.train_batch_size
     plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch
     plugin.deepspeed_config["train_batch_size"] = micro_batch * config.gradient_accumulation_steps * world_size
+    cpu_adam = offload_optimizer is not None and keeps_deepspeed_cpu_adam(config)
+    if offload_optimizer is not None and not cpu_adam:
+        # accelerate would otherwise swap any optimizer for DeepSpeed's CPU Adam, keeping only lr and weight_decay.
+        plugin.deepspeed_config["zero_force_ds_cpu_optimizer"] = False
+        logger.info("DeepSpeed optimizer offload: the configured optimizer steps on the CPU copy (DeepSpeed's CPU "
+                    "Adam is used only for AdamW with lr and weight_decay)")
     if config.mixed_precision == "fp16":
         # accelerate keeps an "fp16" section it finds and only fills in "enabled".
-        plugin.deepspeed_config["fp16"] = deepspeed_fp16_section(config, zero_stage, offload_optimizer)
+        plugin.deepspeed_config["fp16"] = deepspeed_fp16_section(config, zero_stage, offload_optimizer, cpu_adam)
     return plugin
 
 
-def deepspeed_fp16_section(config: Config, zero_stage: int, offload_optimizer: str | None) -> dict[str, Any]:
+def keeps_deepspeed_cpu_adam(config: Config) -> bool:
+    """Whether DeepSpeed's CPU Adam is exactly the configured optimizer: AdamW with at most a weight decay (accelerate
+    carries only lr and weight_decay over to it)."""
+    name = resolve_optimizer_type(config.optimizer_type, config.use_8bit_adam, config.use_lion_optimizer)
+    return name == "AdamW" and set(parse_key_values(config.optimizer_args)) <= {"weight_decay"}
+
+
+def deepspeed_fp16_section(config: Config, zero_stage: int, offload_optimizer: str | None,
+                           cpu_adam: bool) -> dict[str, Any]:
     """kohya's fp16 settings: the dynamic loss scale starts at 2**0 instead of 2**16, which overflows the first
     steps of a fresh LoRA; full_fp16 / fp16_master_weights_and_gradients keep fp16 master weights, which DeepSpeed
     offers only for ZeRO-2 with its CPU Adam."""
     section: dict[str, Any] = {"enabled": True, "auto_cast": True, "initial_scale_power": 0}
     if config.full_fp16 or config.fp16_master_weights_and_gradients:
-        if zero_stage == 2 and offload_optimizer == "cpu":
+        if zero_stage == 2 and offload_optimizer == "cpu" and cpu_adam:
             section["fp16_master_weights_and_grads"] = True
         else:
-            logger.warning("full_fp16 / fp16_master_weights_and_gradients under DeepSpeed need zero_stage 2 and "
-                           "offload_optimizer_device cpu (got zero_stage %s, offload_optimizer_device %s); the "
-                           "master weights stay fp32", zero_stage, offload_optimizer)
+            logger.warning("full_fp16 / fp16_master_weights_and_gradients under DeepSpeed need zero_stage 2, "
+                           "offload_optimizer_device cpu and AdamW (got zero_stage %s, offload_optimizer_device %s, "
+                           "optimizer_type %s); the master weights stay fp32", zero_stage, offload_optimizer,
+                           config.optimizer_type)
     return section
 
 

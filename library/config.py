@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib.util
 import os
 import tomllib
 from pathlib import Path
@@ -95,7 +96,7 @@ def _toml_value(option: Option, value: Any) -> str:
         return repr(value)
     if isinstance(value, str):
         return _toml_str(value)
-    return "[" + ", ".join(_toml_str(v) for v in value) + "]"
+    return "[" + ", ".join(repr(v) if isinstance(v, int) else _toml_str(v) for v in value) + "]"
 
 
 def _toml_str(text: str) -> str:
@@ -360,6 +361,7 @@ def _check_values(v: dict[str, Any]) -> list[str]:
     need(not v["fp16_master_weights_and_gradients"] or v["mixed_precision"] == "fp16",
          "fp16_master_weights_and_gradients needs mixed_precision = \"fp16\" "
          f"(got {v['mixed_precision']!r})")
+    problems += _check_logging(v)
     need(v["zero_stage"] in (0, 1, 2, 3), f"zero_stage must be 0, 1, 2 or 3 (got {v['zero_stage']})")
     need(v["ddp_timeout"] is None or v["ddp_timeout"] > 0, "ddp_timeout must be a positive number of minutes")
     for name in ("save_every_n_steps", "save_every_n_epochs", "save_last_n_steps", "save_last_n_epochs",
@@ -373,6 +375,65 @@ def _check_values(v: dict[str, Any]) -> list[str]:
         need("=" in arg, f"{arg!r}: network_args and optimizer_args entries must look like key=value")
     need(not v["network_args"],
          "network_args: no network arguments are supported yet; remove " + " ".join(v["network_args"]))
+    # Optimizer and schedule; checks that need the optimizer class or the step count run in library.optim.
+    for arg in v["lr_scheduler_args"]:
+        need("=" in arg, f"{arg!r}: lr_scheduler_args entries must look like key=value")
+    need(not (v["use_8bit_adam"] and v["use_lion_optimizer"]),
+         "use_8bit_adam and use_lion_optimizer cannot both be set")
+    for flag, meant in (("use_8bit_adam", "AdamW8bit"), ("use_lion_optimizer", "Lion")):
+        need(not v[flag] or v["optimizer_type"] in ("AdamW", meant),
+             f"{flag} means optimizer_type {meant} and cannot be combined with optimizer_type {v['optimizer_type']}")
+    need(v["lr_decay_steps"] >= 0 and (v["lr_decay_steps"] < 1 or float(v["lr_decay_steps"]).is_integer()),
+         f"lr_decay_steps must be a whole number of steps or a fraction below 1 (got {v['lr_decay_steps']})")
+    need(v["lr_scheduler_min_lr_ratio"] is None or 0 <= v["lr_scheduler_min_lr_ratio"] <= 1,
+         f"lr_scheduler_min_lr_ratio must be in [0, 1] (got {v['lr_scheduler_min_lr_ratio']})")
+    need(v["lr_scheduler_timescale"] is None or v["lr_scheduler_timescale"] >= 1,
+         f"lr_scheduler_timescale must be at least 1 (got {v['lr_scheduler_timescale']})")
+    need(not v["lr_scheduler_type"] or v["lr_warmup_steps"] == 0,
+         f"lr_warmup_steps applies to lr_scheduler, not to lr_scheduler_type {v['lr_scheduler_type']}; remove it "
+         "(give the class its own arguments in lr_scheduler_args)")
+    need(v["lr_scheduler"] != "cosine_with_min_lr" or bool(v["lr_scheduler_type"])
+         or v["lr_scheduler_min_lr_ratio"] is not None
+         or any(arg.partition("=")[0].strip() == "min_lr" for arg in v["lr_scheduler_args"]),
+         "lr_scheduler cosine_with_min_lr needs lr_scheduler_min_lr_ratio (the final learning rate as a fraction "
+         "of the initial one) or min_lr=... in lr_scheduler_args")
+    return problems
+
+
+def read_toml(path: str | os.PathLike) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+def _check_logging(v: dict[str, Any]) -> list[str]:
+    problems: list[str] = []
+    trackers = {"all": ("tensorboard", "wandb")}.get(v["log_with"], (v["log_with"],))
+    if "wandb" in trackers and importlib.util.find_spec("wandb") is None:
+        problems.append("log_with = \"%s\" needs wandb: pip install wandb" % v["log_with"])
+    if "tensorboard" in trackers and importlib.util.find_spec("tensorboard") is None:
+        problems.append("log_with = \"%s\" needs tensorboard: pip install tensorboard" % v["log_with"])
+    path = v["log_tracker_config"]
+    if path is not None:
+        try:
+            tables = read_toml(path)
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            problems.append(f"log_tracker_config: cannot read {path}: {e}")
+        else:
+            for name, table in tables.items():
+                if name not in ("tensorboard", "wandb") or not isinstance(table, dict):
+                    problems.append(f"log_tracker_config {path}: [{name}] is not a tracker table; use [wandb] or "
+                                    "[tensorboard] tables of init arguments")
+    if not 1 <= v["loss_timestep_bins"] <= v["max_timestep"] - v["min_timestep"]:
+        problems.append(f"loss_timestep_bins must be between 1 and the number of trained timesteps "
+                        f"(got {v['loss_timestep_bins']})")
+    if not 0 <= v["validation_split"] < 1:
+        problems.append(f"validation_split must be in [0, 1) (got {v['validation_split']})")
+    for name in ("validate_every_n_steps", "validate_every_n_epochs"):
+        if v[name] is not None and v[name] < 1:
+            problems.append(f"{name} must be at least 1 (got {v[name]})")
+    bad = [t for t in v["validation_timesteps"] if not 0 <= t < 1000]
+    if bad or not v["validation_timesteps"]:
+        problems.append(f"validation_timesteps must be timesteps in [0, 1000) (got {v['validation_timesteps']})")
     return problems
 
 

@@ -26,6 +26,7 @@ from library.dataset_config import DatasetSpec, SubsetSpec, resolve_datasets
 from library.images import (FORMATS_BY_EXTENSION, IMAGE_EXTENSIONS, Bucketer, ImageProblem, center_crop, inspect_image,
                             prepare_image)
 from library.objective import derive_seed
+from library.validation import split_validation
 
 logger = logging.getLogger(__name__)
 
@@ -378,6 +379,12 @@ class TrainingData:
     warnings: list[str]
     left_out: list[str]  # "path: reason" of files left out under skip_bad_images
     subsets: list[SubsetReport]
+    validation: TrainingDataset | None = None  # held-out images (validation_split), each once
+
+    def set_tokenizer(self, tokenize: Callable[[str], torch.Tensor]) -> None:
+        for dataset in (self.dataset, self.validation):
+            if dataset is not None:
+                dataset.tokenize = tokenize
 
     collate_fn = staticmethod(collate)
 
@@ -488,6 +495,15 @@ def _assemble(specs: Sequence[DatasetSpec], records: list[ImageRecord], seed: in
     return dataset, sampler
 
 
+def _hold_out(records: list[ImageRecord], fraction: float,
+              seed: int) -> tuple[list[ImageRecord], list[ImageRecord]]:
+    """(training records, validation records): a seeded share of the training images (never regularisation)."""
+    candidates = [i for i, r in enumerate(records) if not r.is_reg]
+    held = {candidates[i] for i in split_validation(candidates, fraction, seed)}
+    return ([r for i, r in enumerate(records) if i not in held],
+            [r for i, r in enumerate(records) if i in held])
+
+
 def collect_training_data(config: Config, tokenize: Callable[[str], torch.Tensor] | None, seed: int,
              num_processes: int) -> tuple[TrainingData | None, list[str], list[str]]:
     """Build what can be built; returns (data or None, problems, warnings) without raising for data problems."""
@@ -500,8 +516,12 @@ def collect_training_data(config: Config, tokenize: Callable[[str], torch.Tensor
     records = scan.records
     skip = config.skip_bad_images
     left_out = list(problems) if skip else []
+    records, held_out = _hold_out(records, config.validation_split,
+                                  seed if config.validation_seed is None else config.validation_seed)
     dataset, sampler = _assemble(specs, records, seed, num_processes, tokenize, config.prior_loss_weight)
     data = TrainingData(specs, records, dataset, sampler, seed, num_processes, warnings, left_out, scan.subsets)
+    if held_out:
+        data.validation = TrainingDataset(held_out, list(range(len(held_out))), seed, tokenize, 1.0)
     if sampler.num_batches == 0 and (skip or not problems):
         has_train = any(not r.is_reg for r in records)
         problems.append("the dataset yields no batches: " + (
@@ -530,4 +550,8 @@ def build_training_data(config: Config, tokenize: Callable[[str], torch.Tensor] 
     logger.info("%d training images (%d with repeats), %d regularisation images with repeats; %d batches per "
                 "epoch over %d process(es)", data.num_unique_images, data.num_train_images, data.num_reg_images,
                 data.batches_per_epoch, num_processes)
+    if data.validation is not None:
+        logger.info("%d images held out for validation", len(data.validation))
+    elif config.validation_split > 0:
+        logger.warning("validation_split: too few training images to hold any out; no validation")
     return data

@@ -23,8 +23,8 @@ def torch_seed(seed: int, *keys: Any) -> int:
     return derive_seed(seed, *keys) & ((1 << 63) - 1)
 
 
-def step_generator(seed: int, *keys: int) -> torch.Generator:
-    """A CPU generator seeded from the run seed and integer keys (for example epoch and batch position)."""
+def step_generator(seed: int, *keys: Any) -> torch.Generator:
+    """A CPU generator seeded from the run seed and keys (for example epoch and batch position)."""
     return torch.Generator(device="cpu").manual_seed(torch_seed(seed, *keys))
 
 

@@ -76,6 +76,14 @@ def _to_str_list(value: Any) -> list[str]:
     raise ValueError("expected a list of strings")
 
 
+def _to_int_list(value: Any) -> list[int]:
+    """A TOML array of integers, or "100,300,500" (commas or spaces) on the command line."""
+    items = value.replace(",", " ").split() if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise ValueError("expected a list of integers")
+    return [_to_int(item) for item in items]
+
+
 def _to_resolution(value: Any) -> tuple[int, int]:
     """kohya accepts "512", "512,768" (width,height) or a number; also a [w, h] array here."""
     if isinstance(value, bool):
@@ -140,6 +148,7 @@ GROUPS = {
     "objective": "Noise and loss",
     "output": "Output",
     "logging": "Logging",
+    "validation": "Validation",
     "distributed": "Accelerator, multi-process and DeepSpeed",
     "config": "Configuration file",
 }
@@ -222,17 +231,71 @@ _TRAINING = [
     _opt("gradient_checkpointing", _to_bool, False, "recompute activations in backward to save memory"),
     _opt("seed", _to_int, None, "random seed (a random one is drawn and recorded when unset)"),
 ]
+# kohya's optimizer_type names, matched case-insensitively; library/optim.py builds each one.
+OPTIMIZER_TYPES: tuple[str, ...] = (
+    "AdamW", "AdamW8bit", "PagedAdamW", "PagedAdamW8bit", "PagedAdamW32bit", "SGDNesterov", "SGDNesterov8bit",
+    "Lion", "Lion8bit", "PagedLion8bit", "AdEMAMix8bit", "PagedAdEMAMix8bit", "Prodigy", "DAdaptation",
+    "DAdaptAdamPreprint", "DAdaptAdaGrad", "DAdaptAdam", "DAdaptAdan", "DAdaptAdanIP", "DAdaptLion", "DAdaptSGD",
+    "Adafactor", "AdamWScheduleFree", "RAdamScheduleFree", "SGDScheduleFree",
+)
+
+
+def canonical_optimizer_type(name: str) -> str:
+    """kohya's spelling of a known name, a torch.optim class name, or a "module.Class" path as given (that one is
+    imported when the optimizer is built). Raises ValueError naming close matches."""
+    known = {n.lower(): n for n in OPTIMIZER_TYPES}
+    if name.lower() in known:
+        return known[name.lower()]
+    if "." in name:
+        return name
+    # Imported here, not at the top: the schema must load without torch, and most configs never get this far.
+    import difflib
+
+    import torch.optim
+
+    torch_names = {n.lower(): n for n, v in vars(torch.optim).items()
+                   if isinstance(v, type) and issubclass(v, torch.optim.Optimizer) and v is not torch.optim.Optimizer}
+    if name.lower() in torch_names:
+        return torch_names[name.lower()]
+    candidates = {**torch_names, **known}
+    close = [candidates[c] for c in difflib.get_close_matches(name.lower(), list(candidates), n=3, cutoff=0.6)]
+    hint = (f"did you mean {' or '.join(map(repr, close))}?" if close else
+            f"use one of {', '.join(OPTIMIZER_TYPES)}, a torch.optim class such as RAdam, or \"module.Class\"")
+    raise ValueError(f"not a known optimizer; {hint}")
+
+
+def _to_optimizer_type(value: Any) -> str:
+    return canonical_optimizer_type(_to_str(value).strip())
+
+
 _OPTIMIZER = [
-    _opt("optimizer_type", _to_str, "AdamW", "optimizer", choices=("AdamW",)),
+    _opt("optimizer_type", _to_optimizer_type, "AdamW",
+         f"optimizer: {', '.join(OPTIMIZER_TYPES)} (any case); or a torch.optim class (RAdam) or \"module.Class\""),
+    _opt("use_8bit_adam", _to_bool, False, "kohya's older switch for optimizer_type AdamW8bit"),
+    _opt("use_lion_optimizer", _to_bool, False, "kohya's older switch for optimizer_type Lion"),
     _opt("optimizer_args", _to_str_list, [], "optimizer keyword arguments, e.g. weight_decay=0.01 \"betas=(0.9,0.99)\"",
          metavar="KEY=VALUE"),
     _opt("learning_rate", _to_float, 2e-6, "base learning rate"),
-    _opt("lr_scheduler", _to_str, "constant", "learning-rate schedule",
-         choices=("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")),
+    _opt("lr_scheduler", _to_str, "constant", "learning-rate schedule (unused when lr_scheduler_type is set)",
+         choices=("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial",
+                  "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay", "piecewise_constant", "adafactor")),
     _opt("lr_warmup_steps", _to_float, 0,
          "warm-up steps, or a fraction of the total steps when below 1"),
-    _opt("lr_scheduler_num_cycles", _to_int, 1, "restarts for cosine_with_restarts"),
+    _opt("lr_decay_steps", _to_float, 0,
+         "decay steps of warmup_stable_decay, or a fraction of the total steps when below 1"),
+    _opt("lr_scheduler_num_cycles", _to_int, 1,
+         "cycles of cosine_with_restarts; half-waves of the cosine in cosine_with_min_lr and warmup_stable_decay"),
     _opt("lr_scheduler_power", _to_float, 1.0, "power of the polynomial schedule"),
+    _opt("lr_scheduler_timescale", _to_int, None,
+         "timescale of inverse_sqrt (default: the warm-up steps, or 10000 without warm-up)"),
+    _opt("lr_scheduler_min_lr_ratio", _to_float, None,
+         "final learning rate as a fraction of the initial one: cosine_with_min_lr (required), "
+         "warmup_stable_decay (default 0)"),
+    _opt("lr_scheduler_type", _to_str, None,
+         "a scheduler class instead of lr_scheduler: a torch.optim.lr_scheduler name (StepLR) or \"module.Class\"; "
+         "stepped once per optimizer step"),
+    _opt("lr_scheduler_args", _to_str_list, [],
+         "keyword arguments of lr_scheduler_type or lr_scheduler, e.g. step_size=100 gamma=0.5", metavar="KEY=VALUE"),
 ]
 _OBJECTIVE = [
     _opt("min_snr_gamma", _to_float, None, "Min-SNR loss weighting gamma (5 is the paper's value)"),
@@ -265,10 +328,30 @@ _OUTPUT = [
     _opt("training_comment", _to_str, None, "free text stored as ss_training_comment"),
 ]
 _LOGGING = [
-    _opt("logging_dir", _to_str, None, "tracker log folder", is_path=True, metavar="PATH"),
-    _opt("log_prefix", _to_str, None, "prefix of the tracker run name"),
+    _opt("log_with", _to_str, None, "trackers to log to (logging_dir alone means tensorboard)",
+         choices=("tensorboard", "wandb", "all")),
+    _opt("logging_dir", _to_str, None, "tracker log folder (default output_dir/logs when log_with is set)",
+         is_path=True, metavar="PATH"),
+    _opt("log_prefix", _to_str, None, "prefix of the run's folder name under logging_dir"),
+    _opt("log_tracker_name", _to_str, None, "tracker project / run name (default network_train)"),
+    _opt("log_tracker_config", _to_str, None,
+         "TOML of per-tracker init arguments: [wandb] entity = ..., [tensorboard] flush_secs = ...",
+         is_path=True, metavar="PATH"),
+    _opt("wandb_run_name", _to_str, None, "wandb run name"),
+    _opt("wandb_api_key", _to_str, None, "wandb API key (never written to any file or tracker)", secret=True),
+    _opt("log_config", _to_bool, False, "send the resolved config to the trackers (no secrets, no full paths)"),
+    _opt("loss_timestep_bins", _to_int, 10, "log the training loss binned by timestep into this many bins"),
     _opt("console_log_level", _to_str, "INFO", "console log level",
          choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")),
+]
+_VALIDATION = [
+    _opt("validation_split", _to_float, 0.0, "fraction of the training images held out for validation"),
+    _opt("validation_seed", _to_int, None, "seed of the split and of the validation noise (default: seed)"),
+    _opt("validate_every_n_steps", _to_int, None, "validate every n optimizer steps"),
+    _opt("validate_every_n_epochs", _to_int, None,
+         "validate every n epochs (default: every epoch when neither interval is set)"),
+    _opt("validation_timesteps", _to_int_list, [100, 300, 500, 700, 900],
+         "the fixed timesteps the validation loss is measured at", metavar="T,T,..."),
 ]
 _DISTRIBUTED = [
     _opt("ddp_timeout", _to_int, None, "process-group timeout in minutes"),
@@ -295,6 +378,7 @@ _CONFIG = [
 
 _BY_GROUP = {"model": _MODEL, "dataset": _DATASET, "network": _NETWORK, "training": _TRAINING,
              "optimizer": _OPTIMIZER, "objective": _OBJECTIVE, "output": _OUTPUT, "logging": _LOGGING,
+             "validation": _VALIDATION,
              "distributed": _DISTRIBUTED, "config": _CONFIG}
 OPTIONS: dict[str, Option] = {
     o.name: dataclasses.replace(o, group=group) for group, options in _BY_GROUP.items() for o in options}
@@ -323,16 +407,15 @@ UNSUPPORTED_KOHYA_OPTIONS: tuple[str, ...] = (
     "fused_backward_pass", "huber_c", "huber_scale", "huber_schedule",
     "huggingface_path_in_repo", "huggingface_repo_id", "huggingface_repo_type", "huggingface_repo_visibility",
     "huggingface_token", "in_json", "initial_epoch", "initial_step", "ip_noise_gamma",
-    "ip_noise_gamma_random_strength", "log_config", "log_tracker_config", "log_tracker_name", "log_with",
-    "loraplus_lr_ratio", "loraplus_text_encoder_lr_ratio", "loraplus_unet_lr_ratio", "loss_type", "lr_decay_steps",
-    "lr_scheduler_args", "lr_scheduler_min_lr_ratio", "lr_scheduler_timescale", "lr_scheduler_type", "masked_loss",
+    "ip_noise_gamma_random_strength",
+    "loraplus_lr_ratio", "loraplus_text_encoder_lr_ratio", "loraplus_unet_lr_ratio", "loss_type", "masked_loss",
     "max_token_length", "max_validation_steps", "metadata_author", "metadata_description", "metadata_license",
     "metadata_tags", "metadata_title", "multires_noise_discount", "multires_noise_iterations",
     "noise_offset_random_strength", "offload_optimizer_nvme_path", "offload_param_nvme_path",
     "resume_from_huggingface", "sample_at_first", "sample_every_n_epochs", "sample_every_n_steps", "sample_prompts",
     "sample_sampler", "save_n_epoch_ratio", "save_state_to_huggingface", "scale_v_pred_loss_like_noise_pred",
     "scale_weight_norms", "secondary_separator", "skip_cache_check", "skip_until_initial_step", "token_warmup_min",
-    "token_warmup_step", "use_8bit_adam", "use_lion_optimizer", "v_pred_like_loss", "validate_every_n_epochs",
-    "validate_every_n_steps", "validation_seed", "validation_split", "vae", "wandb_api_key", "wandb_run_name",
+    "token_warmup_step", "v_pred_like_loss",
+    "vae",
     "weighted_captions", "zero3_init_flag", "zero3_save_16bit_model", "zero_terminal_snr",
 )

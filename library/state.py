@@ -40,6 +40,7 @@ class TrainState:
     fingerprint: dict[str, Any] = dataclasses.field(default_factory=dict)  # must match to resume
     path_settings: dict[str, Any] = dataclasses.field(default_factory=dict)  # change the path if they differ
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)  # running metrics (binned loss, average)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)

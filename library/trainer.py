@@ -12,93 +12,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, broadcast_object_list, set_seed
+from accelerate.utils import DistributedType, broadcast_object_list, send_to_device, set_seed
 from tqdm.auto import tqdm
 
 from library import network, objective
+from library.chart import loss_by_timestep_chart, save_png
 from library.metadata import lora_metadata
 from library.accelerator import prepare_accelerator
 from library.config import Config, UserError
-from library.cache import cache_latents, cache_text_encoder_outputs, check_finite_latents, sample_cached_latents
+from library.cache import cache_latents, cache_text_encoder_outputs
 from library.data import TrainingData, build_training_data
 from library.families import Components, encode_prompt, load_sd_components, tokenize
-from library.optim import build_lr_scheduler, build_optimizer, warmup_steps
+from library.model import (SAVE_DTYPES, WEIGHT_DTYPES, DiffusionModel, NetworkSpec, Objective, batch_latents,
+                           build_model, diffusion_loss, load_adapter, lora_modules, network_spec, save_lora,
+                           trained_parts)
+from library.optim import build_lr_scheduler, build_optimizer, schedule_free_eval, warmup_steps
 from library.state import (Checkpointer, TrainState, epoch_name, incompatibilities, library_versions,
                            path_changes, prune_epochs, prune_steps, remove_stale_temporaries, resolve_resume,
                            state_dir_name, step_name)
+from library.tracking import StepMetrics, TimestepLoss, Trackers, lr_names
+from library.validation import evaluating, should_validate, validation_loss, validation_metrics
 
 logger = logging.getLogger(__name__)
-
-WEIGHT_DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-SAVE_DTYPES = {None: None, "float": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-class DiffusionModel(torch.nn.Module):
-    """The text encoder and UNet as one module, so DDP and DeepSpeed see every LoRA parameter in one place."""
-
-    def __init__(self, unet: torch.nn.Module, text_encoder: torch.nn.Module, train_text_encoder: bool):
-        super().__init__()
-        self.unet = unet
-        self.text_encoder = text_encoder
-        self.train_text_encoder = train_text_encoder
-
-    def forward(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, conditioning: torch.Tensor) -> torch.Tensor:
-        """`conditioning`: token ids, or text-encoder hidden states when they were cached (float)."""
-        if conditioning.is_floating_point():
-            hidden_states = conditioning
-        else:
-            with torch.set_grad_enabled(self.train_text_encoder and torch.is_grad_enabled()):
-                hidden_states = encode_prompt(self.text_encoder, conditioning)
-        return self.unet(noisy_latents, timesteps, hidden_states, return_dict=False)[0]
-
-
-@dataclass(frozen=True)
-class Objective:
-    """What the loss needs from the model family and the config."""
-    alphas_cumprod: torch.Tensor
-    v_prediction: bool
-    min_timestep: int
-    max_timestep: int
-    noise_offset: float | None
-    min_snr_gamma: float | None
-
-
-def diffusion_loss(model: torch.nn.Module, latents: torch.Tensor, input_ids: torch.Tensor, noise: torch.Tensor,
-                   timesteps: torch.Tensor, obj: Objective) -> torch.Tensor:
-    """Per-sample loss of the noise (or v) prediction at the given noise and timesteps."""
-    noisy = objective.add_noise(latents, noise, timesteps, obj.alphas_cumprod)
-    prediction = model(noisy, timesteps, input_ids)
-    target = objective.prediction_target(latents, noise, timesteps, obj.alphas_cumprod, obj.v_prediction)
-    loss = objective.per_sample_loss(prediction, target)
-    if obj.min_snr_gamma:
-        loss = loss * objective.min_snr_weight(timesteps, obj.alphas_cumprod, obj.min_snr_gamma, obj.v_prediction)
-    return loss
-
-
-@torch.no_grad()
-def encode_latents(vae: torch.nn.Module, pixels: torch.Tensor, generator: torch.Generator,
-                   vae_dtype: torch.dtype) -> torch.Tensor:
-    """VAE posterior sample scaled to the UNet's latent range."""
-    # The dtype is passed in: diffusers' vae.dtype walks every submodule, a cost on every step.
-    distribution = vae.encode(pixels.to(dtype=vae_dtype)).latent_dist
-    # Drawn on CPU from the step's generator, so the sample does not depend on the device or the global RNG.
-    eps = torch.randn(distribution.mean.shape, generator=generator, dtype=torch.float32)
-    latents = distribution.mean + distribution.std * eps.to(device=distribution.mean.device,
-                                                              dtype=distribution.mean.dtype)
-    return latents * vae.config.scaling_factor
-
-
-def batch_latents(batch: dict[str, Any], vae: torch.nn.Module, generator: torch.Generator,
-                  vae_dtype: torch.dtype) -> torch.Tensor:
-    """The batch's latents: a posterior sample from cached parameters, or from encoding its pixels."""
-    if "latent_mean" in batch:
-        return sample_cached_latents(batch["latent_mean"], batch["latent_logvar"], generator,
-                                     vae.config.scaling_factor, vae_dtype)
-    latents = encode_latents(vae, batch["pixels"], generator, vae_dtype)
-    check_finite_latents(latents, batch["path"])
-    return latents
 
 
 def cache_inputs(config: Config, data: TrainingData, components: Components, accelerator: Accelerator,
@@ -144,106 +82,8 @@ class RunResult:
     global_step: int
     model: DiffusionModel | None = None  # the unwrapped trained model, for in-process callers
     losses: list[float] = field(default_factory=list)  # each optimizer step's loss, averaged over processes
+    validation: dict[int, float] = field(default_factory=dict)  # the last validation loss per timestep
     step_times: list[float] = field(default_factory=list)  # wall seconds of each optimizer step
-
-
-@dataclass(frozen=True)
-class NetworkSpec:
-    """The LoRA's shape: from the config, or read from network_weights with dim_from_weights."""
-    dim: int
-    alpha: float
-    initial_weights: dict[str, torch.Tensor] | None = None
-
-
-def network_spec(config: Config) -> NetworkSpec:
-    if config.network_weights is None:
-        return NetworkSpec(config.network_dim, config.network_alpha)
-    try:
-        state_dict, _ = network.load_kohya_lora(config.network_weights)
-        dim, alpha = network.dims_from_state_dict(state_dict)
-    except (OSError, ValueError) as e:
-        raise UserError(f"network_weights {config.network_weights}: {e}") from None
-    if config.dim_from_weights:
-        logger.info("dim_from_weights: network_dim %d, network_alpha %g from %s", dim, alpha, config.network_weights)
-        return NetworkSpec(dim, alpha, state_dict)
-    return NetworkSpec(config.network_dim, config.network_alpha, state_dict)
-
-
-def trained_parts(config: Config) -> tuple[bool, bool]:
-    """(train the UNet, train the text encoder)."""
-    return not config.network_train_text_encoder_only, not config.network_train_unet_only
-
-
-def build_model(config: Config, components: Components, device: torch.device,
-                spec: NetworkSpec | None = None) -> tuple[DiffusionModel, list[dict[str, Any]]]:
-    """Freeze the base (already in its weight dtype), attach the LoRA (fp32, or the weight dtype with full_fp16 /
-    full_bf16); return the model and optimizer groups."""
-    spec = spec or NetworkSpec(config.network_dim, config.network_alpha)
-    train_unet, train_text_encoder = trained_parts(config)
-    unet, text_encoder = components.unet, components.text_encoder
-    for module in (unet, text_encoder, components.vae):
-        module.requires_grad_(False)
-    components.vae.to(device).eval()
-    unet.to(device)
-    text_encoder.to(device)
-
-    groups: list[dict[str, Any]] = []
-    if train_unet:
-        params = network.attach_lora(unet, network.unet_target_modules(unet), spec.dim, spec.alpha,
-                                     config.network_dropout)
-        groups.append({"params": params, "lr": config.unet_lr if config.unet_lr is not None
-                       else config.learning_rate, "name": "unet"})
-    if train_text_encoder:
-        params = network.attach_lora(text_encoder, network.text_encoder_target_modules(text_encoder),
-                                     spec.dim, spec.alpha, config.network_dropout)
-        groups.append({"params": params, "lr": config.text_encoder_lr if config.text_encoder_lr is not None
-                       else config.learning_rate, "name": "text_encoder"})
-    if config.full_fp16 or config.full_bf16:
-        for group in groups:
-            for param in group["params"]:
-                param.data = param.data.to(WEIGHT_DTYPES[config.mixed_precision])
-    if config.gradient_checkpointing:
-        unet.enable_gradient_checkpointing()
-        if train_text_encoder:
-            # Non-reentrant: with a frozen base the inputs need no grad, which reentrant checkpointing requires.
-            text_encoder.activation_checkpointing_enable({"use_reentrant": False})
-    unet.train(train_unet)
-    text_encoder.train(train_text_encoder)
-    model = DiffusionModel(unet, text_encoder, train_text_encoder)
-    if spec.initial_weights is not None:
-        load_adapter(config, model, spec.initial_weights, strict=False, source=str(config.network_weights))
-    return model, groups
-
-
-def lora_modules(model: DiffusionModel, config: Config) -> dict[str, torch.nn.Module]:
-    train_unet, train_text_encoder = trained_parts(config)
-    modules: dict[str, torch.nn.Module] = {}
-    if train_unet:
-        modules["lora_unet"] = model.unet
-    if train_text_encoder:
-        modules["lora_te"] = model.text_encoder
-    return modules
-
-
-def load_adapter(config: Config, model: DiffusionModel, state_dict: dict[str, torch.Tensor], strict: bool,
-                 source: str) -> None:
-    """Kohya-format weights into the attached LoRA. Keys for a part that is not trained are left out."""
-    modules = lora_modules(model, config)
-    if not strict:
-        state_dict = {k: v for k, v in state_dict.items() if k.startswith(tuple(f"{p}_" for p in modules))}
-    try:
-        report = network.apply_kohya_state_dict(modules, state_dict, strict=strict)
-    except ValueError as e:
-        raise UserError(f"{source}: {e}") from None
-    if report.missing:
-        logger.warning("%s: %d LoRA modules are not in the file and start from scratch", source,
-                       len(report.missing) // 2)
-
-
-def save_lora(config: Config, model: DiffusionModel, spec: NetworkSpec, path: Path, metadata: dict[str, str],
-              dtype: torch.dtype | None) -> None:
-    state_dict = network.kohya_state_dict(lora_modules(model, config), spec.alpha, dtype)
-    network.save_lora_file(path, state_dict, {} if config.no_metadata else metadata)
 
 
 def run_fingerprint(config: Config, spec: NetworkSpec, components: Components,
@@ -297,13 +137,15 @@ def run(config: Config) -> RunResult:
     """Train a LoRA as configured and write it to output_dir/output_name.safetensors."""
     started_at = time.time()
     accelerator = prepare_accelerator(config)
+    trackers = Trackers()
     try:
-        return _train(config, accelerator, started_at)
+        return _train(config, accelerator, started_at, trackers)
     finally:
+        trackers.finish()
         accelerator.end_training()
 
 
-def _train(config: Config, accelerator: Accelerator, started_at: float) -> RunResult:
+def _train(config: Config, accelerator: Accelerator, started_at: float, trackers: Trackers) -> RunResult:
     output_dir = Path(config.output_dir)
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -321,14 +163,15 @@ def _train(config: Config, accelerator: Accelerator, started_at: float) -> RunRe
     data = build_training_data(config, None, seed, accelerator.num_processes)
     components = load_sd_components(config.pretrained_model_name_or_path, config.v2, config.v_parameterization,
                                     weight_dtype, vae_dtype)
-    data.dataset.tokenize = functools.partial(tokenize, components.tokenizer)
+    data.set_tokenizer(functools.partial(tokenize, components.tokenizer))
 
     model, groups = build_model(config, components, accelerator.device, spec)
     trainable = [p for group in groups for p in group["params"]]
     cache_inputs(config, data, components, accelerator, vae_dtype)
     sampler = data.sampler
     dataloader = data.dataloader(config.max_data_loader_n_workers, config.persistent_data_loader_workers)
-    optimizer = build_optimizer(config.optimizer_type, groups, config.learning_rate, config.optimizer_args)
+    optimizer = build_optimizer(config.optimizer_type, groups, config.learning_rate, config.optimizer_args,
+                                use_8bit_adam=config.use_8bit_adam, use_lion_optimizer=config.use_lion_optimizer)
     state = TrainState(seed=seed, world_size=accelerator.num_processes,
                        fingerprint=run_fingerprint(config, spec, components, model),
                        path_settings=path_settings(config, seed, data), versions=library_versions())
@@ -337,7 +180,12 @@ def _train(config: Config, accelerator: Accelerator, started_at: float) -> RunRe
     # owns and checkpoints it.
     plan = make_plan(config, math.ceil(len(sampler) / accelerator.num_processes))
     lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, plan.total_steps, config.lr_warmup_steps,
-                                      config.lr_scheduler_num_cycles, config.lr_scheduler_power)
+                                      config.lr_scheduler_num_cycles, config.lr_scheduler_power,
+                                      lr_decay_steps=config.lr_decay_steps,
+                                      min_lr_ratio=config.lr_scheduler_min_lr_ratio,
+                                      timescale=config.lr_scheduler_timescale,
+                                      scheduler_type=config.lr_scheduler_type,
+                                      scheduler_args=config.lr_scheduler_args)
     model, optimizer, dataloader, lr_scheduler = accelerator.prepare(model, optimizer, dataloader, lr_scheduler)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         # DeepSpeed may swap in its own optimizer (CPU Adam for offload) and replaces its param groups when a state
@@ -367,6 +215,39 @@ def _train(config: Config, accelerator: Accelerator, started_at: float) -> RunRe
 
     obj = Objective(components.noise_scheduler.alphas_cumprod.to(accelerator.device), components.v_prediction,
                     config.min_timestep, config.max_timestep, config.noise_offset, config.min_snr_gamma)
+    metrics = StepMetrics(TimestepLoss(config.min_timestep, config.max_timestep, config.loss_timestep_bins),
+                          plan.steps_per_epoch)
+    if resumed is not None:
+        metrics.load_state_dict(resumed.metrics)
+    group_names = lr_names(groups)
+    if accelerator.is_main_process:
+        trackers.start(config, started_at)
+
+    def validation_losses(batch: dict[str, Any], generator: torch.Generator,
+                          timesteps: torch.Tensor) -> torch.Tensor:
+        """One held-out image at every validation timestep, with the same latent sample and noise."""
+        batch = send_to_device(batch, accelerator.device)
+        latents = batch_latents(batch, components.vae, generator, vae_dtype).to(weight_dtype)
+        noise = objective.sample_noise(latents, generator, obj.noise_offset)
+        n = len(timesteps)
+        conditioning = batch.get("encoder_hidden_states", batch.get("input_ids"))
+        with accelerator.autocast():
+            return diffusion_loss(unwrapped, latents.expand(n, *latents.shape[1:]),
+                                  conditioning.expand(n, *conditioning.shape[1:]),
+                                  noise.expand(n, *noise.shape[1:]), timesteps, obj).float()
+
+    def validate() -> None:
+        # A schedule-free optimizer is measured at the weights it would save.
+        with schedule_free_eval(optimizer), evaluating([unwrapped]):
+            losses = validation_loss(
+                data.validation, data.collate_fn, validation_losses, config.validation_timesteps,
+                seed if config.validation_seed is None else config.validation_seed, accelerator.device,
+                accelerator.process_index, accelerator.num_processes,
+                lambda t: accelerator.reduce(t, reduction="sum") if accelerator.num_processes > 1 else t)
+        result.validation = losses
+        trackers.log(validation_metrics(losses), step=state.global_step)
+        logger.info("validation loss at step %d: %s", state.global_step,
+                    ", ".join(f"t{t} {v:.4f}" for t, v in losses.items()))
     logger.info("%d batches per epoch per process, %d epochs, %d steps", plan.batches_per_epoch, plan.num_epochs,
                 plan.total_steps)
 
@@ -376,15 +257,19 @@ def _train(config: Config, accelerator: Accelerator, started_at: float) -> RunRe
     def save_snapshot(name: str, with_state: bool) -> None:
         if accelerator.is_main_process:
             path = output_dir / f"{name}.safetensors"
-            save_lora(config, unwrapped, spec, path, metadata(), save_dtype)
+            with schedule_free_eval(optimizer):  # a schedule-free optimizer's kept weights, not its training ones
+                save_lora(config, unwrapped, spec, path, metadata(), save_dtype)
             logger.info("saved %s", path)
         if with_state:
+            state.metrics = metrics.state_dict()
             checkpointer.save(output_dir / state_dir_name(name), state)
 
     result = RunResult(output_file=None, global_step=state.global_step)
     progress = tqdm(total=plan.total_steps, initial=state.global_step, desc="steps",
                     disable=not accelerator.is_main_process, dynamic_ncols=True)
     step_losses: list[torch.Tensor] = []
+    step_samples: list[tuple[torch.Tensor, torch.Tensor]] = []  # (per-sample loss, timestep) for the bins
+    validated_at = -1
     step_started = time.perf_counter()
     while state.global_step < plan.total_steps and state.epoch < plan.num_epochs:
         epoch, first_batch = state.epoch, state.batch_in_epoch
@@ -406,14 +291,16 @@ def _train(config: Config, accelerator: Accelerator, started_at: float) -> RunRe
                                                        obj.max_timestep, latents.device)
                 with accelerator.autocast():
                     conditioning = batch.get("encoder_hidden_states", batch.get("input_ids"))
-                    loss = diffusion_loss(model, latents, conditioning, noise, timesteps, obj)
-                    loss = (loss * batch["loss_weight"]).mean()
+                    per_sample = diffusion_loss(model, latents, conditioning, noise, timesteps, obj)
+                    per_sample = per_sample * batch["loss_weight"]
+                    loss = per_sample.mean()
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and config.max_grad_norm:
                     accelerator.clip_grad_norm_(trainable, config.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             step_losses.append(loss.detach())
+            step_samples.append((per_sample.detach(), timesteps))
             if not accelerator.sync_gradients:
                 continue
 
@@ -425,11 +312,21 @@ def _train(config: Config, accelerator: Accelerator, started_at: float) -> RunRe
             now = time.perf_counter()
             result.step_times.append(now - step_started)
             step_started = now
-            step_loss = torch.stack(step_losses).float().mean()
+            # One collective per step: this process's mean loss, sample count and binned loss sums, added up.
+            per_sample_losses = torch.cat([losses for losses, _ in step_samples])
+            packed = torch.cat([torch.stack(step_losses).float().mean().double().cpu().view(1),
+                                torch.tensor([float(per_sample_losses.numel())], dtype=torch.float64),
+                                metrics.timestep_loss.totals(per_sample_losses,
+                                                             torch.cat([t for _, t in step_samples]))])
             if accelerator.num_processes > 1:
-                step_loss = accelerator.reduce(step_loss, reduction="mean")
-            result.losses.append(step_loss.item())
+                packed = accelerator.reduce(packed.to(accelerator.device), reduction="sum").cpu()
+            result.losses.append(packed[0].item() / accelerator.num_processes)
             step_losses.clear()
+            step_samples.clear()
+            values = metrics.step(result.losses[-1], packed[2:], dict(zip(group_names, (
+                group["lr"] for group in optimizer.param_groups))), int(packed[1].item()), result.step_times[-1],
+                accelerator.device)
+            trackers.log(values, step=state.global_step)
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("step %d loss %.6f lr %s", state.global_step, result.losses[-1],
                              [group["lr"] for group in optimizer.param_groups])
@@ -437,6 +334,11 @@ def _train(config: Config, accelerator: Accelerator, started_at: float) -> RunRe
             progress.set_postfix(loss=f"{result.losses[-1]:.4f}", s_per_step=f"{result.step_times[-1]:.3f}",
                                  refresh=False)
 
+            if data.validation is not None and should_validate(
+                    state.global_step, state.batch_in_epoch == 0, state.epoch, config.validate_every_n_steps,
+                    config.validate_every_n_epochs):
+                validate()
+                validated_at = state.global_step
             if state.global_step >= plan.total_steps:
                 break
             if config.save_every_n_steps and state.global_step % config.save_every_n_steps == 0:
@@ -456,6 +358,8 @@ def _train(config: Config, accelerator: Accelerator, started_at: float) -> RunRe
             if state.epoch == epoch:
                 state.epoch, state.batch_in_epoch = epoch + 1, 0
     progress.close()
+    if data.validation is not None and validated_at != state.global_step:
+        validate()
 
     result.global_step = state.global_step
     result.model = unwrapped
@@ -463,6 +367,10 @@ def _train(config: Config, accelerator: Accelerator, started_at: float) -> RunRe
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         result.output_file = output_dir / f"{config.output_name}.safetensors"
+        chart = loss_by_timestep_chart(metrics.timestep_loss.bins(), result.validation,
+                                       components.noise_scheduler.config.num_train_timesteps)
+        save_png(chart, output_dir / f"{config.output_name}_loss_by_timestep.png")
+        trackers.log_images({"loss/by_timestep": np.asarray(chart)}, step=state.global_step)
     return result
 
 

@@ -127,3 +127,20 @@ def test_full_fp16_lets_the_grad_scaler_unscale_fp16_gradients():
         scaled_step(patched=False)
     # d(sum(W x + b))/dW = x for each output row: the unscaled gradient is exactly 1, not the scale 8.
     assert torch.equal(scaled_step(patched=True), torch.ones(2, 3, dtype=torch.float16))
+
+
+def test_deepspeed_cpu_adam_replaces_only_a_plain_adamw(tmp_path):
+    """accelerate swaps an offloaded optimizer for DeepSpeed's CPU Adam with only lr and weight_decay; anything
+    else must keep its own optimizer."""
+    def forced(*extra):
+        config = config_with(tmp_path, "--deepspeed", "--offload_optimizer_device", "cpu", *extra)
+        return accelerator_kwargs(config)["deepspeed_plugin"].deepspeed_config.get("zero_force_ds_cpu_optimizer",
+                                                                                   True)
+    assert forced() and forced("--optimizer_args", "weight_decay=0.1")
+    assert not forced("--optimizer_args", "betas=(0.9,0.99)")
+    assert not forced("--optimizer_type", "Lion")
+    assert not forced("--use_8bit_adam")
+    config = config_with(tmp_path, "--deepspeed", "--offload_optimizer_device", "cpu", "--optimizer_type",
+                         "SGDNesterov", "--mixed_precision", "fp16", "--full_fp16")
+    fp16 = accelerator_kwargs(config)["deepspeed_plugin"].deepspeed_config["fp16"]
+    assert "fp16_master_weights_and_grads" not in fp16  # DeepSpeed allows it only with its CPU Adam

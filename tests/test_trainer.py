@@ -8,7 +8,7 @@ import torch
 from accelerate.state import AcceleratorState
 from safetensors import safe_open
 
-from library import network, trainer
+from library import model as model_module, network, trainer
 from library.config import parse_config
 from library.families import load_sd_components
 from library.optim import build_optimizer
@@ -35,9 +35,9 @@ def test_loss_falls_when_overfitting_one_fixed_batch(tiny_sd1_dir, sample_data_d
                          "--network_alpha", "8")
     components = load_sd_components(tiny_sd1_dir)
     torch.manual_seed(0)
-    model, groups = trainer.build_model(config, components, torch.device("cpu"))
+    model, groups = model_module.build_model(config, components, torch.device("cpu"))
     optimizer = build_optimizer("AdamW", groups, config.learning_rate, [])
-    obj = trainer.Objective(components.noise_scheduler.alphas_cumprod, False, 0, 1000, None, None)
+    obj = model_module.Objective(components.noise_scheduler.alphas_cumprod, False, 0, 1000, None, None)
     g = torch.Generator().manual_seed(0)
     latents = torch.randn(4, 4, 8, 8, generator=g)
     noise = torch.randn(4, 4, 8, 8, generator=g)
@@ -46,7 +46,7 @@ def test_loss_falls_when_overfitting_one_fixed_batch(tiny_sd1_dir, sample_data_d
                                                   return_tensors="pt").input_ids[0]] * 4)
     losses = []
     for _ in range(40):
-        loss = trainer.diffusion_loss(model, latents, input_ids, noise, timesteps, obj).mean()
+        loss = model_module.diffusion_loss(model, latents, input_ids, noise, timesteps, obj).mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from library import network, trainer
+from library import model, network, trainer
 from library.config import parse_config
 
 
@@ -17,9 +17,10 @@ def main() -> None:
     result = trainer.run(config)
     rank = int(os.environ.get("RANK", "0"))
     out = Path(config.output_dir)
-    modules = trainer.lora_modules(result.model, config)
+    modules = model.lora_modules(result.model, config)
     save_file(network.kohya_state_dict(modules), str(out / f"rank{rank}.safetensors"))
-    (out / f"rank{rank}.json").write_text(json.dumps({"losses": result.losses, "steps": result.global_step}))
+    (out / f"rank{rank}.json").write_text(json.dumps({"losses": result.losses, "steps": result.global_step,
+                                                              "validation": result.validation}))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # see train_network.py: skip interpreter teardown that can abort after gloo

@@ -24,15 +24,27 @@ def launch(nproc: int, args: list[str], timeout: int = 400, env_extra: dict | No
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def data(sample_data_dir, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("data")
+def copy_images(sample_data_dir: Path, root: Path, count: int) -> Path:
     subset = root / "1_sks shape"
     subset.mkdir()
-    for image in sorted((sample_data_dir / "10_sks shape").glob("*.png"))[:8]:
+    for image in sorted((sample_data_dir / "10_sks shape").glob("*.png"))[:count]:
         shutil.copy(image, subset / image.name)
         shutil.copy(image.with_suffix(".txt"), subset / image.with_suffix(".txt").name)
     return root
+
+
+@pytest.fixture(scope="module")
+def data(sample_data_dir, tmp_path_factory) -> Path:
+    return copy_images(sample_data_dir, tmp_path_factory.mktemp("data"), 8)
+
+
+@pytest.fixture(scope="module")
+def data_with_validation(sample_data_dir, tmp_path_factory) -> Path:
+    """Eight training images and three held out by VALIDATION: an odd count, which padding would show."""
+    return copy_images(sample_data_dir, tmp_path_factory.mktemp("data_val"), 11)
+
+
+VALIDATION = ["--validation_split", "0.27", "--log_with", "tensorboard"]
 
 
 def common(tiny_sd1_dir, data, output_dir) -> list[str]:
@@ -42,11 +54,14 @@ def common(tiny_sd1_dir, data, output_dir) -> list[str]:
             "--lr_scheduler", "linear", "--lr_warmup_steps", "1"]
 
 
-def test_ddp_ranks_agree_and_match_one_process_with_the_same_global_batch(tiny_sd1_dir, data, tmp_path):
-    ddp = launch(2, common(tiny_sd1_dir, data, tmp_path / "ddp"))
+def test_ddp_ranks_agree_and_match_one_process_with_the_same_global_batch(tiny_sd1_dir, data_with_validation,
+                                                                         tmp_path):
+    data = data_with_validation
+    ddp = launch(2, common(tiny_sd1_dir, data, tmp_path / "ddp") + VALIDATION)
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     # One process accumulating two batches of 2 sees the same global batches as two processes with 2 each.
-    single = launch(1, common(tiny_sd1_dir, data, tmp_path / "single") + ["--gradient_accumulation_steps", "2"])
+    single = launch(1, common(tiny_sd1_dir, data, tmp_path / "single") + VALIDATION +
+                    ["--gradient_accumulation_steps", "2"])
     assert single.returncode == 0, single.stderr[-3000:]
 
     rank0, rank1 = (load_file(tmp_path / "ddp" / f"rank{r}.safetensors") for r in (0, 1))
@@ -63,6 +78,14 @@ def test_ddp_ranks_agree_and_match_one_process_with_the_same_global_batch(tiny_s
     assert logged[0] == logged[1]  # the mean over ranks, the same on every rank
     assert logged[0] == pytest.approx(single_losses, rel=1e-5)
     assert (tmp_path / "ddp" / "last.safetensors").is_file()
+
+    # Each of the three validation images counted once: two processes give one process's validation loss.
+    validation = [json.loads((tmp_path / "ddp" / f"rank{r}.json").read_text())["validation"] for r in (0, 1)]
+    single_validation = json.loads((tmp_path / "single" / "rank0.json").read_text())["validation"]
+    assert validation[0] == validation[1] and set(validation[0]) == {"100", "300", "500", "700", "900"}
+    assert validation[0] == pytest.approx(single_validation, rel=1e-5)
+    # Only the main process writes tracker logs.
+    assert len(list((tmp_path / "ddp" / "logs").rglob("events.out.tfevents.*"))) == 1
 
 
 def test_launcher_and_accelerate_disagreeing_on_process_count_exits_2(tiny_sd1_dir, data, tmp_path):
