@@ -362,6 +362,7 @@ def _check_values(v: dict[str, Any]) -> list[str]:
          "fp16_master_weights_and_gradients needs mixed_precision = \"fp16\" "
          f"(got {v['mixed_precision']!r})")
     problems += _check_logging(v)
+    problems += _check_sampling(v)
     need(v["zero_stage"] in (0, 1, 2, 3), f"zero_stage must be 0, 1, 2 or 3 (got {v['zero_stage']})")
     need(v["ddp_timeout"] is None or v["ddp_timeout"] > 0, "ddp_timeout must be a positive number of minutes")
     for name in ("save_every_n_steps", "save_every_n_epochs", "save_last_n_steps", "save_last_n_epochs",
@@ -434,6 +435,22 @@ def _check_logging(v: dict[str, Any]) -> list[str]:
     bad = [t for t in v["validation_timesteps"] if not 0 <= t < 1000]
     if bad or not v["validation_timesteps"]:
         problems.append(f"validation_timesteps must be timesteps in [0, 1000) (got {v['validation_timesteps']})")
+    return problems
+
+
+def _check_sampling(v: dict[str, Any]) -> list[str]:
+    from library.sampling import canonical_sampler
+
+    problems: list[str] = []
+    try:
+        canonical_sampler(v["sample_sampler"])
+    except UserError as e:
+        problems += [f"sample_sampler: {p}" for p in e.problems]
+    for name in ("sample_every_n_steps", "sample_every_n_epochs"):
+        if v[name] is not None and v[name] < 1:
+            problems.append(f"{name} must be at least 1 (got {v[name]})")
+    if v["sample_prompts"] is not None and not Path(v["sample_prompts"]).is_file():
+        problems.append(f"sample_prompts: {v['sample_prompts']} is not a file")
     return problems
 
 

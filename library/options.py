@@ -149,6 +149,7 @@ GROUPS = {
     "output": "Output",
     "logging": "Logging",
     "validation": "Validation",
+    "sampling": "Sample images",
     "distributed": "Accelerator, multi-process and DeepSpeed",
     "config": "Configuration file",
 }
@@ -353,6 +354,17 @@ _VALIDATION = [
     _opt("validation_timesteps", _to_int_list, [100, 300, 500, 700, 900],
          "the fixed timesteps the validation loss is measured at", metavar="T,T,..."),
 ]
+_SAMPLING = [
+    _opt("sample_prompts", _to_str, None,
+         "prompts to sample while training: kohya's .txt (--n --w --h --d --s --l --ss per line), .toml or .json",
+         is_path=True, metavar="PATH"),
+    _opt("sample_every_n_steps", _to_int, None, "sample every n optimizer steps"),
+    _opt("sample_every_n_epochs", _to_int, None, "sample every n epochs (overrides sample_every_n_steps, as kohya)"),
+    _opt("sample_at_first", _to_bool, False, "sample before the first step"),
+    _opt("sample_sampler", _to_str, "ddim",
+         "sampler: ddim, euler, euler_a, dpm++ 2m, dpm++ 2m karras, pndm, lms, heun, dpm_2, dpm_2_a, dpmsolver, "
+         "dpmsolver++, dpmsingle, ddpm (k_* aliases too)"),
+]
 _DISTRIBUTED = [
     _opt("ddp_timeout", _to_int, None, "process-group timeout in minutes"),
     _opt("ddp_gradient_as_bucket_view", _to_bool, False, "DDP gradient_as_bucket_view"),
@@ -378,7 +390,7 @@ _CONFIG = [
 
 _BY_GROUP = {"model": _MODEL, "dataset": _DATASET, "network": _NETWORK, "training": _TRAINING,
              "optimizer": _OPTIMIZER, "objective": _OBJECTIVE, "output": _OUTPUT, "logging": _LOGGING,
-             "validation": _VALIDATION,
+             "validation": _VALIDATION, "sampling": _SAMPLING,
              "distributed": _DISTRIBUTED, "config": _CONFIG}
 OPTIONS: dict[str, Option] = {
     o.name: dataclasses.replace(o, group=group) for group, options in _BY_GROUP.items() for o in options}
@@ -412,8 +424,8 @@ UNSUPPORTED_KOHYA_OPTIONS: tuple[str, ...] = (
     "max_token_length", "max_validation_steps", "metadata_author", "metadata_description", "metadata_license",
     "metadata_tags", "metadata_title", "multires_noise_discount", "multires_noise_iterations",
     "noise_offset_random_strength", "offload_optimizer_nvme_path", "offload_param_nvme_path",
-    "resume_from_huggingface", "sample_at_first", "sample_every_n_epochs", "sample_every_n_steps", "sample_prompts",
-    "sample_sampler", "save_n_epoch_ratio", "save_state_to_huggingface", "scale_v_pred_loss_like_noise_pred",
+    "resume_from_huggingface",
+    "save_n_epoch_ratio", "save_state_to_huggingface", "scale_v_pred_loss_like_noise_pred",
     "scale_weight_norms", "secondary_separator", "skip_cache_check", "skip_until_initial_step", "token_warmup_min",
     "token_warmup_step", "v_pred_like_loss",
     "vae",

@@ -30,6 +30,7 @@ from library.model import (SAVE_DTYPES, WEIGHT_DTYPES, DiffusionModel, NetworkSp
                            build_model, diffusion_loss, load_adapter, lora_modules, network_spec, save_lora,
                            trained_parts)
 from library.optim import build_lr_scheduler, build_optimizer, schedule_free_eval, warmup_steps
+from library.sampling import SamplingModels, load_prompts, sample_images
 from library.state import (Checkpointer, TrainState, epoch_name, incompatibilities, library_versions,
                            path_changes, prune_epochs, prune_steps, remove_stale_temporaries, resolve_resume,
                            state_dir_name, step_name)
@@ -123,6 +124,29 @@ def path_settings(config: Config, seed: int, data: TrainingData) -> dict[str, An
     return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
 
 
+def sample_prompts(config: Config) -> list:
+    if config.sample_prompts is None:
+        if config.sample_every_n_steps or config.sample_every_n_epochs or config.sample_at_first:
+            logger.warning("sample_every_n_steps / sample_every_n_epochs / sample_at_first do nothing without "
+                           "sample_prompts")
+        return []
+    prompts = load_prompts(config.sample_prompts, config.resolution)
+    if not (config.sample_every_n_steps or config.sample_every_n_epochs or config.sample_at_first):
+        logger.warning("sample_prompts is set but no sample_every_n_steps, sample_every_n_epochs or "
+                       "sample_at_first: no samples will be made")
+    return prompts
+
+
+def sampling_due(config: Config, step: int, epoch_ended: bool, epoch: int) -> int | None | bool:
+    """kohya's rule: with sample_every_n_epochs, sample at those epoch ends only (named by epoch); otherwise every
+    sample_every_n_steps steps (named by step). Returns the epoch, None for a step round, or False."""
+    if config.sample_every_n_epochs:
+        return epoch if epoch_ended and epoch % config.sample_every_n_epochs == 0 else False
+    if config.sample_every_n_steps and step % config.sample_every_n_steps == 0:
+        return None
+    return False
+
+
 def resolve_seed(config: Config, accelerator: Accelerator, resumed: TrainState | None) -> int:
     """The resumed run's seed, the configured one, or one random seed shared by every process."""
     if resumed is not None and config.seed is None:
@@ -159,6 +183,7 @@ def _train(config: Config, accelerator: Accelerator, started_at: float, trackers
     vae_dtype = torch.float32 if config.no_half_vae else weight_dtype
     spec = network_spec(config)
 
+    prompts = sample_prompts(config)
     # The images are checked before the model is loaded, so data problems surface in seconds.
     data = build_training_data(config, None, seed, accelerator.num_processes)
     components = load_sd_components(config.pretrained_model_name_or_path, config.v2, config.v_parameterization,
@@ -236,6 +261,21 @@ def _train(config: Config, accelerator: Accelerator, started_at: float, trackers
                                   conditioning.expand(n, *conditioning.shape[1:]),
                                   noise.expand(n, *noise.shape[1:]), timesteps, obj).float()
 
+    def sample(epoch: int | None = None) -> None:
+        models = SamplingModels(unwrapped.unet, unwrapped.text_encoder, components.vae, components.tokenizer,
+                                components.noise_scheduler.config,
+                                "v_prediction" if components.v_prediction else None)
+        with schedule_free_eval(optimizer):
+            samples = sample_images(
+                prompts, models, output_dir / "sample", config.output_name, base_seed=seed,
+                step=None if epoch is not None else state.global_step, epoch=epoch,
+                default_sampler=config.sample_sampler, device=accelerator.device,
+                autocast_dtype=None if config.mixed_precision == "no" else weight_dtype,
+                process_index=accelerator.process_index, num_processes=accelerator.num_processes)
+        if samples:
+            trackers.log_images({f"sample/{s.prompt.index:02d}": np.asarray(s.image) for s in samples},
+                                step=state.global_step)
+
     def validate() -> None:
         # A schedule-free optimizer is measured at the weights it would save.
         with schedule_free_eval(optimizer), evaluating([unwrapped]):
@@ -270,6 +310,8 @@ def _train(config: Config, accelerator: Accelerator, started_at: float, trackers
     step_losses: list[torch.Tensor] = []
     step_samples: list[tuple[torch.Tensor, torch.Tensor]] = []  # (per-sample loss, timestep) for the bins
     validated_at = -1
+    if prompts and config.sample_at_first:
+        sample()
     step_started = time.perf_counter()
     while state.global_step < plan.total_steps and state.epoch < plan.num_epochs:
         epoch, first_batch = state.epoch, state.batch_in_epoch
@@ -339,6 +381,10 @@ def _train(config: Config, accelerator: Accelerator, started_at: float, trackers
                     config.validate_every_n_epochs):
                 validate()
                 validated_at = state.global_step
+            if prompts:
+                sample_epoch = sampling_due(config, state.global_step, state.batch_in_epoch == 0, state.epoch)
+                if sample_epoch is not False:
+                    sample(sample_epoch)
             if state.global_step >= plan.total_steps:
                 break
             if config.save_every_n_steps and state.global_step % config.save_every_n_steps == 0:
