@@ -364,6 +364,9 @@ def _check_values(v: dict[str, Any]) -> list[str]:
     problems += _check_logging(v)
     problems += _check_sampling(v)
     need(v["zero_stage"] in (0, 1, 2, 3), f"zero_stage must be 0, 1, 2 or 3 (got {v['zero_stage']})")
+    need(v["clip_skip"] is None or v["clip_skip"] >= 1, f"clip_skip must be at least 1 (got {v['clip_skip']})")
+    need(v["max_token_length"] in (None, 75, 150, 225),
+         f"max_token_length must be 75, 150 or 225 (got {v['max_token_length']})")
     need(v["ddp_timeout"] is None or v["ddp_timeout"] > 0, "ddp_timeout must be a positive number of minutes")
     for name in ("save_every_n_steps", "save_every_n_epochs", "save_last_n_steps", "save_last_n_epochs",
                  "save_last_n_steps_state", "save_last_n_epochs_state"):

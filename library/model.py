@@ -22,11 +22,13 @@ SAVE_DTYPES = {None: None, "float": torch.float32, "fp16": torch.float16, "bf16"
 class DiffusionModel(torch.nn.Module):
     """The text encoder and UNet as one module, so DDP and DeepSpeed see every LoRA parameter in one place."""
 
-    def __init__(self, unet: torch.nn.Module, text_encoder: torch.nn.Module, train_text_encoder: bool):
+    def __init__(self, unet: torch.nn.Module, text_encoder: torch.nn.Module, train_text_encoder: bool,
+                 clip_skip: int | None = None):
         super().__init__()
         self.unet = unet
         self.text_encoder = text_encoder
         self.train_text_encoder = train_text_encoder
+        self.clip_skip = clip_skip
 
     def forward(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, conditioning: torch.Tensor) -> torch.Tensor:
         """`conditioning`: token ids, or text-encoder hidden states when they were cached (float)."""
@@ -34,7 +36,7 @@ class DiffusionModel(torch.nn.Module):
             hidden_states = conditioning
         else:
             with torch.set_grad_enabled(self.train_text_encoder and torch.is_grad_enabled()):
-                hidden_states = encode_prompt(self.text_encoder, conditioning)
+                hidden_states = encode_prompt(self.text_encoder, conditioning, self.clip_skip)
         return self.unet(noisy_latents, timesteps, hidden_states, return_dict=False)[0]
 
 
@@ -147,7 +149,7 @@ def build_model(config: Config, components: Components, device: torch.device,
             text_encoder.activation_checkpointing_enable({"use_reentrant": False})
     unet.train(train_unet)
     text_encoder.train(train_text_encoder)
-    model = DiffusionModel(unet, text_encoder, train_text_encoder)
+    model = DiffusionModel(unet, text_encoder, train_text_encoder, config.clip_skip)
     if spec.initial_weights is not None:
         load_adapter(config, model, spec.initial_weights, strict=False, source=str(config.network_weights))
     return model, groups

@@ -161,6 +161,8 @@ _MODEL = [
     _opt("v_parameterization", _to_bool, False,
          "train with v-prediction (SD2.x 768-v); read from the scheduler config when not set"),
     _opt("no_half_vae", _to_bool, False, "keep the VAE in float32 under fp16/bf16 mixed precision"),
+    _opt("clip_skip", _to_int, None, "use the text encoder's n-th layer from the end (2: the penultimate)"),
+    _opt("max_token_length", _to_int, None, "caption length in tokens: 75 (default), 150 or 225 (kohya's chunking)"),
 ]
 _DATASET = [
     _opt("train_data_dir", _to_str, None,
@@ -413,7 +415,7 @@ IGNORED_KOHYA_OPTIONS: dict[str, str] = {
 # kohya options this trainer does not offer (yet): named so a kohya user learns exactly what to change.
 UNSUPPORTED_KOHYA_OPTIONS: tuple[str, ...] = (
     "adaptive_noise_scale", "alpha_mask", "async_upload", "base_weights", "base_weights_multiplier", "cache_info",
-    "cache_text_encoder_outputs_to_disk", "clip_skip", "color_aug", "conditioning_data_dir", "console_log_file",
+    "cache_text_encoder_outputs_to_disk", "color_aug", "conditioning_data_dir", "console_log_file",
     "cpu_offload_checkpointing", "dataset_class", "dataset_repeats", "debiased_estimation_loss", "debug_dataset",
     "enable_wildcard", "face_crop_aug_range", "fp8_base", "fp8_base_unet",
     "fused_backward_pass", "huber_c", "huber_scale", "huber_schedule",
@@ -421,7 +423,7 @@ UNSUPPORTED_KOHYA_OPTIONS: tuple[str, ...] = (
     "huggingface_token", "in_json", "initial_epoch", "initial_step", "ip_noise_gamma",
     "ip_noise_gamma_random_strength",
     "loraplus_lr_ratio", "loraplus_text_encoder_lr_ratio", "loraplus_unet_lr_ratio", "loss_type", "masked_loss",
-    "max_token_length", "max_validation_steps", "metadata_author", "metadata_description", "metadata_license",
+    "max_validation_steps", "metadata_author", "metadata_description", "metadata_license",
     "metadata_tags", "metadata_title", "multires_noise_discount", "multires_noise_iterations",
     "noise_offset_random_strength", "offload_optimizer_nvme_path", "offload_param_nvme_path",
     "resume_from_huggingface",

@@ -85,6 +85,9 @@ class SamplingModels:
     tokenizer: Any
     scheduler_config: Mapping[str, Any]
     prediction_type: str | None = None  # None: the schedule's; "v_prediction" for v_parameterization
+    # text -> hidden states (1, tokens, width) as training encodes it (clip_skip, max_token_length); None: the
+    # pipeline's own encoding
+    encode_text: Callable[[str], torch.Tensor] | None = None
 
 
 class Sample(NamedTuple):
@@ -295,9 +298,13 @@ def generate_image(prompt: SamplePrompt, models: SamplingModels, seed: int, samp
     pipe.set_progress_bar_config(disable=True)
     # Noise drawn on CPU: the same seed gives the same starting latents on any device.
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    latents = pipe(prompt.prompt, negative_prompt=prompt.negative_prompt or None, width=prompt.width,
-                   height=prompt.height, num_inference_steps=prompt.steps, guidance_scale=prompt.scale,
-                   generator=generator, output_type="latent", return_dict=False)[0]
+    if models.encode_text is not None:
+        text = {"prompt_embeds": models.encode_text(prompt.prompt),
+                "negative_prompt_embeds": models.encode_text(prompt.negative_prompt)}
+    else:
+        text = {"prompt": prompt.prompt, "negative_prompt": prompt.negative_prompt or None}
+    latents = pipe(**text, width=prompt.width, height=prompt.height, num_inference_steps=prompt.steps,
+                   guidance_scale=prompt.scale, generator=generator, output_type="latent", return_dict=False)[0]
     # Decoded here rather than by the pipeline: the VAE may be fp32 beside an fp16 UNet (no_half_vae), and
     # without autocast the pipeline would feed it fp16 latents.
     vae_dtype = next(models.vae.parameters()).dtype

@@ -53,7 +53,7 @@ def cache_inputs(config: Config, data: TrainingData, components: Components, acc
 
         @torch.no_grad()
         def encode(input_ids: torch.Tensor) -> torch.Tensor:
-            return encode_prompt(text_encoder, input_ids.to(accelerator.device)).cpu()
+            return encode_prompt(text_encoder, input_ids.to(accelerator.device), config.clip_skip).cpu()
 
         cache_text_encoder_outputs(data, encode)
 
@@ -114,7 +114,8 @@ def _digest(value: Any) -> str:
 PATH_OPTIONS = ("seed", "train_batch_size", "gradient_accumulation_steps", "resolution", "train_data_dir",
                 "learning_rate", "unet_lr", "text_encoder_lr", "lr_scheduler", "lr_warmup_steps", "mixed_precision",
                 "max_grad_norm", "min_snr_gamma", "noise_offset", "min_timestep", "max_timestep", "network_dropout",
-                "optimizer_args", "v_parameterization", "full_fp16", "full_bf16")
+                "optimizer_args", "v_parameterization", "full_fp16", "full_bf16", "clip_skip",
+                "max_token_length")
 
 
 def path_settings(config: Config, seed: int, data: TrainingData) -> dict[str, Any]:
@@ -188,7 +189,7 @@ def _train(config: Config, accelerator: Accelerator, started_at: float, trackers
     data = build_training_data(config, None, seed, accelerator.num_processes)
     components = load_sd_components(config.pretrained_model_name_or_path, config.v2, config.v_parameterization,
                                     weight_dtype, vae_dtype)
-    data.set_tokenizer(functools.partial(tokenize, components.tokenizer))
+    data.set_tokenizer(functools.partial(tokenize, components.tokenizer, max_token_length=config.max_token_length))
 
     model, groups = build_model(config, components, accelerator.device, spec)
     trainable = [p for group in groups for p in group["params"]]
@@ -262,9 +263,13 @@ def _train(config: Config, accelerator: Accelerator, started_at: float, trackers
                                   noise.expand(n, *noise.shape[1:]), timesteps, obj).float()
 
     def sample(epoch: int | None = None) -> None:
+        def encode_text(text: str) -> torch.Tensor:
+            ids = tokenize(components.tokenizer, text, config.max_token_length)[None].to(accelerator.device)
+            return encode_prompt(unwrapped.text_encoder, ids, config.clip_skip)
+
         models = SamplingModels(unwrapped.unet, unwrapped.text_encoder, components.vae, components.tokenizer,
                                 components.noise_scheduler.config,
-                                "v_prediction" if components.v_prediction else None)
+                                "v_prediction" if components.v_prediction else None, encode_text)
         with schedule_free_eval(optimizer):
             samples = sample_images(
                 prompts, models, output_dir / "sample", config.output_name, base_seed=seed,
@@ -437,6 +442,7 @@ def training_metadata(config: Config, spec: NetworkSpec, components: Components,
         lr_scheduler=config.lr_scheduler, lr_warmup_steps=warmup_steps(config.lr_warmup_steps, plan.total_steps),
         optimizer=config.optimizer_type, gradient_accumulation_steps=config.gradient_accumulation_steps,
         gradient_checkpointing=config.gradient_checkpointing, max_grad_norm=config.max_grad_norm,
-        min_snr_gamma=config.min_snr_gamma, noise_offset=config.noise_offset,
+        min_snr_gamma=config.min_snr_gamma, noise_offset=config.noise_offset, clip_skip=config.clip_skip,
+        max_token_length=config.max_token_length,
         training_comment=config.training_comment, extra=data.kohya_metadata(),
     )
