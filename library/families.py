@@ -70,7 +70,8 @@ def load_sd_components(model_path: str | Path, v2: bool = False, v_parameterizat
     v_prediction = v_parameterization or scheduled_v
     if scheduled_v and not v_parameterization:
         logger.info("the model's scheduler uses v-prediction; training with v_parameterization")
-    sd2 = v2 or text_encoder.config.hidden_size == 1024
+    # SD2's OpenCLIP encoder: 1024 wide with plain gelu (SD1's CLIP uses quick_gelu).
+    sd2 = v2 or text_encoder.config.hidden_size == 1024 or text_encoder.config.hidden_act == "gelu"
     return Components(unet, vae, text_encoder, tokenizer, noise_scheduler, v_prediction,
                       "sd_v2" if sd2 else "sd_v1")
 
@@ -123,3 +124,15 @@ def encode_prompt(text_encoder: Any, input_ids: torch.Tensor, clip_skip: int | N
     parts += [states[:, start:start + window - 2] for start in range(1, states.shape[1], window)]
     parts.append(states[:, -1:])
     return torch.cat(parts, dim=1)
+
+def zero_terminal_snr(noise_scheduler: Any) -> Any:
+    """The schedule rescaled so the last timestep is pure noise (Lin et al. 2023, kohya's zero_terminal_snr).
+
+    The config carries `rescale_betas_zero_snr`, so samplers built from it rescale too. For training, the last
+    sqrt(alpha_cumprod) is kept a hair above zero: at exactly zero the SNR is 0 and Min-SNR weights divide by it.
+    """
+    from diffusers import DDPMScheduler
+
+    scheduler = DDPMScheduler.from_config(noise_scheduler.config, rescale_betas_zero_snr=True)
+    scheduler.alphas_cumprod[-1] = 4.8973451890853435e-08 ** 2
+    return scheduler

@@ -163,6 +163,7 @@ _MODEL = [
     _opt("no_half_vae", _to_bool, False, "keep the VAE in float32 under fp16/bf16 mixed precision"),
     _opt("clip_skip", _to_int, None, "use the text encoder's n-th layer from the end (2: the penultimate)"),
     _opt("max_token_length", _to_int, None, "caption length in tokens: 75 (default), 150 or 225 (kohya's chunking)"),
+    _opt("zero_terminal_snr", _to_bool, False, "rescale the noise schedule so the last timestep is pure noise"),
 ]
 _DATASET = [
     _opt("train_data_dir", _to_str, None,
@@ -431,5 +432,5 @@ UNSUPPORTED_KOHYA_OPTIONS: tuple[str, ...] = (
     "scale_weight_norms", "secondary_separator", "skip_cache_check", "skip_until_initial_step", "token_warmup_min",
     "token_warmup_step", "v_pred_like_loss",
     "vae",
-    "weighted_captions", "zero3_init_flag", "zero3_save_16bit_model", "zero_terminal_snr",
+    "weighted_captions", "zero3_init_flag", "zero3_save_16bit_model",
 )

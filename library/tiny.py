@@ -4,7 +4,8 @@ Used by the quickstart, the tests and the benchmarks, so that nothing is ever fe
 The layout mirrors SD1.x (cross-attention transformer blocks with 1x1-conv proj_in/proj_out, an 8x VAE,
 a CLIP text model, SD's DDPM schedule) so key names and code paths match the real models; only widths shrink.
 
-    python -m library.tiny OUTPUT_DIR [--size tiny|small] [--seed N] [--prediction-type epsilon|v_prediction]
+    python -m library.tiny OUTPUT_DIR [--family sd1|sd2] [--size tiny|small] [--seed N]
+                                      [--prediction-type epsilon|v_prediction]
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 SIZES = ("tiny", "small")
 PREDICTION_TYPES = ("epsilon", "v_prediction")
+FAMILIES = ("sd1", "sd2")  # sd2: linear proj_in/proj_out, OpenCLIP's gelu and "!" padding
 MODEL_MAX_LENGTH = 77
 BOS_TOKEN = "<|startoftext|>"
 EOS_TOKEN = "<|endoftext|>"
@@ -138,8 +140,8 @@ def _write_bpe_files(directory: Path) -> None:
     (directory / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
 
 
-def build_tiny_tokenizer() -> Any:
-    """A CLIPTokenizer made offline from a generated vocab.json + merges.txt (SD1 layout: pads with EOS)."""
+def build_tiny_tokenizer(pad_token: str = EOS_TOKEN) -> Any:
+    """A CLIPTokenizer made offline from a generated vocab.json + merges.txt (SD1 pads with EOS, SD2 with "!")."""
     from transformers import CLIPTokenizer
 
     with tempfile.TemporaryDirectory(prefix="tiny-clip-tok-") as tmp:
@@ -147,12 +149,14 @@ def build_tiny_tokenizer() -> Any:
         # from_pretrained, not CLIPTokenizer(vocab_file=...): transformers 5 silently ignores those keywords
         # and returns a 3-token tokenizer.
         tokenizer = CLIPTokenizer.from_pretrained(
-            tmp, local_files_only=True, model_max_length=MODEL_MAX_LENGTH, pad_token=EOS_TOKEN
+            tmp, local_files_only=True, model_max_length=MODEL_MAX_LENGTH, pad_token=pad_token
         )
     return tokenizer
 
 
-def _check_args(size: str, prediction_type: str) -> None:
+def _check_args(size: str, prediction_type: str, family: str = "sd1") -> None:
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
     if size not in SIZES:
         raise ValueError(f"size must be one of {SIZES}, got {size!r}")
     if prediction_type not in PREDICTION_TYPES:
@@ -164,18 +168,20 @@ def _seeded(seed: int, offset: int) -> None:
     torch.manual_seed(seed * 1000 + offset)
 
 
-def build_tiny_sd1(size: str = "tiny", seed: int = 0, prediction_type: str = "epsilon") -> dict[str, Any]:
-    """Build {"unet", "vae", "text_encoder", "tokenizer", "scheduler"} for a tiny SD1-shaped model.
+def build_tiny_sd1(size: str = "tiny", seed: int = 0, prediction_type: str = "epsilon",
+                   family: str = "sd1") -> dict[str, Any]:
+    """Build {"unet", "vae", "text_encoder", "tokenizer", "scheduler"} for a tiny SD1- (or SD2-) shaped model.
 
     Weights depend only on (size, seed); the caller's global torch RNG state is left untouched.
     """
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    _check_args(size, prediction_type)
+    _check_args(size, prediction_type, family)
     spec = _SIZE_SPECS[size]
     width = spec["text_width"]
-    tokenizer = build_tiny_tokenizer()
+    sd2 = family == "sd2"
+    tokenizer = build_tiny_tokenizer("!" if sd2 else EOS_TOKEN)
 
     with torch.random.fork_rng(devices=[]):
         _seeded(seed, 1)
@@ -190,7 +196,7 @@ def build_tiny_sd1(size: str = "tiny", seed: int = 0, prediction_type: str = "ep
             cross_attention_dim=width,
             # diffusers reads attention_head_dim as the number of heads (legacy naming kept for SD1 configs).
             attention_head_dim=tuple(c // _HEAD_WIDTH for c in spec["block_out_channels"]),
-            use_linear_projection=False,
+            use_linear_projection=sd2,
             norm_num_groups=32,
         )
         _seeded(seed, 2)
@@ -214,7 +220,7 @@ def build_tiny_sd1(size: str = "tiny", seed: int = 0, prediction_type: str = "ep
             num_hidden_layers=2,
             num_attention_heads=width // _HEAD_WIDTH,
             max_position_embeddings=MODEL_MAX_LENGTH,
-            hidden_act="quick_gelu",
+            hidden_act="gelu" if sd2 else "quick_gelu",
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
@@ -247,6 +253,7 @@ def save_tiny_sd1(
     seed: int = 0,
     prediction_type: str = "epsilon",
     overwrite: bool = False,
+    family: str = "sd1",
 ) -> Path:
     """Write a complete diffusers StableDiffusionPipeline folder at `path` (atomically) and return it.
 
@@ -254,7 +261,7 @@ def save_tiny_sd1(
     """
     from diffusers import StableDiffusionPipeline
 
-    _check_args(size, prediction_type)
+    _check_args(size, prediction_type, family)
     target = Path(path).absolute()
     if target.exists() and not target.is_dir():
         raise FileExistsError(f"{target} exists and is not a directory")
@@ -262,7 +269,7 @@ def save_tiny_sd1(
         raise FileExistsError(f"{target} exists and is not empty (use --overwrite / overwrite=True)")
     target.parent.mkdir(parents=True, exist_ok=True)
 
-    components = build_tiny_sd1(size=size, seed=seed, prediction_type=prediction_type)
+    components = build_tiny_sd1(size=size, seed=seed, prediction_type=prediction_type, family=family)
     pipe = StableDiffusionPipeline(
         **components, safety_checker=None, feature_extractor=None, requires_safety_checker=False
     )
@@ -288,7 +295,25 @@ def save_tiny_sd1(
     finally:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    logger.info("wrote tiny SD1 model (size=%s, seed=%d, %s) to %s", size, seed, prediction_type, target)
+    logger.info("wrote tiny %s model (size=%s, seed=%d, %s) to %s", family, size, seed, prediction_type, target)
+    return target
+
+
+def save_tiny_sd1_single_file(path: str | os.PathLike[str], size: str = "tiny", seed: int = 0,
+                              open_clip: bool = False) -> Path:
+    """Write the tiny SD1 model of (size, seed) as one safetensors file in the original SD (LDM) key layout.
+
+    The weights equal those of `save_tiny_sd1(size=size, seed=seed)`; a file holds no scheduler or tokenizer,
+    so loading it needs that folder as `model_config`. `open_clip` writes the text encoder in SD2's OpenCLIP
+    layout (cond_stage_model.model.), which makes the file read as an SD2.x checkpoint.
+    """
+    from library.single_file import ldm_state_dict, save_checkpoint
+
+    _check_args(size, "epsilon")
+    parts = build_tiny_sd1(size=size, seed=seed)
+    state = ldm_state_dict(parts["unet"], parts["vae"], parts["text_encoder"], open_clip=open_clip)
+    target = save_checkpoint(state, Path(path).absolute())
+    logger.info("wrote tiny SD1 single-file checkpoint (size=%s, seed=%d) to %s", size, seed, target)
     return target
 
 
@@ -298,15 +323,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("output_dir", help="folder to write the diffusers pipeline into")
     parser.add_argument("--size", choices=SIZES, default="tiny")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prediction-type", choices=PREDICTION_TYPES, default="epsilon")
+    parser.add_argument("--prediction-type", choices=PREDICTION_TYPES, default=None,
+                        help="default: epsilon for sd1, v_prediction for sd2")
+    parser.add_argument("--family", choices=FAMILIES, default="sd1")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing non-empty folder")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        out = save_tiny_sd1(args.output_dir, args.size, args.seed, args.prediction_type, args.overwrite)
+        prediction_type = args.prediction_type or ("v_prediction" if args.family == "sd2" else "epsilon")
+        out = save_tiny_sd1(args.output_dir, args.size, args.seed, prediction_type, args.overwrite, args.family)
     except FileExistsError as e:
         parser.exit(2, f"error: {e}\n")
-    print(f"wrote tiny SD1 model ({args.size}, seed {args.seed}, {args.prediction_type}) to {out}")
+    print(f"wrote tiny {args.family} model ({args.size}, seed {args.seed}, {prediction_type}) to {out}")
     return 0
 
 

@@ -25,7 +25,7 @@ from library.accelerator import prepare_accelerator
 from library.config import Config, UserError
 from library.cache import cache_latents, cache_text_encoder_outputs
 from library.data import TrainingData, build_training_data
-from library.families import Components, encode_prompt, load_sd_components, tokenize
+from library.families import Components, encode_prompt, load_sd_components, tokenize, zero_terminal_snr
 from library.model import (SAVE_DTYPES, WEIGHT_DTYPES, DiffusionModel, NetworkSpec, Objective, batch_latents,
                            build_model, diffusion_loss, load_adapter, lora_modules, network_spec, save_lora,
                            trained_parts)
@@ -115,7 +115,7 @@ PATH_OPTIONS = ("seed", "train_batch_size", "gradient_accumulation_steps", "reso
                 "learning_rate", "unet_lr", "text_encoder_lr", "lr_scheduler", "lr_warmup_steps", "mixed_precision",
                 "max_grad_norm", "min_snr_gamma", "noise_offset", "min_timestep", "max_timestep", "network_dropout",
                 "optimizer_args", "v_parameterization", "full_fp16", "full_bf16", "clip_skip",
-                "max_token_length")
+                "max_token_length", "zero_terminal_snr")
 
 
 def path_settings(config: Config, seed: int, data: TrainingData) -> dict[str, Any]:
@@ -190,6 +190,8 @@ def _train(config: Config, accelerator: Accelerator, started_at: float, trackers
     components = load_sd_components(config.pretrained_model_name_or_path, config.v2, config.v_parameterization,
                                     weight_dtype, vae_dtype)
     data.set_tokenizer(functools.partial(tokenize, components.tokenizer, max_token_length=config.max_token_length))
+    if config.zero_terminal_snr:
+        components.noise_scheduler = zero_terminal_snr(components.noise_scheduler)
 
     model, groups = build_model(config, components, accelerator.device, spec)
     trainable = [p for group in groups for p in group["params"]]
