@@ -359,11 +359,11 @@ def fixed_caption(record: ImageRecord) -> str:
     return process_caption(record.caption, subset, 0, random.Random(0))
 
 
-def cache_text_encoder_outputs(data: TrainingData, encode: Callable[[torch.Tensor], torch.Tensor],
-                               batch_size: int = 16) -> int:
+def cache_text_encoder_outputs(data: TrainingData, encode: Callable[[Any], Any], batch_size: int = 16) -> int:
     """Encode every caption the dataset can produce once (in memory); items then carry encoder_hidden_states.
 
-    `encode` maps token ids (B, L) to hidden states (B, L, D) with the frozen text encoder. Whole-caption dropout
+    `encode` maps token ids (B, L) to hidden states (B, L, D) with the frozen text encoder; for SDXL, a dict of
+    ids to a dict of outputs (encoder_hidden_states, pooled), cached per caption the same way. Whole-caption dropout
     works (the empty caption is cached too); shuffled or tag-dropped captions cannot be cached. Returns the number
     of distinct captions encoded.
     """
@@ -380,13 +380,18 @@ def cache_text_encoder_outputs(data: TrainingData, encode: Callable[[torch.Tenso
         if record.subset.caption_dropout_rate > 0 or record.subset.caption_dropout_every_n_epochs > 0:
             captions.add("")
     ordered = sorted(captions)
-    outputs: dict[str, torch.Tensor] = {}
+    outputs: dict[str, Any] = {}
     with torch.inference_mode():
         for start in range(0, len(ordered), batch_size):
             chunk = ordered[start:start + batch_size]
-            hidden = encode(torch.stack([tokenize(c) for c in chunk]))
-            for caption, states in zip(chunk, hidden):
-                outputs[caption] = states.detach().cpu().clone()
+            tokens = [tokenize(c) for c in chunk]
+            if isinstance(tokens[0], dict):
+                encoded = encode({key: torch.stack([t[key] for t in tokens]) for key in tokens[0]})
+                for i, caption in enumerate(chunk):
+                    outputs[caption] = {key: value[i].detach().cpu().clone() for key, value in encoded.items()}
+            else:
+                for caption, states in zip(chunk, encode(torch.stack(tokens))):
+                    outputs[caption] = states.detach().cpu().clone()
     data.dataset.text_encoder_outputs = outputs
     logger.info("text encoder outputs cached for %d distinct captions", len(outputs))
     return len(outputs)

@@ -30,6 +30,27 @@ class ConfigError(UserError):
     """A problem in the options."""
 
 
+# Single-file checkpoints: safetensors is read as data; these suffixes are pickles, which can run code when read.
+PICKLE_CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
+
+
+def checkpoint_file_problem(path: Path, allow_pickle: bool) -> str | None:
+    """Why a model file cannot be read as a single-file checkpoint, or None when it can."""
+    suffix = path.suffix.lower()
+    if suffix == ".safetensors":
+        return None
+    if suffix in PICKLE_CHECKPOINT_SUFFIXES:
+        if allow_pickle:
+            return None
+        return (f"{path} is a pickle checkpoint ({suffix}); loading a pickle can run arbitrary code hidden in the "
+                f"file, so it is refused. Convert it to safetensors without running its code (in this repository's "
+                f"folder): python -m library.single_file {path} {path.with_suffix('.safetensors')}; or, only for a "
+                "file you trust, set allow_pickle_checkpoints = true")
+    return (f"{path}: not a model folder or a known checkpoint file; give a diffusers model folder or a "
+            f".safetensors checkpoint (pickles {', '.join(PICKLE_CHECKPOINT_SUFFIXES)} need "
+            "allow_pickle_checkpoints)")
+
+
 class Config:
     """Read-only resolved options. Attribute access like argparse's namespace; assignment is an error."""
 
@@ -277,10 +298,20 @@ def _check_values(v: dict[str, Any]) -> list[str]:
     if not writing_config_only:
         model = v["pretrained_model_name_or_path"]
         if model is None:
-            problems.append("pretrained_model_name_or_path is required: a local diffusers model folder")
+            problems.append("pretrained_model_name_or_path is required: a local diffusers model folder or "
+                            ".safetensors checkpoint")
         elif not Path(model).exists():
             problems.append(f"pretrained_model_name_or_path: {model} does not exist "
-                            "(models are read from local folders only)")
+                            "(models are read from local files only)")
+        elif Path(model).is_file():
+            problem = checkpoint_file_problem(Path(model), v["allow_pickle_checkpoints"])
+            if problem:
+                problems.append(f"pretrained_model_name_or_path: {problem}")
+        elif v["model_config"] is not None:
+            problems.append("model_config describes a single-file checkpoint; pretrained_model_name_or_path is a "
+                            "folder, which has its own configs: remove model_config")
+        if v["model_config"] is not None and not Path(v["model_config"]).is_dir():
+            problems.append(f"model_config: {v['model_config']} is not a folder")
         data, dataset_config = v["train_data_dir"], v["dataset_config"]
         if dataset_config is not None:
             if not Path(dataset_config).is_file():
@@ -352,6 +383,7 @@ def _check_values(v: dict[str, Any]) -> list[str]:
     need(v["noise_offset"] is None or v["noise_offset"] >= 0, "noise_offset must not be negative")
     need(0 <= v["min_timestep"] < v["max_timestep"] <= 1000,
          f"need 0 <= min_timestep < max_timestep <= 1000 (got {v['min_timestep']}, {v['max_timestep']})")
+    problems += _check_objective(v)
     need(not (v["network_train_unet_only"] and v["network_train_text_encoder_only"]),
          "network_train_unet_only and network_train_text_encoder_only cannot both be set")
     need(not v["full_fp16"] or v["mixed_precision"] == "fp16",
@@ -363,10 +395,10 @@ def _check_values(v: dict[str, Any]) -> list[str]:
          f"(got {v['mixed_precision']!r})")
     problems += _check_logging(v)
     problems += _check_sampling(v)
-    need(v["zero_stage"] in (0, 1, 2, 3), f"zero_stage must be 0, 1, 2 or 3 (got {v['zero_stage']})")
     need(v["clip_skip"] is None or v["clip_skip"] >= 1, f"clip_skip must be at least 1 (got {v['clip_skip']})")
     need(v["max_token_length"] in (None, 75, 150, 225),
          f"max_token_length must be 75, 150 or 225 (got {v['max_token_length']})")
+    need(v["zero_stage"] in (0, 1, 2, 3), f"zero_stage must be 0, 1, 2 or 3 (got {v['zero_stage']})")
     need(v["ddp_timeout"] is None or v["ddp_timeout"] > 0, "ddp_timeout must be a positive number of minutes")
     for name in ("save_every_n_steps", "save_every_n_epochs", "save_last_n_steps", "save_last_n_epochs",
                  "save_last_n_steps_state", "save_last_n_epochs_state"):
@@ -401,6 +433,41 @@ def _check_values(v: dict[str, Any]) -> list[str]:
          or any(arg.partition("=")[0].strip() == "min_lr" for arg in v["lr_scheduler_args"]),
          "lr_scheduler cosine_with_min_lr needs lr_scheduler_min_lr_ratio (the final learning rate as a fraction "
          "of the initial one) or min_lr=... in lr_scheduler_args")
+    return problems
+
+
+def _check_objective(v: dict[str, Any]) -> list[str]:
+    """kohya's noise and loss options: ranges, and the combinations kohya refuses or that would do nothing. Whether
+    the model predicts v is known only once it is loaded; model.Objective checks what depends on that."""
+    problems: list[str] = []
+
+    def need(condition: bool, message: str) -> None:
+        if not condition:
+            problems.append(message)
+
+    need(v["adaptive_noise_scale"] is None or v["noise_offset"] is not None,
+         "adaptive_noise_scale needs noise_offset (it is added to noise_offset, as in kohya)")
+    need(not v["noise_offset_random_strength"] or bool(v["noise_offset"]),
+         "noise_offset_random_strength needs noise_offset (the upper end of the random strength)")
+    need(v["multires_noise_iterations"] is None or v["multires_noise_iterations"] >= 1,
+         f"multires_noise_iterations must be at least 1 (got {v['multires_noise_iterations']})")
+    need(v["multires_noise_discount"] > 0,
+         f"multires_noise_discount must be positive (got {v['multires_noise_discount']})")
+    need(v["ip_noise_gamma"] is None or v["ip_noise_gamma"] >= 0,
+         f"ip_noise_gamma must not be negative (got {v['ip_noise_gamma']})")
+    need(not v["ip_noise_gamma_random_strength"] or bool(v["ip_noise_gamma"]),
+         "ip_noise_gamma_random_strength needs ip_noise_gamma (the upper end of the random strength)")
+    if v["loss_type"] in ("huber", "smooth_l1"):
+        for name in ("huber_c", "huber_scale"):
+            need(v[name] > 0, f"{name} must be positive with loss_type {v['loss_type']} (got {v[name]})")
+    need(v["v_pred_like_loss"] is None or v["v_pred_like_loss"] >= 0,
+         f"v_pred_like_loss must not be negative (got {v['v_pred_like_loss']})")
+    need(not (v["v_pred_like_loss"] and v["v_parameterization"]),
+         "v_pred_like_loss cannot be combined with v_parameterization: it adds a v-prediction-like loss to a "
+         "noise-prediction model (kohya refuses it too); remove one of them")
+    need(not v["masked_loss"] or v["alpha_mask"] or v["dataset_config"] is not None,
+         "masked_loss needs masks: alpha_mask = true (the images' alpha channel), or a dataset_config whose "
+         "subsets set conditioning_data_dir or alpha_mask")
     return problems
 
 

@@ -24,7 +24,7 @@ from library.captions import process_caption, read_caption
 from library.config import Config, UserError
 from library.dataset_config import DatasetSpec, SubsetSpec, resolve_datasets
 from library.images import (FORMATS_BY_EXTENSION, IMAGE_EXTENSIONS, Bucketer, ImageProblem, center_crop, inspect_image,
-                            prepare_image)
+                            prepare_image, prepare_mask, read_mask)
 from library.objective import derive_seed
 from library.validation import split_validation
 
@@ -111,6 +111,18 @@ def _check_image(path: Path, subset: SubsetSpec,
                         "tokens; it would train with an empty caption")
     if facts is None or problems:
         return None, problems, notes
+    if subset.conditioning_data_dir is not None:
+        mask_path = subset.conditioning_data_dir / path.name
+        try:
+            mask_size = read_mask(mask_path, alpha=False).size if mask_path.is_file() else None
+        except ImageProblem as e:
+            return None, [f"{mask_path}: {e}"], notes
+        if mask_size is None:
+            return None, [f"{path}: no mask {mask_path} (masked_loss reads the mask with the image's file name "
+                          "from conditioning_data_dir)"], notes
+        if mask_size != facts.size:
+            return None, [f"{mask_path}: the mask is {mask_size[0]}x{mask_size[1]}, its image "
+                          f"{facts.size[0]}x{facts.size[1]}; they must be the same size"], notes
     expected = FORMATS_BY_EXTENSION.get(path.suffix.lower(), ())
     if facts.format not in expected:
         notes.append(f"wrong-extension:{path} is {facts.format} data with a {path.suffix} extension; decoded as "
@@ -286,22 +298,36 @@ class TrainingDataset(torch.utils.data.Dataset):
         else:
             item["pixels"] = prepare_image(record.path, record.size, record.resized, record.bucket, (left, top),
                                            flipped)
+        # Read from the files each time, also with cached latents, so a cache never holds a stale mask.
+        if subset.conditioning_data_dir is not None:  # kohya prefers these masks to the alpha channel
+            item["loss_mask"] = prepare_mask(subset.conditioning_data_dir / record.path.name, record.size,
+                                             record.resized, record.bucket, (left, top), flipped, alpha=False)
+        elif subset.alpha_mask:
+            item["loss_mask"] = prepare_mask(record.path, record.size, record.resized, record.bucket, (left, top),
+                                             flipped, alpha=True)
         caption = process_caption(record.caption, subset, epoch, item_rng(self.seed, "caption", epoch, index))
         item["caption"] = caption
+        # Tensors for SD1.x/SD2.x; dicts for SDXL (input_ids + input_ids_2, encoder_hidden_states + pooled).
         if self.text_encoder_outputs is not None:
-            item["encoder_hidden_states"] = self.text_encoder_outputs[caption]
+            cached = self.text_encoder_outputs[caption]
+            item.update(cached if isinstance(cached, dict) else {"encoder_hidden_states": cached})
         elif self.tokenize is not None:
-            item["input_ids"] = self.tokenize(caption)
+            tokens = self.tokenize(caption)
+            item.update(tokens if isinstance(tokens, dict) else {"input_ids": tokens})
         return item
 
 
-_STACKED = ("pixels", "latent_mean", "latent_logvar", "input_ids", "encoder_hidden_states")
+_STACKED = ("pixels", "latent_mean", "latent_logvar", "input_ids", "input_ids_2", "encoder_hidden_states", "pooled")
 
 
 def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
     """Stack tensors; per-item sizes as (B, 2) long tensors in (height, width) / (top, left) order."""
     batch: dict[str, Any] = {key: torch.stack([item[key] for item in items]) for key in _STACKED if key in items[0]}
     batch["loss_weight"] = torch.tensor([item["loss_weight"] for item in items], dtype=torch.float32)
+    if any("loss_mask" in item for item in items):
+        # (B, 1, H, W); as in kohya, an image of a subset without masks counts everywhere.
+        batch["loss_mask"] = torch.stack([item.get("loss_mask", torch.ones(item["target_size"]))
+                                          for item in items]).unsqueeze(1)
     for key in ("original_size", "crop_top_left", "target_size"):
         batch[key] = torch.tensor([item[key] for item in items], dtype=torch.long)
     batch["flipped"] = torch.tensor([item["flipped"] for item in items], dtype=torch.bool)

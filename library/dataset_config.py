@@ -38,6 +38,8 @@ class SubsetSpec:
     caption_tag_dropout_rate: float = 0.0
     flip_aug: bool = False
     random_crop: bool = False
+    alpha_mask: bool = False  # the images' alpha channel weights the loss
+    conditioning_data_dir: Path | None = None  # masked_loss: a mask image per image, under the same file name
 
     @property
     def caption_ops(self) -> bool:
@@ -110,9 +112,10 @@ SUBSET_KEYS: dict[str, Callable[[Any], Any]] = {
     "num_repeats": _int, "class_tokens": _str, "caption_extension": _str, "shuffle_caption": _bool,
     "caption_separator": _str, "keep_tokens": _int, "keep_tokens_separator": _str, "caption_prefix": _str,
     "caption_suffix": _str, "caption_dropout_rate": _float, "caption_dropout_every_n_epochs": _int,
-    "caption_tag_dropout_rate": _float, "flip_aug": _bool, "random_crop": _bool,
+    "caption_tag_dropout_rate": _float, "flip_aug": _bool, "random_crop": _bool, "alpha_mask": _bool,
 }
-SUBSET_ONLY_KEYS: dict[str, Callable[[Any], Any]] = {"image_dir": _str, "is_reg": _bool}
+SUBSET_ONLY_KEYS: dict[str, Callable[[Any], Any]] = {"image_dir": _str, "is_reg": _bool,
+                                                     "conditioning_data_dir": _str}
 DATASET_KEYS: dict[str, Callable[[Any], Any]] = {
     "resolution": _resolution, "batch_size": _int, "enable_bucket": _bool, "min_bucket_reso": _int,
     "max_bucket_reso": _int, "bucket_reso_steps": _int, "bucket_no_upscale": _bool,
@@ -120,7 +123,7 @@ DATASET_KEYS: dict[str, Callable[[Any], Any]] = {
 _ALIASES = {"caption_extention": "caption_extension"}  # kohya's misspelling, accepted on its command line
 # kohya dataset keys this trainer does not offer; named so the user knows exactly what to change.
 UNSUPPORTED_KEYS = (
-    "alpha_mask", "cache_info", "color_aug", "conditioning_data_dir", "enable_wildcard", "face_crop_aug_range",
+    "cache_info", "color_aug", "enable_wildcard", "face_crop_aug_range",
     "metadata_file", "network_multiplier", "resize_interpolation", "secondary_separator", "token_warmup_min",
     "token_warmup_step", "max_token_length", "debug_dataset",
 )
@@ -247,6 +250,8 @@ def _resolve_subset(layers: list[Mapping[str, Any]], config: Config | None,
         values["caption_extension"] = "." + extension  # kohya adds the dot
     if values["class_tokens"] is not None and not values["class_tokens"].strip():
         values["class_tokens"] = None
+    if values["conditioning_data_dir"] is not None:
+        values["conditioning_data_dir"] = Path(values["conditioning_data_dir"])
     directory = image_dir if image_dir is not None else Path(layers[0]["image_dir"])
     return SubsetSpec(image_dir=directory, **values)
 
@@ -265,6 +270,9 @@ def datasets_from_toml(path: str | Path, config: Config | None) -> list[DatasetS
         subsets = tuple(_resolve_subset([subset, dataset["values"], general], config) for subset in dataset["subsets"])
         specs.append(_resolve_dataset([dataset["values"], general], config, subsets))
     problems = [p for i, spec in enumerate(specs) for p in check_dataset_spec(spec, config, f"{path}: datasets[{i}]")]
+    if config is not None and config.masked_loss and not any(
+            s.alpha_mask or s.conditioning_data_dir for spec in specs for s in spec.subsets):
+        problems.append(f"{path}: masked_loss needs masks, and no subset sets conditioning_data_dir or alpha_mask")
     if problems:
         raise ConfigError(problems)
     return specs
@@ -342,6 +350,12 @@ def check_dataset_spec(spec: DatasetSpec, config: Config | None, where: str) -> 
             rate = getattr(subset, name)
             need(0 <= rate <= 1, f"{at}: {name} must be in [0, 1] (got {rate})")
         need(subset.caption_separator != "", f"{at}: caption_separator must not be empty")
+        if subset.conditioning_data_dir is not None:
+            need(subset.conditioning_data_dir.is_dir(),
+                 f"{at}: conditioning_data_dir {subset.conditioning_data_dir} is not a folder")
+            # kohya reads these masks only for masked_loss and refuses the key otherwise.
+            need(config is None or config.masked_loss,
+                 f"{at}: conditioning_data_dir holds loss masks, which need masked_loss = true")
         need(not (caching_latents and subset.random_crop),
              f"{at}: random_crop draws a new crop each time and cannot use cached latents; turn off random_crop "
              "or cache_latents")

@@ -5,15 +5,17 @@ subclass of the trainer.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from library.config import UserError
+from library.single_file import load_single_file
 
 logger = logging.getLogger(__name__)
 
@@ -29,47 +31,77 @@ class Components:
     noise_scheduler: Any
     v_prediction: bool
     base_model_version: str  # kohya's ss_base_model_version
+    text_encoder_2: Any = None  # SDXL's second text encoder (CLIP with projection) and its tokenizer
+    tokenizer_2: Any = None
+
+    @property
+    def sdxl(self) -> bool:
+        return self.text_encoder_2 is not None
+
+    @property
+    def text_encoders(self) -> list[Any]:
+        return [self.text_encoder] + ([self.text_encoder_2] if self.sdxl else [])
 
 
 def _check_diffusers_folder(path: Path) -> None:
-    if path.is_file():
-        raise UserError(f"{path}: single-file checkpoints are not supported yet; give a diffusers model folder "
-                        "(StableDiffusionPipeline layout with unet/, vae/, text_encoder/, tokenizer/, scheduler/)")
     missing = [name for name in SD_COMPONENTS if not (path / name).is_dir()]
     if missing:
         raise UserError(f"{path}: not a Stable Diffusion diffusers folder; missing {', '.join(missing)}/")
 
 
+def _load_diffusers_folder(path: Path, weight_dtype: torch.dtype, vae_dtype: torch.dtype) -> dict[str, Any]:
+    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+    _check_diffusers_folder(path)
+    try:
+        sdxl = {}
+        if (path / "text_encoder_2").is_dir():
+            sdxl = {"text_encoder_2": CLIPTextModelWithProjection.from_pretrained(
+                        path, subfolder="text_encoder_2", local_files_only=True, dtype=weight_dtype),
+                    "tokenizer_2": CLIPTokenizer.from_pretrained(path, subfolder="tokenizer_2", local_files_only=True)}
+        return sdxl | {
+            "unet": UNet2DConditionModel.from_pretrained(path, subfolder="unet", local_files_only=True,
+                                                         torch_dtype=weight_dtype),
+            "vae": AutoencoderKL.from_pretrained(path, subfolder="vae", local_files_only=True, torch_dtype=vae_dtype),
+            "text_encoder": CLIPTextModel.from_pretrained(path, subfolder="text_encoder", local_files_only=True,
+                                                          dtype=weight_dtype),
+            "tokenizer": CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", local_files_only=True),
+            "scheduler": DDPMScheduler.from_pretrained(path, subfolder="scheduler", local_files_only=True),
+        }
+    except (OSError, ValueError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: cannot load the model: {e}") from None
+
+
 def load_sd_components(model_path: str | Path, v2: bool = False, v_parameterization: bool = False,
                        weight_dtype: torch.dtype = torch.float32,
-                       vae_dtype: torch.dtype = torch.float32) -> Components:
-    """Load UNet, VAE, CLIP text encoder, tokenizer and noise schedule from a local diffusers folder.
+                       vae_dtype: torch.dtype = torch.float32, model_config: str | Path | None = None,
+                       allow_pickle_checkpoints: bool = False) -> Components:
+    """Load UNet, VAE, CLIP text encoder, tokenizer and noise schedule from a local diffusers folder or a
+    single-file checkpoint (see library.single_file; `model_config` and `allow_pickle_checkpoints` apply there).
 
     Weights are loaded straight into their training dtype (casting afterwards makes diffusers warn and doubles
     the peak memory of the load).
     """
-    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-    from transformers import CLIPTextModel, CLIPTokenizer
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
     path = Path(model_path)
-    _check_diffusers_folder(path)
-    try:
-        unet = UNet2DConditionModel.from_pretrained(path, subfolder="unet", local_files_only=True,
-                                                    torch_dtype=weight_dtype)
-        vae = AutoencoderKL.from_pretrained(path, subfolder="vae", local_files_only=True, torch_dtype=vae_dtype)
-        text_encoder = CLIPTextModel.from_pretrained(path, subfolder="text_encoder", local_files_only=True,
-                                                     dtype=weight_dtype)
-        tokenizer = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", local_files_only=True)
-        noise_scheduler = DDPMScheduler.from_pretrained(path, subfolder="scheduler", local_files_only=True)
-    except (OSError, ValueError, json.JSONDecodeError) as e:
-        raise UserError(f"{path}: cannot load the model: {e}") from None
+    if path.is_file():
+        parts = load_single_file(path, v2=v2, v_parameterization=v_parameterization, weight_dtype=weight_dtype,
+                                 vae_dtype=vae_dtype, model_config=model_config,
+                                 allow_pickle=allow_pickle_checkpoints, architectures=("sd1", "sd2", "sdxl")).parts
+    else:
+        parts = _load_diffusers_folder(path, weight_dtype, vae_dtype)
+    unet, vae, text_encoder, tokenizer, noise_scheduler = (parts[name] for name in SD_COMPONENTS)
 
     scheduled_v = noise_scheduler.config.get("prediction_type") == "v_prediction"
     v_prediction = v_parameterization or scheduled_v
     if scheduled_v and not v_parameterization:
         logger.info("the model's scheduler uses v-prediction; training with v_parameterization")
+    if "text_encoder_2" in parts:
+        return Components(unet, vae, text_encoder, tokenizer, noise_scheduler, v_prediction, "sdxl_base_v1-0",
+                          parts["text_encoder_2"], parts["tokenizer_2"])
     # SD2's OpenCLIP encoder: 1024 wide with plain gelu (SD1's CLIP uses quick_gelu).
     sd2 = v2 or text_encoder.config.hidden_size == 1024 or text_encoder.config.hidden_act == "gelu"
     return Components(unet, vae, text_encoder, tokenizer, noise_scheduler, v_prediction,
@@ -107,7 +139,6 @@ def encode_prompt(text_encoder: Any, input_ids: torch.Tensor, clip_skip: int | N
     chunk and joined as kohya joins them: the first BOS, each chunk's 75 inner states, the last EOS.
     """
     chunked = input_ids.dim() == 3
-    batch = input_ids.shape[0]
     flat = input_ids.reshape(-1, input_ids.shape[-1])
     if clip_skip is None or clip_skip <= 1:
         states = text_encoder(flat, return_dict=False)[0]
@@ -116,14 +147,42 @@ def encode_prompt(text_encoder: Any, input_ids: torch.Tensor, clip_skip: int | N
         # transformers 5 flattened CLIPTextModel (no `.text_model` level); older versions nest it.
         final_norm = getattr(text_encoder, "text_model", text_encoder).final_layer_norm
         states = final_norm(hidden)
-    if not chunked:
-        return states
+    return _join_chunks(states, input_ids) if chunked else states
+
+
+def _join_chunks(states: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """(batch * chunks, 77, D) states of chunked ids (batch, chunks, 77) -> (batch, chunks * 75 + 2, D)."""
     window = input_ids.shape[-1]
-    states = states.reshape(batch, -1, states.shape[-1])
+    states = states.reshape(input_ids.shape[0], -1, states.shape[-1])
     parts = [states[:, :1]]
     parts += [states[:, start:start + window - 2] for start in range(1, states.shape[1], window)]
     parts.append(states[:, -1:])
     return torch.cat(parts, dim=1)
+
+
+def tokenize_sdxl(tokenizer: Any, tokenizer_2: Any, caption: str,
+                  max_token_length: int | None = None) -> dict[str, torch.Tensor]:
+    return {"input_ids": tokenize(tokenizer, caption, max_token_length),
+            "input_ids_2": tokenize(tokenizer_2, caption, max_token_length)}
+
+
+def encode_sdxl(text_encoder: Any, text_encoder_2: Any, input_ids: torch.Tensor,
+                input_ids_2: torch.Tensor) -> dict[str, torch.Tensor]:
+    """SDXL's conditioning: both encoders' penultimate hidden states (without the final layer norm),
+    concatenated, and the second encoder's projected pooled output (of the first chunk for long captions)."""
+    states = []
+    for encoder, ids in ((text_encoder, input_ids), (text_encoder_2, input_ids_2)):
+        out = encoder(ids.reshape(-1, ids.shape[-1]), output_hidden_states=True, return_dict=True)
+        hidden = out.hidden_states[-2]
+        states.append(_join_chunks(hidden, ids) if ids.dim() == 3 else hidden)
+    pooled = out.text_embeds.reshape(input_ids_2.shape[0], -1, out.text_embeds.shape[-1])[:, 0]
+    return {"encoder_hidden_states": torch.cat(states, dim=-1), "pooled": pooled}
+
+
+def sdxl_time_ids(batch: dict[str, Any]) -> torch.Tensor:
+    """SDXL's size conditioning per image: original (h, w), crop top-left (top, left), target (h, w)."""
+    return torch.cat([batch["original_size"], batch["crop_top_left"], batch["target_size"]], dim=1)
+
 
 def zero_terminal_snr(noise_scheduler: Any) -> Any:
     """The schedule rescaled so the last timestep is pure noise (Lin et al. 2023, kohya's zero_terminal_snr).
@@ -136,3 +195,18 @@ def zero_terminal_snr(noise_scheduler: Any) -> Any:
     scheduler = DDPMScheduler.from_config(noise_scheduler.config, rescale_betas_zero_snr=True)
     scheduler.alphas_cumprod[-1] = 4.8973451890853435e-08 ** 2
     return scheduler
+
+
+def caption_tokenizer(components: Components, max_token_length: int | None) -> Callable[[str], Any]:
+    """caption -> token ids for this model: a tensor, or for SDXL a dict with both tokenizers' ids."""
+    if components.sdxl:
+        return functools.partial(tokenize_sdxl, components.tokenizer, components.tokenizer_2,
+                                 max_token_length=max_token_length)
+    return functools.partial(tokenize, components.tokenizer, max_token_length=max_token_length)
+
+
+def encode_tokens(text_encoder: Any, text_encoder_2: Any, tokens: Any, clip_skip: int | None) -> Any:
+    """Token ids from `caption_tokenizer` (batched) -> hidden states, or for SDXL the dict of encode_sdxl."""
+    if isinstance(tokens, dict):
+        return encode_sdxl(text_encoder, text_encoder_2, tokens["input_ids"], tokens["input_ids_2"])
+    return encode_prompt(text_encoder, tokens, clip_skip)

@@ -100,6 +100,12 @@ def prepare_image(path: Path, size: tuple[int, int], resized: tuple[int, int], b
         image = open_image(path)
     except ImageProblem as e:
         raise UserError(f"{path}: {e} (it was readable when the dataset was checked)") from None
+    return to_tensor(_fit(image, path, size, resized, bucket, crop_left_top, flipped))
+
+
+def _fit(image: Image.Image, path: Path, size: tuple[int, int], resized: tuple[int, int], bucket: tuple[int, int],
+         crop_left_top: tuple[int, int], flipped: bool) -> Image.Image:
+    """Resize, crop and flip as training does; a mask goes through the same steps so it stays on its pixels."""
     if image.size != size:
         raise UserError(f"{path}: the image changed since the dataset was checked ({size} -> {image.size}); "
                         "restart training")
@@ -110,7 +116,36 @@ def prepare_image(path: Path, size: tuple[int, int], resized: tuple[int, int], b
         image = image.crop((left, top, left + bucket[0], top + bucket[1]))
     if flipped:
         image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    return to_tensor(image)
+    return image
+
+
+def read_mask(path: Path, alpha: bool) -> Image.Image:
+    """A loss mask as 8-bit greyscale, upright: the image's alpha channel (opaque everywhere when it has none), or
+    the red channel of a mask image, as kohya reads them (a mask image's own transparency is dropped, not
+    composited, as kohya's convert("RGB") does)."""
+    try:
+        with Image.open(path) as image:
+            image.load()
+            if image.getexif().get(0x0112, 1) != 1:
+                image = ImageOps.exif_transpose(image)
+            if alpha:
+                return image.convert("RGBA").getchannel("A") if _has_alpha(image) else Image.new("L", image.size, 255)
+            return (image.convert("RGB") if _has_alpha(image) else to_rgb(image)).getchannel("R")
+    except Image.DecompressionBombError as e:
+        raise ImageProblem(f"image too large to decode safely: {e}") from None
+    except (OSError, SyntaxError, ValueError, EOFError) as e:
+        raise ImageProblem(f"cannot read mask: {str(e) or type(e).__name__}") from None
+
+
+def prepare_mask(path: Path, size: tuple[int, int], resized: tuple[int, int], bucket: tuple[int, int],
+                 crop_left_top: tuple[int, int], flipped: bool, alpha: bool) -> torch.Tensor:
+    """The (height, width) loss mask in [0, 1] that lines up with prepare_image's pixels (see read_mask)."""
+    try:
+        mask = read_mask(path, alpha)
+    except ImageProblem as e:
+        raise UserError(f"{path}: {e} (it was readable when the dataset was checked)") from None
+    mask = _fit(mask, path, size, resized, bucket, crop_left_top, flipped)
+    return torch.from_numpy(np.asarray(mask, dtype=np.float32) / 255.0)
 
 # ------------------------------------------------------------------------------------------------------ buckets
 

@@ -11,7 +11,7 @@ import torch
 from library import network, objective
 from library.cache import check_finite_latents, sample_cached_latents
 from library.config import Config, UserError
-from library.families import Components, encode_prompt
+from library.families import Components, encode_prompt, encode_sdxl, sdxl_time_ids
 
 logger = logging.getLogger(__name__)
 
@@ -20,24 +20,51 @@ SAVE_DTYPES = {None: None, "float": torch.float32, "fp16": torch.float16, "bf16"
 
 
 class DiffusionModel(torch.nn.Module):
-    """The text encoder and UNet as one module, so DDP and DeepSpeed see every LoRA parameter in one place."""
+    """The text encoder(s) and UNet as one module, so DDP and DeepSpeed see every LoRA parameter in one place."""
 
     def __init__(self, unet: torch.nn.Module, text_encoder: torch.nn.Module, train_text_encoder: bool,
-                 clip_skip: int | None = None):
+                 clip_skip: int | None = None, text_encoder_2: torch.nn.Module | None = None):
         super().__init__()
         self.unet = unet
         self.text_encoder = text_encoder
+        self.text_encoder_2 = text_encoder_2  # SDXL
         self.train_text_encoder = train_text_encoder
         self.clip_skip = clip_skip
 
-    def forward(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, conditioning: torch.Tensor) -> torch.Tensor:
-        """`conditioning`: token ids, or text-encoder hidden states when they were cached (float)."""
+    def forward(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
+                conditioning: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
+        """`conditioning`: token ids, or text-encoder hidden states when they were cached (float); for SDXL a dict
+        (see `batch_conditioning`)."""
+        if isinstance(conditioning, dict):
+            return self._forward_sdxl(noisy_latents, timesteps, conditioning)
         if conditioning.is_floating_point():
             hidden_states = conditioning
         else:
             with torch.set_grad_enabled(self.train_text_encoder and torch.is_grad_enabled()):
                 hidden_states = encode_prompt(self.text_encoder, conditioning, self.clip_skip)
         return self.unet(noisy_latents, timesteps, hidden_states, return_dict=False)[0]
+
+    def _forward_sdxl(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
+                      conditioning: dict[str, torch.Tensor]) -> torch.Tensor:
+        if "encoder_hidden_states" in conditioning:
+            text = conditioning
+        else:
+            with torch.set_grad_enabled(self.train_text_encoder and torch.is_grad_enabled()):
+                text = encode_sdxl(self.text_encoder, self.text_encoder_2, conditioning["input_ids"],
+                                   conditioning["input_ids_2"])
+        dtype = noisy_latents.dtype
+        added = {"text_embeds": text["pooled"].to(dtype), "time_ids": conditioning["time_ids"].to(dtype)}
+        return self.unet(noisy_latents, timesteps, text["encoder_hidden_states"].to(dtype),
+                         added_cond_kwargs=added, return_dict=False)[0]
+
+
+def batch_conditioning(batch: dict[str, Any]) -> torch.Tensor | dict[str, torch.Tensor]:
+    """What the model is conditioned on: token ids or cached hidden states; for SDXL (a batch with input_ids_2 or
+    pooled outputs) both encoders' ids or outputs plus the size conditioning."""
+    if "input_ids_2" not in batch and "pooled" not in batch:
+        return batch.get("encoder_hidden_states", batch.get("input_ids"))
+    keys = ("encoder_hidden_states", "pooled") if "pooled" in batch else ("input_ids", "input_ids_2")
+    return {**{key: batch[key] for key in keys}, "time_ids": sdxl_time_ids(batch)}
 
 
 @dataclass(frozen=True)
@@ -49,18 +76,31 @@ class Objective:
     max_timestep: int
     noise_offset: float | None
     min_snr_gamma: float | None
+    noise: objective.NoiseOptions = objective.NoiseOptions()
+    loss: objective.LossOptions = objective.LossOptions()
+
+    def __post_init__(self) -> None:
+        # Whether the model predicts v is known only here: v_parameterization may come from its scheduler config.
+        problems = self.loss.problems(self.v_prediction)
+        if problems:
+            raise UserError(problems)
 
 
 def diffusion_loss(model: torch.nn.Module, latents: torch.Tensor, input_ids: torch.Tensor, noise: torch.Tensor,
-                   timesteps: torch.Tensor, obj: Objective) -> torch.Tensor:
-    """Per-sample loss of the noise (or v) prediction at the given noise and timesteps."""
-    noisy = objective.add_noise(latents, noise, timesteps, obj.alphas_cumprod)
+                   timesteps: torch.Tensor, obj: Objective, input_noise: torch.Tensor | None = None,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-sample loss of the noise (or v) prediction at the given noise and timesteps.
+
+    `input_noise` (ip_noise_gamma) replaces `noise` in the noisy latents only; the target is built from `noise`.
+    `mask` (batch, 1, H, W) in [0, 1] weights the loss per pixel (alpha_mask, masked_loss).
+    """
+    noisy = objective.add_noise(latents, noise if input_noise is None else input_noise, timesteps, obj.alphas_cumprod)
     prediction = model(noisy, timesteps, input_ids)
     target = objective.prediction_target(latents, noise, timesteps, obj.alphas_cumprod, obj.v_prediction)
-    loss = objective.per_sample_loss(prediction, target)
-    if obj.min_snr_gamma:
-        loss = loss * objective.min_snr_weight(timesteps, obj.alphas_cumprod, obj.min_snr_gamma, obj.v_prediction)
-    return loss
+    huber_c = objective.huber_threshold(timesteps, obj.alphas_cumprod, obj.loss)
+    loss = objective.per_sample_loss(prediction, target, obj.loss.loss_type, huber_c, mask)
+    weight = objective.timestep_weight(timesteps, obj.alphas_cumprod, obj.v_prediction, obj.min_snr_gamma, obj.loss)
+    return loss if weight is None else loss * weight
 
 
 @torch.no_grad()
@@ -120,12 +160,13 @@ def build_model(config: Config, components: Components, device: torch.device,
     full_bf16); return the model and optimizer groups."""
     spec = spec or NetworkSpec(config.network_dim, config.network_alpha)
     train_unet, train_text_encoder = trained_parts(config)
-    unet, text_encoder = components.unet, components.text_encoder
-    for module in (unet, text_encoder, components.vae):
+    unet, text_encoders = components.unet, components.text_encoders
+    for module in (unet, *text_encoders, components.vae):
         module.requires_grad_(False)
     components.vae.to(device).eval()
     unet.to(device)
-    text_encoder.to(device)
+    for text_encoder in text_encoders:
+        text_encoder.to(device)
 
     groups: list[dict[str, Any]] = []
     if train_unet:
@@ -134,8 +175,9 @@ def build_model(config: Config, components: Components, device: torch.device,
         groups.append({"params": params, "lr": config.unet_lr if config.unet_lr is not None
                        else config.learning_rate, "name": "unet"})
     if train_text_encoder:
-        params = network.attach_lora(text_encoder, network.text_encoder_target_modules(text_encoder),
-                                     spec.dim, spec.alpha, config.network_dropout)
+        params = [p for text_encoder in text_encoders
+                  for p in network.attach_lora(text_encoder, network.text_encoder_target_modules(text_encoder),
+                                               spec.dim, spec.alpha, config.network_dropout)]
         groups.append({"params": params, "lr": config.text_encoder_lr if config.text_encoder_lr is not None
                        else config.learning_rate, "name": "text_encoder"})
     if config.full_fp16 or config.full_bf16:
@@ -145,11 +187,14 @@ def build_model(config: Config, components: Components, device: torch.device,
     if config.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
         if train_text_encoder:
-            # Non-reentrant: with a frozen base the inputs need no grad, which reentrant checkpointing requires.
-            text_encoder.activation_checkpointing_enable({"use_reentrant": False})
+            for text_encoder in text_encoders:
+                # Non-reentrant: with a frozen base the inputs need no grad, which reentrant checkpointing needs.
+                text_encoder.activation_checkpointing_enable({"use_reentrant": False})
     unet.train(train_unet)
-    text_encoder.train(train_text_encoder)
-    model = DiffusionModel(unet, text_encoder, train_text_encoder, config.clip_skip)
+    for text_encoder in text_encoders:
+        text_encoder.train(train_text_encoder)
+    model = DiffusionModel(unet, components.text_encoder, train_text_encoder, config.clip_skip,
+                           components.text_encoder_2)
     if spec.initial_weights is not None:
         load_adapter(config, model, spec.initial_weights, strict=False, source=str(config.network_weights))
     return model, groups
@@ -160,7 +205,9 @@ def lora_modules(model: DiffusionModel, config: Config) -> dict[str, torch.nn.Mo
     modules: dict[str, torch.nn.Module] = {}
     if train_unet:
         modules["lora_unet"] = model.unet
-    if train_text_encoder:
+    if train_text_encoder and model.text_encoder_2 is not None:
+        modules["lora_te1"], modules["lora_te2"] = model.text_encoder, model.text_encoder_2
+    elif train_text_encoder:
         modules["lora_te"] = model.text_encoder
     return modules
 

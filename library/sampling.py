@@ -87,7 +87,9 @@ class SamplingModels:
     prediction_type: str | None = None  # None: the schedule's; "v_prediction" for v_parameterization
     # text -> hidden states (1, tokens, width) as training encodes it (clip_skip, max_token_length); None: the
     # pipeline's own encoding
-    encode_text: Callable[[str], torch.Tensor] | None = None
+    encode_text: Callable[[str], Any] | None = None  # for SDXL: a dict with encoder_hidden_states and pooled
+    text_encoder_2: torch.nn.Module | None = None  # SDXL
+    tokenizer_2: Any = None
 
 
 class Sample(NamedTuple):
@@ -289,18 +291,28 @@ def prompt_seed(prompt: SamplePrompt, base_seed: int) -> int:
 @torch.no_grad()
 def generate_image(prompt: SamplePrompt, models: SamplingModels, seed: int, sampler: str = "ddim") -> Any:
     """Render one prompt to a PIL image. Call inside `sampling_mode`; the modules must be on their device."""
-    from diffusers import StableDiffusionPipeline
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
-    pipe = StableDiffusionPipeline(
-        vae=models.vae, text_encoder=models.text_encoder, tokenizer=models.tokenizer, unet=models.unet,
-        scheduler=build_scheduler(prompt.sampler or sampler, models.scheduler_config, models.prediction_type),
-        safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    scheduler = build_scheduler(prompt.sampler or sampler, models.scheduler_config, models.prediction_type)
+    if models.text_encoder_2 is not None:
+        pipe = StableDiffusionXLPipeline(
+            vae=models.vae, text_encoder=models.text_encoder, text_encoder_2=models.text_encoder_2,
+            tokenizer=models.tokenizer, tokenizer_2=models.tokenizer_2, unet=models.unet, scheduler=scheduler)
+    else:
+        pipe = StableDiffusionPipeline(
+            vae=models.vae, text_encoder=models.text_encoder, tokenizer=models.tokenizer, unet=models.unet,
+            scheduler=scheduler, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
     pipe.set_progress_bar_config(disable=True)
     # Noise drawn on CPU: the same seed gives the same starting latents on any device.
     generator = torch.Generator(device="cpu").manual_seed(seed)
     if models.encode_text is not None:
-        text = {"prompt_embeds": models.encode_text(prompt.prompt),
-                "negative_prompt_embeds": models.encode_text(prompt.negative_prompt)}
+        positive, negative = models.encode_text(prompt.prompt), models.encode_text(prompt.negative_prompt)
+        if isinstance(positive, dict):
+            text = {"prompt_embeds": positive["encoder_hidden_states"], "pooled_prompt_embeds": positive["pooled"],
+                    "negative_prompt_embeds": negative["encoder_hidden_states"],
+                    "negative_pooled_prompt_embeds": negative["pooled"]}
+        else:
+            text = {"prompt_embeds": positive, "negative_prompt_embeds": negative}
     else:
         text = {"prompt": prompt.prompt, "negative_prompt": prompt.negative_prompt or None}
     latents = pipe(**text, width=prompt.width, height=prompt.height, num_inference_steps=prompt.steps,
@@ -391,7 +403,8 @@ def sample_images(prompts: Sequence[SamplePrompt], models: SamplingModels, out_d
     default_sampler = canonical_sampler(default_sampler)
     rendered: list[tuple[int, int, Any]] = []
     device = device if device is not None else next(models.unet.parameters()).device
-    with sampling_mode([models.unet, models.text_encoder, models.vae], device, autocast_dtype):
+    modules = [models.unet, models.text_encoder, models.vae] + [m for m in (models.text_encoder_2,) if m is not None]
+    with sampling_mode(modules, device, autocast_dtype):
         for i, prompt in enumerate(prompts):
             if i % num_processes == process_index:
                 seed = prompt_seed(prompt, base_seed)

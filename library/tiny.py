@@ -87,13 +87,14 @@ def _bytes_to_unicode() -> tuple[tuple[int, str], ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def _learn_vocab_and_merges(num_merges: int = NUM_MERGES) -> tuple[dict[str, int], tuple[str, ...]]:
-    """Learn byte-level BPE merges from the built-in corpus; vocabulary laid out like CLIP's.
+def _learn_vocab_and_merges(num_merges: int = NUM_MERGES,
+                            corpus: str = _BPE_CORPUS) -> tuple[dict[str, int], tuple[str, ...]]:
+    """Learn byte-level BPE merges from `corpus` (default: the built-in one); vocabulary laid out like CLIP's.
 
     Ties are broken by the pair itself so the result never depends on dict or hash order.
     """
     byte_map = dict(_bytes_to_unicode())
-    words = Counter(re.findall(r"[a-z]+|[0-9]|[^\sa-z0-9]+", _BPE_CORPUS.lower()))
+    words = Counter(re.findall(r"[a-z]+|[0-9]|[^\sa-z0-9]+", corpus.lower()))
     splits: dict[tuple[str, ...], int] = {}
     for word, freq in words.items():
         chars = [byte_map[b] for b in word.encode("utf-8")]
@@ -132,20 +133,23 @@ def _learn_vocab_and_merges(num_merges: int = NUM_MERGES) -> tuple[dict[str, int
     return vocab, tuple(f"{a} {b}" for a, b in merges)
 
 
-def _write_bpe_files(directory: Path) -> None:
+def _write_bpe_files(directory: Path, corpus: str = _BPE_CORPUS) -> None:
     """Write vocab.json and merges.txt, the files every CLIPTokenizer version can load."""
-    vocab, merges = _learn_vocab_and_merges()
+    vocab, merges = _learn_vocab_and_merges(NUM_MERGES, corpus)
     (directory / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
     # The header line is required: CLIP's loaders skip the first line of merges.txt.
     (directory / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
 
 
-def build_tiny_tokenizer(pad_token: str = EOS_TOKEN) -> Any:
-    """A CLIPTokenizer made offline from a generated vocab.json + merges.txt (SD1 pads with EOS, SD2 with "!")."""
+def build_tiny_tokenizer(pad_token: str = EOS_TOKEN, corpus: str = _BPE_CORPUS) -> Any:
+    """A CLIPTokenizer made offline from a generated vocab.json + merges.txt (SD1 pads with EOS, SD2 with "!").
+
+    The merges are learned from `corpus`: by default the sample dataset's captions and common English words.
+    """
     from transformers import CLIPTokenizer
 
     with tempfile.TemporaryDirectory(prefix="tiny-clip-tok-") as tmp:
-        _write_bpe_files(Path(tmp))
+        _write_bpe_files(Path(tmp), corpus)
         # from_pretrained, not CLIPTokenizer(vocab_file=...): transformers 5 silently ignores those keywords
         # and returns a 3-token tokenizer.
         tokenizer = CLIPTokenizer.from_pretrained(
@@ -314,6 +318,65 @@ def save_tiny_sd1_single_file(path: str | os.PathLike[str], size: str = "tiny", 
     state = ldm_state_dict(parts["unet"], parts["vae"], parts["text_encoder"], open_clip=open_clip)
     target = save_checkpoint(state, Path(path).absolute())
     logger.info("wrote tiny SD1 single-file checkpoint (size=%s, seed=%d) to %s", size, seed, target)
+    return target
+
+
+def build_tiny_sdxl(seed: int = 0) -> dict[str, Any]:
+    """Build the components of a tiny SDXL-shaped pipeline: two text encoders (CLIP and CLIP with projection, the
+    second padding with "!"), a UNet with SDXL's text_time conditioning and linear projections, a VAE and SDXL's
+    noise schedule. The block layout (no attention in the first block, 2 transformer layers in the last) keeps
+    SDXL's module names."""
+    from diffusers import AutoencoderKL, EulerDiscreteScheduler, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    width, time_dim = 32, 8
+    tokenizer, tokenizer_2 = build_tiny_tokenizer(), build_tiny_tokenizer("!")
+
+    def text_config(tok: Any, act: str) -> Any:
+        return CLIPTextConfig(vocab_size=len(tok), hidden_size=width, intermediate_size=4 * width,
+                              projection_dim=width, num_hidden_layers=2, num_attention_heads=width // _HEAD_WIDTH,
+                              max_position_embeddings=MODEL_MAX_LENGTH, hidden_act=act,
+                              bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                              pad_token_id=tok.pad_token_id)
+
+    with torch.random.fork_rng(devices=[]):
+        _seeded(seed, 11)
+        unet = UNet2DConditionModel(
+            sample_size=8, in_channels=4, out_channels=4,
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            block_out_channels=(32, 64), layers_per_block=2, transformer_layers_per_block=(1, 2),
+            attention_head_dim=(4, 8), cross_attention_dim=2 * width, use_linear_projection=True,
+            addition_embed_type="text_time", addition_time_embed_dim=time_dim,
+            projection_class_embeddings_input_dim=width + 6 * time_dim, norm_num_groups=32,
+        )
+        _seeded(seed, 12)
+        vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+                            up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(32, 32, 32, 32),
+                            layers_per_block=1, latent_channels=4, norm_num_groups=32, sample_size=64,
+                            scaling_factor=0.13025)
+        _seeded(seed, 13)
+        text_encoder = CLIPTextModel(text_config(tokenizer, "quick_gelu"))
+        _seeded(seed, 14)
+        text_encoder_2 = CLIPTextModelWithProjection(text_config(tokenizer_2, "gelu"))
+    scheduler = EulerDiscreteScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
+                                       beta_schedule="scaled_linear", steps_offset=1, timestep_spacing="leading",
+                                       prediction_type="epsilon")
+    for model in (unet, vae, text_encoder, text_encoder_2):
+        model.eval()
+    return {"unet": unet, "vae": vae, "text_encoder": text_encoder, "text_encoder_2": text_encoder_2,
+            "tokenizer": tokenizer, "tokenizer_2": tokenizer_2, "scheduler": scheduler}
+
+
+def save_tiny_sdxl(path: str | os.PathLike[str], seed: int = 0) -> Path:
+    """Write a tiny StableDiffusionXLPipeline folder at `path` and return it."""
+    from diffusers import StableDiffusionXLPipeline
+
+    target = Path(path).absolute()
+    pipe = StableDiffusionXLPipeline(**build_tiny_sdxl(seed), force_zeros_for_empty_prompt=True)
+    pipe.save_pretrained(target, safe_serialization=True)
+    for name in ("tokenizer", "tokenizer_2"):
+        _write_bpe_files(target / name)
     return target
 
 

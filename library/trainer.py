@@ -1,7 +1,6 @@
 """run(config): wires the parts together; the training loop."""
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -25,10 +24,11 @@ from library.accelerator import prepare_accelerator
 from library.config import Config, UserError
 from library.cache import cache_latents, cache_text_encoder_outputs
 from library.data import TrainingData, build_training_data
-from library.families import Components, encode_prompt, load_sd_components, tokenize, zero_terminal_snr
-from library.model import (SAVE_DTYPES, WEIGHT_DTYPES, DiffusionModel, NetworkSpec, Objective, batch_latents,
-                           build_model, diffusion_loss, load_adapter, lora_modules, network_spec, save_lora,
-                           trained_parts)
+from library.families import (Components, caption_tokenizer, encode_tokens, load_sd_components,
+                               zero_terminal_snr)
+from library.model import (SAVE_DTYPES, WEIGHT_DTYPES, DiffusionModel, NetworkSpec, Objective, batch_conditioning,
+                           batch_latents, build_model, diffusion_loss, load_adapter, lora_modules, network_spec,
+                           save_lora, trained_parts)
 from library.optim import build_lr_scheduler, build_optimizer, schedule_free_eval, warmup_steps
 from library.sampling import SamplingModels, load_prompts, sample_images
 from library.state import (Checkpointer, TrainState, epoch_name, incompatibilities, library_versions,
@@ -49,11 +49,11 @@ def cache_inputs(config: Config, data: TrainingData, components: Components, acc
                       num_processes=accelerator.num_processes, wait_for_everyone=accelerator.wait_for_everyone,
                       skip_bad_images=config.skip_bad_images)
     if config.cache_text_encoder_outputs:
-        text_encoder = components.text_encoder
-
         @torch.no_grad()
-        def encode(input_ids: torch.Tensor) -> torch.Tensor:
-            return encode_prompt(text_encoder, input_ids.to(accelerator.device), config.clip_skip).cpu()
+        def encode(tokens: Any) -> Any:
+            encoded = encode_tokens(components.text_encoder, components.text_encoder_2,
+                                    send_to_device(tokens, accelerator.device), config.clip_skip)
+            return send_to_device(encoded, "cpu")
 
         cache_text_encoder_outputs(data, encode)
 
@@ -115,7 +115,11 @@ PATH_OPTIONS = ("seed", "train_batch_size", "gradient_accumulation_steps", "reso
                 "learning_rate", "unet_lr", "text_encoder_lr", "lr_scheduler", "lr_warmup_steps", "mixed_precision",
                 "max_grad_norm", "min_snr_gamma", "noise_offset", "min_timestep", "max_timestep", "network_dropout",
                 "optimizer_args", "v_parameterization", "full_fp16", "full_bf16", "clip_skip",
-                "max_token_length", "zero_terminal_snr")
+                "max_token_length", "noise_offset_random_strength", "adaptive_noise_scale",
+                "multires_noise_iterations", "multires_noise_discount", "ip_noise_gamma",
+                "ip_noise_gamma_random_strength", "loss_type", "huber_schedule", "huber_c", "huber_scale",
+                "debiased_estimation_loss", "scale_v_pred_loss_like_noise_pred", "v_pred_like_loss",
+                "zero_terminal_snr", "masked_loss", "alpha_mask")
 
 
 def path_settings(config: Config, seed: int, data: TrainingData) -> dict[str, Any]:
@@ -188,8 +192,8 @@ def _train(config: Config, accelerator: Accelerator, started_at: float, trackers
     # The images are checked before the model is loaded, so data problems surface in seconds.
     data = build_training_data(config, None, seed, accelerator.num_processes)
     components = load_sd_components(config.pretrained_model_name_or_path, config.v2, config.v_parameterization,
-                                    weight_dtype, vae_dtype)
-    data.set_tokenizer(functools.partial(tokenize, components.tokenizer, max_token_length=config.max_token_length))
+                                    weight_dtype, vae_dtype, config.model_config, config.allow_pickle_checkpoints)
+    data.set_tokenizer(caption_tokenizer(components, config.max_token_length))
     if config.zero_terminal_snr:
         components.noise_scheduler = zero_terminal_snr(components.noise_scheduler)
 
@@ -242,7 +246,8 @@ def _train(config: Config, accelerator: Accelerator, started_at: float, trackers
                     state.epoch + 1, state.batch_in_epoch)
 
     obj = Objective(components.noise_scheduler.alphas_cumprod.to(accelerator.device), components.v_prediction,
-                    config.min_timestep, config.max_timestep, config.noise_offset, config.min_snr_gamma)
+                    config.min_timestep, config.max_timestep, config.noise_offset, config.min_snr_gamma,
+                    objective.NoiseOptions.from_config(config), objective.LossOptions.from_config(config))
     metrics = StepMetrics(TimestepLoss(config.min_timestep, config.max_timestep, config.loss_timestep_bins),
                           plan.steps_per_epoch)
     if resumed is not None:
@@ -256,22 +261,26 @@ def _train(config: Config, accelerator: Accelerator, started_at: float, trackers
         """One held-out image at every validation timestep, with the same latent sample and noise."""
         batch = send_to_device(batch, accelerator.device)
         latents = batch_latents(batch, components.vae, generator, vae_dtype).to(weight_dtype)
-        noise = objective.sample_noise(latents, generator, obj.noise_offset)
+        noise = objective.sample_noise(latents, generator, obj.noise_offset, obj.noise)
         n = len(timesteps)
-        conditioning = batch.get("encoder_hidden_states", batch.get("input_ids"))
+        conditioning = send_to_device(batch_conditioning(batch), accelerator.device)
+        conditioning = ({k: v.expand(n, *v.shape[1:]) for k, v in conditioning.items()}
+                        if isinstance(conditioning, dict) else conditioning.expand(n, *conditioning.shape[1:]))
+        masked = {"mask": batch["loss_mask"].expand(n, *batch["loss_mask"].shape[1:])} if "loss_mask" in batch else {}
         with accelerator.autocast():
-            return diffusion_loss(unwrapped, latents.expand(n, *latents.shape[1:]),
-                                  conditioning.expand(n, *conditioning.shape[1:]),
-                                  noise.expand(n, *noise.shape[1:]), timesteps, obj).float()
+            return diffusion_loss(unwrapped, latents.expand(n, *latents.shape[1:]), conditioning,
+                                  noise.expand(n, *noise.shape[1:]), timesteps, obj, **masked).float()
 
     def sample(epoch: int | None = None) -> None:
         def encode_text(text: str) -> torch.Tensor:
-            ids = tokenize(components.tokenizer, text, config.max_token_length)[None].to(accelerator.device)
-            return encode_prompt(unwrapped.text_encoder, ids, config.clip_skip)
+            tokens = send_to_device(caption_tokenizer(components, config.max_token_length)(text), accelerator.device)
+            tokens = {k: v[None] for k, v in tokens.items()} if isinstance(tokens, dict) else tokens[None]
+            return encode_tokens(unwrapped.text_encoder, unwrapped.text_encoder_2, tokens, config.clip_skip)
 
         models = SamplingModels(unwrapped.unet, unwrapped.text_encoder, components.vae, components.tokenizer,
                                 components.noise_scheduler.config,
-                                "v_prediction" if components.v_prediction else None, encode_text)
+                                "v_prediction" if components.v_prediction else None, encode_text,
+                                unwrapped.text_encoder_2, components.tokenizer_2)
         with schedule_free_eval(optimizer):
             samples = sample_images(
                 prompts, models, output_dir / "sample", config.output_name, base_seed=seed,
@@ -335,12 +344,18 @@ def _train(config: Config, accelerator: Accelerator, started_at: float, trackers
             torch.manual_seed(objective.torch_seed(seed, *keys, 1))
             with accelerator.accumulate(model):
                 latents = batch_latents(batch, components.vae, generator, vae_dtype).to(weight_dtype)
-                noise = objective.sample_noise(latents, generator, obj.noise_offset)
+                noise = objective.sample_noise(latents, generator, obj.noise_offset, obj.noise)
                 timesteps = objective.sample_timesteps(latents.shape[0], generator, obj.min_timestep,
                                                        obj.max_timestep, latents.device)
+                # Passed only when in use, so that wrappers of diffusion_loss (the tests') see the plain call.
+                extra: dict[str, torch.Tensor] = {}
+                if obj.noise.ip_noise_gamma:
+                    extra["input_noise"] = objective.perturb_noise(noise, generator, obj.noise)
+                if "loss_mask" in batch:
+                    extra["mask"] = batch["loss_mask"]
                 with accelerator.autocast():
-                    conditioning = batch.get("encoder_hidden_states", batch.get("input_ids"))
-                    per_sample = diffusion_loss(model, latents, conditioning, noise, timesteps, obj)
+                    conditioning = batch_conditioning(batch)
+                    per_sample = diffusion_loss(model, latents, conditioning, noise, timesteps, obj, **extra)
                     per_sample = per_sample * batch["loss_weight"]
                     loss = per_sample.mean()
                 accelerator.backward(loss)
@@ -432,6 +447,7 @@ def training_metadata(config: Config, spec: NetworkSpec, components: Components,
     return lora_metadata(
         network_dim=spec.dim, network_alpha=spec.alpha,
         v2=components.base_model_version == "sd_v2", v_parameterization=components.v_prediction,
+        sdxl=components.sdxl,
         network_module=config.network_module, network_dropout=config.network_dropout,
         learning_rate=config.learning_rate, unet_lr=config.unet_lr, text_encoder_lr=config.text_encoder_lr,
         max_train_steps=plan.total_steps, steps=state.global_step, epoch=state.epoch, num_epochs=plan.num_epochs,

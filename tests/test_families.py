@@ -47,10 +47,10 @@ def test_corrupt_weights_are_a_user_error(tiny_sd1_dir, tmp_path):
         load_sd_components(copy)
 
 
-def test_single_file_checkpoint_is_refused_with_a_message(tmp_path):
+def test_unreadable_single_file_checkpoint_is_a_user_error(tmp_path):
     checkpoint = tmp_path / "model.safetensors"
     checkpoint.write_bytes(b"")
-    with pytest.raises(UserError, match="single-file checkpoints are not supported yet"):
+    with pytest.raises(UserError, match="not a readable safetensors file"):
         load_sd_components(checkpoint)
 
 

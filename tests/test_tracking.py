@@ -38,8 +38,8 @@ def record_training_losses(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
     original = trainer.diffusion_loss
 
-    def recording(model, latents, conditioning, noise, timesteps, obj):
-        loss = original(model, latents, conditioning, noise, timesteps, obj)
+    def recording(model, latents, conditioning, noise, timesteps, obj, **options):
+        loss = original(model, latents, conditioning, noise, timesteps, obj, **options)
         if torch.is_grad_enabled():
             seen.append((loss.detach().clone(), timesteps.clone()))
         return loss
