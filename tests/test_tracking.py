@@ -133,9 +133,12 @@ def test_wandb_offline_run_has_the_metrics_and_no_secret_anywhere(tiny_sd1_dir, 
         monkeypatch.setenv(name, str(wandb_home / name))
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    tracker_config = tmp_path / "trackers.toml"
+    tracker_config.write_text('[wandb]\ntags = ["lora", "tiny"]\nnotes = "from log_tracker_config"\n')
     config = make_config(tiny_sd1_dir, sample_data_dir, tmp_path / "out", "--max_train_steps", "3",
                          "--log_with", "wandb", "--wandb_api_key", SECRET, "--wandb_run_name", "digits",
-                         "--log_config", "--log_tracker_name", "proj", "--save_state")
+                         "--log_config", "--log_tracker_name", "proj", "--save_state",
+                         "--log_tracker_config", str(tracker_config))
     result = trainer.run(config)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
 
@@ -157,6 +160,7 @@ def test_wandb_offline_run_has_the_metrics_and_no_secret_anywhere(tiny_sd1_dir, 
     assert any("loss/by_timestep/_type" in h for h in history)
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     assert run.display_name == "digits" and run.project == "proj"
+    assert list(run.tags) == ["lora", "tiny"] and run.notes == "from log_tracker_config"
     sent = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for r in records if r.WhichOneof("record_type") == "config"
             for item in r.config.update}
     assert sent["learning_rate"] == pytest.approx(1e-2) and sent["network_dim"] == 4
