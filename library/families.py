@@ -1,10 +1,12 @@
-"""Model families: loading components from a local diffusers folder and encoding prompts.
+"""Model families (SD1.x, SD2.x, SDXL): loading their components and encoding prompts.
 
-Only the SD1.x / SD2.x layout (one CLIP text encoder) lives here so far; a family is a small description, not a
-subclass of the trainer.
+A family is a small description (`Family`), not a subclass of the trainer: what differs between families is data
+here, plus the two prompt encoders (CLIP hidden states; SDXL's two encoders with pooled output and size
+conditioning).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -22,6 +24,25 @@ logger = logging.getLogger(__name__)
 SD_COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
 
 
+@dataclass(frozen=True)
+class Family:
+    """What differs between model families."""
+    name: str
+    base_model_version: str  # kohya's ss_base_model_version (v-prediction adds "_v" for SD2)
+    text_encoders: tuple[str, ...]  # diffusers subfolders, in conditioning order
+    tokenizers: tuple[str, ...]
+    lora_text_prefixes: tuple[str, ...]  # kohya key prefix of each text encoder's LoRA
+    pipeline: str  # diffusers pipeline class that samples it
+    size_conditioning: bool  # the UNet also takes the pooled text embedding and per-image size ids
+
+
+SD1 = Family("sd1", "sd_v1", ("text_encoder",), ("tokenizer",), ("lora_te",), "StableDiffusionPipeline", False)
+SD2 = dataclasses.replace(SD1, name="sd2", base_model_version="sd_v2")
+SDXL = Family("sdxl", "sdxl_base_v1-0", ("text_encoder", "text_encoder_2"), ("tokenizer", "tokenizer_2"),
+              ("lora_te1", "lora_te2"), "StableDiffusionXLPipeline", True)
+FAMILIES = {family.name: family for family in (SD1, SD2, SDXL)}
+
+
 @dataclass
 class Components:
     unet: Any
@@ -30,13 +51,17 @@ class Components:
     tokenizer: Any
     noise_scheduler: Any
     v_prediction: bool
-    base_model_version: str  # kohya's ss_base_model_version
+    family: Family
     text_encoder_2: Any = None  # SDXL's second text encoder (CLIP with projection) and its tokenizer
     tokenizer_2: Any = None
 
     @property
+    def base_model_version(self) -> str:
+        return self.family.base_model_version
+
+    @property
     def sdxl(self) -> bool:
-        return self.text_encoder_2 is not None
+        return self.family.size_conditioning
 
     @property
     def text_encoders(self) -> list[Any]:
@@ -56,7 +81,7 @@ def _load_diffusers_folder(path: Path, weight_dtype: torch.dtype, vae_dtype: tor
     _check_diffusers_folder(path)
     try:
         sdxl = {}
-        if (path / "text_encoder_2").is_dir():
+        if (path / SDXL.text_encoders[1]).is_dir():  # SDXL is told by its second text encoder
             sdxl = {"text_encoder_2": CLIPTextModelWithProjection.from_pretrained(
                         path, subfolder="text_encoder_2", local_files_only=True, dtype=weight_dtype),
                     "tokenizer_2": CLIPTokenizer.from_pretrained(path, subfolder="tokenizer_2", local_files_only=True)}
@@ -100,12 +125,11 @@ def load_sd_components(model_path: str | Path, v2: bool = False, v_parameterizat
     if scheduled_v and not v_parameterization:
         logger.info("the model's scheduler uses v-prediction; training with v_parameterization")
     if "text_encoder_2" in parts:
-        return Components(unet, vae, text_encoder, tokenizer, noise_scheduler, v_prediction, "sdxl_base_v1-0",
+        return Components(unet, vae, text_encoder, tokenizer, noise_scheduler, v_prediction, SDXL,
                           parts["text_encoder_2"], parts["tokenizer_2"])
     # SD2's OpenCLIP encoder: 1024 wide with plain gelu (SD1's CLIP uses quick_gelu).
     sd2 = v2 or text_encoder.config.hidden_size == 1024 or text_encoder.config.hidden_act == "gelu"
-    return Components(unet, vae, text_encoder, tokenizer, noise_scheduler, v_prediction,
-                      "sd_v2" if sd2 else "sd_v1")
+    return Components(unet, vae, text_encoder, tokenizer, noise_scheduler, v_prediction, SD2 if sd2 else SD1)
 
 
 def tokenize(tokenizer: Any, caption: str, max_token_length: int | None = None) -> torch.Tensor:

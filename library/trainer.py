@@ -446,7 +446,7 @@ def training_metadata(config: Config, spec: NetworkSpec, components: Components,
                       data: TrainingData, seed: int, started_at: float, state: TrainState) -> dict[str, str]:
     return lora_metadata(
         network_dim=spec.dim, network_alpha=spec.alpha,
-        v2=components.base_model_version == "sd_v2", v_parameterization=components.v_prediction,
+        v2=components.family.name == "sd2", v_parameterization=components.v_prediction,
         sdxl=components.sdxl,
         network_module=config.network_module, network_dropout=config.network_dropout,
         learning_rate=config.learning_rate, unet_lr=config.unet_lr, text_encoder_lr=config.text_encoder_lr,
