@@ -368,6 +368,11 @@ _OUTPUT = [
     _opt("dim_from_weights", _to_bool, False, "take network_dim and network_alpha from network_weights"),
     _opt("no_metadata", _to_bool, False, "write no ss_* training metadata into the LoRA file"),
     _opt("training_comment", _to_str, None, "free text stored as ss_training_comment"),
+    _opt("metadata_title", _to_str, None, "modelspec.title of the LoRA file (default: output_name)"),
+    _opt("metadata_author", _to_str, None, "modelspec.author of the LoRA file"),
+    _opt("metadata_description", _to_str, None, "modelspec.description of the LoRA file"),
+    _opt("metadata_license", _to_str, None, "modelspec.license of the LoRA file"),
+    _opt("metadata_tags", _to_str, None, "modelspec.tags of the LoRA file (comma-separated)"),
 ]
 _LOGGING = [
     _opt("log_with", _to_str, None, "trackers to log to (logging_dir alone means tensorboard)",
@@ -463,8 +468,8 @@ UNSUPPORTED_KOHYA_OPTIONS: tuple[str, ...] = (
     "huggingface_path_in_repo", "huggingface_repo_id", "huggingface_repo_type", "huggingface_repo_visibility",
     "huggingface_token", "in_json", "initial_epoch", "initial_step",
     "loraplus_lr_ratio", "loraplus_text_encoder_lr_ratio", "loraplus_unet_lr_ratio",
-    "max_validation_steps", "metadata_author", "metadata_description", "metadata_license",
-    "metadata_tags", "metadata_title", "offload_optimizer_nvme_path", "offload_param_nvme_path",
+    "max_validation_steps",
+    "offload_optimizer_nvme_path", "offload_param_nvme_path",
     "resume_from_huggingface",
     "save_n_epoch_ratio", "save_state_to_huggingface",
     "scale_weight_norms", "secondary_separator", "skip_cache_check", "skip_until_initial_step", "token_warmup_min",

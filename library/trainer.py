@@ -462,5 +462,7 @@ def training_metadata(config: Config, spec: NetworkSpec, components: Components,
         gradient_checkpointing=config.gradient_checkpointing, max_grad_norm=config.max_grad_norm,
         min_snr_gamma=config.min_snr_gamma, noise_offset=config.noise_offset, clip_skip=config.clip_skip,
         max_token_length=config.max_token_length,
-        training_comment=config.training_comment, extra=data.kohya_metadata(),
+        training_comment=config.training_comment, title=config.metadata_title, author=config.metadata_author,
+        description=config.metadata_description, license=config.metadata_license, tags=config.metadata_tags,
+        extra=data.kohya_metadata(),
     )

@@ -39,10 +39,14 @@ def test_sd2_v_lora_trains_and_loads_in_diffusers(tiny_sd2_dir, sample_data_dir,
         "--pretrained_model_name_or_path", str(tiny_sd2_dir), "--train_data_dir", str(sample_data_dir),
         "--output_dir", str(tmp_path), "--resolution", "64", "--caption_extension", ".txt", "--v2",
         "--v_parameterization", "--train_batch_size", "2", "--max_train_steps", "3", "--learning_rate", "2e-2",
-        "--network_train_unet_only", "--max_grad_norm", "0", "--seed", "4"])
+        "--network_train_unet_only", "--max_grad_norm", "0", "--seed", "4", "--metadata_title", "Tiny V",
+        "--metadata_author", "me", "--metadata_tags", "tiny,v"])
     result = trainer.run(config)
     metadata = read_metadata(result.output_file)
     assert metadata["ss_v2"] == "True" and metadata["ss_base_model_version"] == "sd_v2_v"
+    assert metadata["modelspec.architecture"] == "stable-diffusion-v2-768-v/lora"
+    assert (metadata["modelspec.title"], metadata["modelspec.author"], metadata["modelspec.tags"]) == (
+        "Tiny V", "me", "tiny,v")
     assert any("proj_in" in key for key in network_keys(result.output_file))
 
     pipe = StableDiffusionPipeline.from_pretrained(tiny_sd2_dir, local_files_only=True, safety_checker=None)
