@@ -14,6 +14,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Sequence
 
+from library.network_args import network_option_problems
 from library.options import (ALIASES, GROUPS, IGNORED_KOHYA_OPTIONS, OPTIONS, UNSUPPORTED_KOHYA_OPTIONS,
                              Option)
 
@@ -407,10 +408,9 @@ def _check_values(v: dict[str, Any]) -> list[str]:
          "dim_from_weights needs network_weights (the LoRA file to read dim and alpha from)")
     need(v["network_weights"] is None or Path(v["network_weights"]).is_file(),
          f"network_weights: {v['network_weights']} is not a file")
-    for arg in v["network_args"] + v["optimizer_args"]:
-        need("=" in arg, f"{arg!r}: network_args and optimizer_args entries must look like key=value")
-    need(not v["network_args"],
-         "network_args: no network arguments are supported yet; remove " + " ".join(v["network_args"]))
+    for arg in v["optimizer_args"]:
+        need("=" in arg, f"{arg!r}: optimizer_args entries must look like key=value")
+    problems += network_option_problems(v)
     # Optimizer and schedule; checks that need the optimizer class or the step count run in library.optim.
     for arg in v["lr_scheduler_args"]:
         need("=" in arg, f"{arg!r}: lr_scheduler_args entries must look like key=value")

@@ -8,10 +8,11 @@ from typing import Any
 
 import torch
 
-from library import network, objective
+from library import adapter_training, network, network_setup, objective
 from library.cache import check_finite_latents, sample_cached_latents
 from library.config import Config, UserError
 from library.families import Components, encode_prompt, encode_sdxl, sdxl_time_ids
+from library.network_args import network_args_of
 
 logger = logging.getLogger(__name__)
 
@@ -169,17 +170,19 @@ def build_model(config: Config, components: Components, device: torch.device,
         text_encoder.to(device)
 
     groups: list[dict[str, Any]] = []
+    net = network_args_of(config)
     if train_unet:
-        params = network.attach_lora(unet, network.unet_target_modules(unet), spec.dim, spec.alpha,
-                                     config.network_dropout)
-        groups.append({"params": params, "lr": config.unet_lr if config.unet_lr is not None
-                       else config.learning_rate, "name": "unet"})
+        network_setup.attach_network(unet, "unet", spec.dim, spec.alpha, config.network_dropout, net)
+        groups += adapter_training.optimizer_groups([unet], config.unet_lr if config.unet_lr is not None
+                                                    else config.learning_rate, "unet", net.loraplus_ratio("unet"),
+                                                    network_setup.block_lr(unet, spec.dim, spec.alpha, net))
     if train_text_encoder:
-        params = [p for text_encoder in text_encoders
-                  for p in network.attach_lora(text_encoder, network.text_encoder_target_modules(text_encoder),
-                                               spec.dim, spec.alpha, config.network_dropout)]
-        groups.append({"params": params, "lr": config.text_encoder_lr if config.text_encoder_lr is not None
-                       else config.learning_rate, "name": "text_encoder"})
+        for text_encoder in text_encoders:
+            network_setup.attach_network(text_encoder, "text_encoder", spec.dim, spec.alpha, config.network_dropout,
+                                         net)
+        groups += adapter_training.optimizer_groups(
+            text_encoders, config.text_encoder_lr if config.text_encoder_lr is not None else config.learning_rate,
+            "text_encoder", net.loraplus_ratio("text_encoder"))
     if config.full_fp16 or config.full_bf16:
         for group in groups:
             for param in group["params"]:
@@ -229,5 +232,10 @@ def load_adapter(config: Config, model: DiffusionModel, state_dict: dict[str, to
 
 def save_lora(config: Config, model: DiffusionModel, spec: NetworkSpec, path: Path, metadata: dict[str, str],
               dtype: torch.dtype | None) -> None:
-    state_dict = network.kohya_state_dict(lora_modules(model, config), spec.alpha, dtype)
+    net = network_args_of(config)
+    # conv_alpha, block_alphas and whole-matrix LoKr layers have their own alpha; the check against spec.alpha fits
+    # the rest.
+    uniform = net.conv_dim is None and net.block_alphas is None and net.conv_block_dims is None
+    alpha = spec.alpha if uniform and net.variant != "lokr" else None
+    state_dict = network.kohya_state_dict(lora_modules(model, config), alpha, dtype)
     network.save_lora_file(path, state_dict, {} if config.no_metadata else metadata)

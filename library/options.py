@@ -224,11 +224,28 @@ _NETWORK = [
     _opt("network_dim", _to_int, 4, "LoRA rank"),
     _opt("network_alpha", _to_float, 1.0, "LoRA alpha; the update is scaled by alpha / dim"),
     _opt("network_dropout", _to_float, 0.0, "dropout probability on the LoRA input (peft lora_dropout)"),
-    _opt("network_args", _to_str_list, [], "extra network arguments as key=value strings", metavar="KEY=VALUE"),
+    _opt("network_args", _to_str_list, [],
+         "kohya / LyCORIS network arguments as key=value strings: conv_dim, conv_alpha, algo (lora, locon, loha, "
+         "lokr), dora_wd, rank_dropout, module_dropout, loraplus_*, factor, decompose_both, block_dims, "
+         "block_alphas, conv_block_dims, conv_block_alphas, down/mid/up_lr_weight, block_lr_zero_threshold",
+         metavar="KEY=VALUE"),
     _opt("network_train_unet_only", _to_bool, False, "train LoRA on the UNet only"),
     _opt("network_train_text_encoder_only", _to_bool, False, "train LoRA on the text encoder only"),
     _opt("unet_lr", _to_float, None, "learning rate of the UNet LoRA (default: learning_rate)"),
     _opt("text_encoder_lr", _to_float, None, "learning rate of the text encoder LoRA (default: learning_rate)"),
+    _opt("loraplus_lr_ratio", _to_float, None,
+         "LoRA+: train the LoRA up weights at learning rate x this (kohya reads it from network_args; either "
+         "place works)"),
+    _opt("loraplus_unet_lr_ratio", _to_float, None, "LoRA+ ratio for the UNet (default: loraplus_lr_ratio)"),
+    _opt("loraplus_text_encoder_lr_ratio", _to_float, None,
+         "LoRA+ ratio for the text encoder (default: loraplus_lr_ratio)"),
+    _opt("scale_weight_norms", _to_float, None,
+         "after each optimizer step, scale down every LoRA module whose up @ down * alpha / dim has a norm above "
+         "this (kohya's max-norm regularisation; 1.0 is kohya's suggestion)"),
+    _opt("ema_decay", _to_float, None,
+         "keep an exponential moving average of the LoRA weights, updated after each optimizer step with this "
+         "decay (e.g. 0.999); kept in state dirs"),
+    _opt("ema_for_saved_file", _to_bool, False, "save the EMA weights (not the last ones) in the LoRA files"),
 ]
 _TRAINING = [
     _opt("max_train_steps", _to_int, 1600, "optimizer steps to train"),
@@ -467,12 +484,11 @@ UNSUPPORTED_KOHYA_OPTIONS: tuple[str, ...] = (
     "fused_backward_pass",
     "huggingface_path_in_repo", "huggingface_repo_id", "huggingface_repo_type", "huggingface_repo_visibility",
     "huggingface_token", "in_json", "initial_epoch", "initial_step",
-    "loraplus_lr_ratio", "loraplus_text_encoder_lr_ratio", "loraplus_unet_lr_ratio",
     "max_validation_steps",
     "offload_optimizer_nvme_path", "offload_param_nvme_path",
     "resume_from_huggingface",
     "save_n_epoch_ratio", "save_state_to_huggingface",
-    "scale_weight_norms", "secondary_separator", "skip_cache_check", "skip_until_initial_step", "token_warmup_min",
+    "secondary_separator", "skip_cache_check", "skip_until_initial_step", "token_warmup_min",
     "token_warmup_step",
     "vae",
     "weighted_captions", "zero3_init_flag", "zero3_save_16bit_model",

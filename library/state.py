@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 STATE_FILE = "train_state.json"
 ADAPTER_FILE = "adapter.safetensors"
+EMA_FILE = "ema.safetensors"  # only with ema_decay: the EMA of the adapter weights
 _TMP_PREFIX = ".tmp-"
 _VERSIONED = ("torch", "diffusers", "peft", "accelerate", "transformers")
 
@@ -202,10 +203,13 @@ class Checkpointer:
     """Adapter-only state dirs through accelerate's save_state/load_state and their pre-hooks."""
 
     def __init__(self, accelerator: Accelerator, write_adapter: Callable[[Path], None],
-                 read_adapter: Callable[[Path], None]):
+                 read_adapter: Callable[[Path], None], write_ema: Callable[[Path], None] | None = None,
+                 read_ema: Callable[[Path], None] | None = None):
         self.accelerator = accelerator
         self._write_adapter = write_adapter
         self._read_adapter = read_adapter
+        self._write_ema = write_ema
+        self._read_ema = read_ema
         self._pending: TrainState | None = None
         accelerator.register_save_state_pre_hook(self._save_hook)
         accelerator.register_load_state_pre_hook(self._load_hook)
@@ -215,12 +219,16 @@ class Checkpointer:
         weights.clear()
         if self.accelerator.is_main_process:
             self._write_adapter(Path(output_dir) / ADAPTER_FILE)
+            if self._write_ema is not None:
+                self._write_ema(Path(output_dir) / EMA_FILE)
             assert self._pending is not None
             (Path(output_dir) / STATE_FILE).write_text(self._pending.to_json(), encoding="utf-8")
 
     def _load_hook(self, models: list, input_dir: str) -> None:
         models.clear()  # the base weights come from the model folder; only the adapter is in the state
         self._read_adapter(Path(input_dir) / ADAPTER_FILE)
+        if self._read_ema is not None:
+            self._read_ema(Path(input_dir) / EMA_FILE)  # after the adapter: a state without EMA starts it there
 
     def save(self, state_dir: Path, train_state: TrainState) -> None:
         """Write a complete state dir at `state_dir`, atomically. Every process must call this."""

@@ -7,6 +7,7 @@ import logging
 import math
 import secrets
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list, send_to_device, set_seed
 from tqdm.auto import tqdm
 
-from library import network, objective
+from library import adapter_training, network, objective
 from library.chart import loss_by_timestep_chart, save_png
 from library.metadata import lora_metadata
 from library.accelerator import prepare_accelerator
@@ -119,7 +120,8 @@ PATH_OPTIONS = ("seed", "train_batch_size", "gradient_accumulation_steps", "reso
                 "multires_noise_iterations", "multires_noise_discount", "ip_noise_gamma",
                 "ip_noise_gamma_random_strength", "loss_type", "huber_schedule", "huber_c", "huber_scale",
                 "debiased_estimation_loss", "scale_v_pred_loss_like_noise_pred", "v_pred_like_loss",
-                "zero_terminal_snr", "masked_loss", "alpha_mask")
+                "zero_terminal_snr", "masked_loss", "alpha_mask", "loraplus_lr_ratio", "loraplus_unet_lr_ratio",
+                "loraplus_text_encoder_lr_ratio", "scale_weight_norms", "ema_decay")
 
 
 def path_settings(config: Config, seed: int, data: TrainingData) -> dict[str, Any]:
@@ -228,11 +230,15 @@ def _train(config: Config, accelerator: Accelerator, started_at: float, trackers
 
     unwrapped = accelerator.unwrap_model(model)
     save_dtype = SAVE_DTYPES[config.save_precision]
+    ema = (adapter_training.AdapterEMA(lora_modules(unwrapped, config), config.ema_decay)
+           if config.ema_decay is not None else None)
     checkpointer = Checkpointer(
         accelerator,
         write_adapter=lambda path: save_lora(config, unwrapped, spec, path, {}, None),
         read_adapter=lambda path: load_adapter(config, unwrapped, network.load_kohya_lora(path)[0], strict=True,
-                                               source=str(path)))
+                                               source=str(path)),
+        write_ema=adapter_training.ema_writer(ema) if ema else None,
+        read_ema=adapter_training.ema_reader(ema) if ema else None)
     if resumed is not None:
         problems = incompatibilities(resumed, state)
         if problems:
@@ -313,7 +319,9 @@ def _train(config: Config, accelerator: Accelerator, started_at: float, trackers
     def save_snapshot(name: str, with_state: bool) -> None:
         if accelerator.is_main_process:
             path = output_dir / f"{name}.safetensors"
-            with schedule_free_eval(optimizer):  # a schedule-free optimizer's kept weights, not its training ones
+            # A schedule-free optimizer's kept weights, not its training ones; or the EMA when asked.
+            saved_weights = ema.swapped() if ema and config.ema_for_saved_file else nullcontext()
+            with schedule_free_eval(optimizer), saved_weights:
                 save_lora(config, unwrapped, spec, path, metadata(), save_dtype)
             logger.info("saved %s", path)
         if with_state:
@@ -367,6 +375,8 @@ def _train(config: Config, accelerator: Accelerator, started_at: float, trackers
             step_samples.append((per_sample.detach(), timesteps))
             if not accelerator.sync_gradients:
                 continue
+            adapter_logs = adapter_training.after_optimizer_step(lora_modules(unwrapped, config).values(),
+                                                                 config.scale_weight_norms, ema)
 
             lr_scheduler.step()
             state.global_step += 1
@@ -390,7 +400,7 @@ def _train(config: Config, accelerator: Accelerator, started_at: float, trackers
             values = metrics.step(result.losses[-1], packed[2:], dict(zip(group_names, (
                 group["lr"] for group in optimizer.param_groups))), int(packed[1].item()), result.step_times[-1],
                 accelerator.device)
-            trackers.log(values, step=state.global_step)
+            trackers.log({**values, **adapter_logs}, step=state.global_step)
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("step %d loss %.6f lr %s", state.global_step, result.losses[-1],
                              [group["lr"] for group in optimizer.param_groups])
@@ -449,6 +459,7 @@ def training_metadata(config: Config, spec: NetworkSpec, components: Components,
         v2=components.family.name == "sd2", v_parameterization=components.v_prediction,
         sdxl=components.sdxl,
         network_module=config.network_module, network_dropout=config.network_dropout,
+        network_args=dict(arg.split("=", 1) for arg in config.network_args),
         learning_rate=config.learning_rate, unet_lr=config.unet_lr, text_encoder_lr=config.text_encoder_lr,
         max_train_steps=plan.total_steps, steps=state.global_step, epoch=state.epoch, num_epochs=plan.num_epochs,
         seed=seed, resolution=config.resolution, training_started_at=started_at, training_finished_at=time.time(),
