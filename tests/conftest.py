@@ -40,3 +40,13 @@ def tiny_sd1_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from library.tiny import save_tiny_sd1
 
     return save_tiny_sd1(tmp_path_factory.mktemp("tiny_sd1") / "model", size="tiny", seed=0)
+
+
+@pytest.fixture
+def fresh_accelerator_state():
+    """accelerate keeps process-wide state: each in-process training run starts from scratch."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)

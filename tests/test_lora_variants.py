@@ -559,13 +559,6 @@ def test_rank_and_module_dropout_follow_kohya():
 
 
 @pytest.fixture()
-def fresh_accelerator_state():
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
-@pytest.fixture()
 def logged(monkeypatch) -> list[dict[str, float]]:
     from library import tracking
 

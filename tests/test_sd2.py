@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState
 
 from library import objective, trainer
 from library.config import parse_config
@@ -17,11 +16,7 @@ def tiny_sd2_dir(tmp_path_factory):
     return save_tiny_sd1(tmp_path_factory.mktemp("sd2") / "tiny-sd2", prediction_type="v_prediction", family="sd2")
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerator_state():
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
+pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
 
 
 def test_tiny_sd2_is_told_apart_from_sd1(tiny_sd2_dir, tiny_sd1_dir):

@@ -19,11 +19,7 @@ def tiny_sdxl_dir(tmp_path_factory):
     return save_tiny_sdxl(tmp_path_factory.mktemp("sdxl") / "tiny-sdxl")
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerator_state():
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
+pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
 
 
 def config_for(model_dir, data_dir, output_dir, *extra):

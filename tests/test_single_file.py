@@ -30,13 +30,6 @@ def tiny_sd2_file(tmp_path_factory) -> Path:
     return save_tiny_sd1_single_file(tmp_path_factory.mktemp("single2") / "tiny-sd2.safetensors", open_clip=True)
 
 
-@pytest.fixture()
-def fresh_accelerator_state():
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
 def assert_same_weights(loaded, reference) -> None:
     ours, theirs = loaded.state_dict(), reference.state_dict()
     assert ours.keys() == theirs.keys()

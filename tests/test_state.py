@@ -13,11 +13,7 @@ from library.config import UserError, parse_config
 from library.state import ADAPTER_FILE, STATE_FILE, TrainState, find_latest_state
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerator_state():
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
+pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,7 @@ from library.validation import should_validate, split_validation
 SECRET = "wandb-key-4f1c9a7e0b2d83c6a5e1f0d9b8c7a6e5f4d3c2b1"
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerator_state():
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
+pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
 
 
 def make_config(tiny_sd1_dir: Path, data_dir: Path, output_dir: Path, *extra: str):

@@ -14,12 +14,7 @@ from library.families import load_sd_components
 from library.optim import build_optimizer
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerator_state():
-    # Accelerator keeps process-wide state; each in-process run starts from scratch.
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
+pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
 
 
 def make_config(tiny_sd1_dir: Path, sample_data_dir: Path, output_dir: Path, *extra: str):
