@@ -251,6 +251,32 @@ def build_tiny_sd1(size: str = "tiny", seed: int = 0, prediction_type: str = "ep
     }
 
 
+def save_pipeline(components: dict[str, Any], target: Path, corpus: str = _BPE_CORPUS) -> None:
+    """Write `components` as a StableDiffusionPipeline folder at `target`, replacing any old one atomically.
+
+    The folder is written beside `target` and renamed over it, so a crash leaves the old folder or the new one.
+    `corpus` is what the tokenizer's merges were learned from; vocab.json and merges.txt are written from it.
+    """
+    from diffusers import StableDiffusionPipeline
+
+    from library.state import replace_dir
+
+    pipe = StableDiffusionPipeline(**components, safety_checker=None, feature_extractor=None,
+                                   requires_safety_checker=False)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # os.mkdir rather than mkdtemp: mkdtemp's 0700 mode would survive the rename.
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        # transformers 5 saves only tokenizer.json; older transformers (slow CLIPTokenizer, as in kohya's
+        # scripts) need vocab.json + merges.txt beside it.
+        _write_bpe_files(tmp / "tokenizer", corpus)
+        replace_dir(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def save_tiny_sd1(
     path: str | os.PathLike[str],
     size: str = "tiny",
@@ -263,8 +289,6 @@ def save_tiny_sd1(
 
     An existing non-empty `path` is an error unless `overwrite` is set.
     """
-    from diffusers import StableDiffusionPipeline
-
     _check_args(size, prediction_type, family)
     target = Path(path).absolute()
     if target.exists() and not target.is_dir():
@@ -273,32 +297,7 @@ def save_tiny_sd1(
         raise FileExistsError(f"{target} exists and is not empty (use --overwrite / overwrite=True)")
     target.parent.mkdir(parents=True, exist_ok=True)
 
-    components = build_tiny_sd1(size=size, seed=seed, prediction_type=prediction_type, family=family)
-    pipe = StableDiffusionPipeline(
-        **components, safety_checker=None, feature_extractor=None, requires_safety_checker=False
-    )
-    # os.mkdir rather than mkdtemp: mkdtemp's 0700 mode would survive the rename.
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    old: Path | None = None
-    try:
-        pipe.save_pretrained(tmp, safe_serialization=True)
-        # transformers 5 saves only tokenizer.json; older transformers (slow CLIPTokenizer, as in kohya's
-        # scripts) need vocab.json + merges.txt beside it.
-        _write_bpe_files(tmp / "tokenizer")
-        if target.exists():
-            # rename() cannot replace a non-empty directory: move the old one aside first.
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            os.replace(target, old / "x")
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and (old / "x").exists() and not target.exists():
-            os.replace(old / "x", target)
-        raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+    save_pipeline(build_tiny_sd1(size=size, seed=seed, prediction_type=prediction_type, family=family), target)
     logger.info("wrote tiny %s model (size=%s, seed=%d, %s) to %s", family, size, seed, prediction_type, target)
     return target
 

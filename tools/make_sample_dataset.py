@@ -11,18 +11,20 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
-import shutil
 import sys
-import uuid
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from tools.image_folders import check_folder, write_folder  # noqa: E402
+
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "data" / "quickstart"
 CONCEPT_DIR = "10_sks shape"  # kohya: 10 repeats, class/trigger "sks shape"
 SIZE = 64
@@ -132,43 +134,12 @@ def dataset() -> list[tuple[str, Image.Image, str]]:
 
 def write(out: Path) -> Path:
     """Write the concept folder under `out`, replacing any previous one atomically."""
-    target = out / CONCEPT_DIR
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".{CONCEPT_DIR}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        for stem, image, text in dataset():
-            image.save(tmp / f"{stem}.png", optimize=True)
-            (tmp / f"{stem}.txt").write_text(text + "\n", encoding="utf-8")
-        if target.exists():
-            old = out / f".{CONCEPT_DIR}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(target, old)
-            shutil.rmtree(old)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return write_folder(out / CONCEPT_DIR, dataset())
 
 
 def check(out: Path) -> list[str]:
     """Differences between the files on disk and what `write` would produce (pixels, not PNG bytes)."""
-    target = out / CONCEPT_DIR
-    problems = []
-    expected = {}
-    for stem, image, text in dataset():
-        expected[f"{stem}.png"] = np.asarray(image)
-        expected[f"{stem}.txt"] = text + "\n"
-    present = {p.name for p in target.iterdir()} if target.is_dir() else set()
-    problems += [f"missing {name}" for name in sorted(set(expected) - present)]
-    problems += [f"unexpected {name}" for name in sorted(present - set(expected))]
-    for name in sorted(set(expected) & present):
-        if name.endswith(".png"):
-            with Image.open(target / name) as im:
-                if not np.array_equal(np.asarray(im.convert("RGB")), expected[name]):
-                    problems.append(f"pixels differ in {name}")
-        elif (target / name).read_text(encoding="utf-8") != expected[name]:
-            problems.append(f"caption differs in {name}")
-    return problems
+    return check_folder(out / CONCEPT_DIR, dataset())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,1 @@
+"""Scripts that regenerate the committed datasets and the digits base model."""

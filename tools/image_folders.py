@@ -1,0 +1,55 @@
+"""Write and check a folder of images with caption files, as the dataset tools here generate them.
+
+An item is (file stem, PIL image, caption): `<stem>.png` and `<stem>.txt` (the caption and a newline).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from library.state import replace_dir
+
+Item = tuple[str, Any, str]
+
+
+def write_folder(target: Path, items: Iterable[Item]) -> Path:
+    """Write the items into `target`, replacing any previous folder atomically (written beside it, then renamed)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        for stem, image, text in items:
+            image.save(tmp / f"{stem}.png", optimize=True)
+            (tmp / f"{stem}.txt").write_text(text + "\n", encoding="utf-8")
+        replace_dir(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def check_folder(target: Path, items: Iterable[Item], label: str = "") -> list[str]:
+    """Differences between `target` and what `write_folder` would write (pixels and mode, not PNG bytes).
+    Each problem names the file, prefixed by `label`."""
+    from PIL import Image
+
+    expected: dict[str, Any] = {}
+    for stem, image, text in items:
+        expected[f"{stem}.png"] = image
+        expected[f"{stem}.txt"] = text + "\n"
+    present = {p.name for p in target.iterdir()} if target.is_dir() else set()
+    problems = [f"missing {label}{name}" for name in sorted(set(expected) - present)]
+    problems += [f"unexpected {label}{name}" for name in sorted(present - set(expected))]
+    for name in sorted(set(expected) & present):
+        if name.endswith(".png"):
+            want = expected[name]
+            with Image.open(target / name) as im:
+                if im.mode != want.mode or not np.array_equal(np.asarray(im), np.asarray(want)):
+                    problems.append(f"pixels differ in {label}{name}")
+        elif (target / name).read_text(encoding="utf-8") != expected[name]:
+            problems.append(f"caption differs in {label}{name}")
+    return problems
