@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from library.network_args import network_option_problems
 from library.options import (ALIASES, GROUPS, IGNORED_KOHYA_OPTIONS, OPTIONS, UNSUPPORTED_KOHYA_OPTIONS,
-                             Option)
+                             Option, _to_str)
 
 
 class UserError(Exception):
@@ -189,6 +189,9 @@ def _read_toml(path: Path) -> tuple[dict[str, Any] | None, list[str]]:
 
 
 def _convert(option: Option, raw: Any, where: str) -> tuple[Any, str | None]:
+    if raw == "" and option.default is None and option.convert is _to_str:
+        # kohya tests these with `if args.x:`, and configs saved by its GUI write unset paths as "".
+        return None, None
     try:
         value = option.convert(raw)
     except ValueError as e:

@@ -110,6 +110,20 @@ def test_missing_required_paths_are_named(tmp_path):
     assert "output_dir is required" in text
 
 
+def test_empty_strings_leave_optional_paths_unset_as_in_kohya(tmp_path, paths):
+    """kohya's GUI saves unset options as "", and sd-scripts tests them with `if args.x:`."""
+    config_file = write_toml(tmp_path / "c.toml", "".join(f'{k} = "{v}"\n' for k, v in paths.items())
+                             + 'reg_data_dir = ""\nnetwork_weights = ""\nlog_with = ""\nsample_prompts = ""\n')
+    config, _ = parse_config(["--config", config_file])
+    assert (config.reg_data_dir, config.network_weights, config.log_with, config.sample_prompts) == (None,) * 4
+    config, _ = parse_config(["--config", config_file, "--reg_data_dir", str(tmp_path)])
+    assert config.reg_data_dir == str(tmp_path)
+    # A required path given as "" is missing, not the current folder.
+    problems = problems_of(["--config", config_file, "--train_data_dir="])
+    assert any(p.startswith("train_data_dir is required") for p in problems), problems
+    assert not any("is not a folder" in p or "does not exist" in p for p in problems), problems
+
+
 def test_unknown_command_line_option_and_its_value_count_once(paths):
     problems = problems_of(required_args(paths) + ["--learing_rate", "1e-4"])
     assert problems == ["command line: unknown option 'learing_rate' (did you mean 'learning_rate'?)"]
