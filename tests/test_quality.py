@@ -11,13 +11,10 @@ import torch
 
 from library import digits, judge
 from library.config import parse_config
+from tools import make_digit_dataset, pretrain_base
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = REPO / "models" / "digits-base"
-sys.path.insert(0, str(REPO / "tools"))
-
-import make_digit_dataset  # noqa: E402
-import pretrain_base  # noqa: E402
 
 
 def test_judge_recognises_real_digits_it_was_not_fitted_on():
