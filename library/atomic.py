@@ -1,7 +1,41 @@
-"""Durable renames: what every atomic save (LoRA file, state dir, cache entry) needs after os.replace."""
+"""Atomic, durable file writes: every file a user keeps is written beside its name and renamed over it.
+
+A run killed mid-write leaves the old file (or none) plus a temporary named like `.<name>.<8 hex>.tmp`;
+`STALE_TEMPORARY` matches those names so that the next run can remove them.
+"""
 from __future__ import annotations
 
 import os
+import re
+import uuid
+from pathlib import Path
+from typing import Callable
+
+STALE_TEMPORARY = re.compile(r"\..+\.[0-9a-f]{8}\.tmp")
+
+
+def temporary_path(path: str | os.PathLike) -> Path:
+    """A fresh name beside `path` for writing it before the rename (matches STALE_TEMPORARY)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+def write_atomically(path: str | os.PathLike, write: Callable[[Path], None], durable: bool = True) -> None:
+    """Call `write(tmp)` to create the file and rename it to `path`; nothing is left on failure. `durable` also
+    syncs the file and the rename to disk (a cache that can be rebuilt skips that)."""
+    path = Path(path)
+    tmp = temporary_path(path)
+    try:
+        write(tmp)
+        if durable:
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_dir(path.parent)
 
 
 def fsync_dir(directory: str | os.PathLike) -> None:

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from library.atomic import write_atomically
 from library.config import UserError
 from library.captions import process_caption
 from library.data import ImageRecord, TrainingData
@@ -127,13 +128,8 @@ def _write_entries(path: Path, new: dict[str, tuple[str, torch.Tensor, torch.Ten
     for name, (key, mean, logvar, finite) in new.items():
         tensors[f"{name}.mean"], tensors[f"{name}.logvar"] = mean.contiguous(), logvar.contiguous()
         entries[name] = {"key": key, "finite": finite}
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        save_file(tensors, str(tmp), metadata={"entries": json.dumps(entries)})
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata={"entries": json.dumps(entries)}),
+                     durable=False)
 
 
 class _InlineExecutor:

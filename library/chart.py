@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Sequence
 
 from PIL import Image, ImageDraw
+
+from library.atomic import write_atomically
 
 WIDTH, HEIGHT = 800, 480
 LEFT, RIGHT, TOP, BOTTOM = 70, 20, 40, 50
@@ -67,6 +68,4 @@ def loss_by_timestep_chart(bins: Sequence[tuple[int, int, float]], validation: d
 
 def save_png(image: Image.Image, path: Path) -> None:
     """Written beside and renamed, like every file a user keeps."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    image.save(tmp, format="PNG")
-    os.replace(tmp, path)
+    write_atomically(path, lambda tmp: image.save(tmp, format="PNG"))

@@ -14,6 +14,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Sequence
 
+from library.atomic import write_atomically
 from library.network_args import network_option_problems
 from library.options import (ALIASES, GROUPS, IGNORED_KOHYA_OPTIONS, OPTIONS, UNSUPPORTED_KOHYA_OPTIONS,
                              Option, _to_str)
@@ -531,6 +532,4 @@ def write_config(config: Config, path: str | os.PathLike) -> None:
     """Write the resolved config as TOML, atomically."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(config.to_toml(), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomically(path, lambda tmp: tmp.write_text(config.to_toml(), encoding="utf-8"))

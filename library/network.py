@@ -19,9 +19,9 @@ import hashlib
 import math
 import os
 import re
-import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import safetensors
 import safetensors.torch
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from library import lycoris
-from library.atomic import fsync_dir
+from library.atomic import write_atomically
 
 PREFIX_UNET = "lora_unet"
 PREFIX_TE = "lora_te"  # SD1.x / SD2.x text encoder
@@ -402,21 +402,12 @@ def save_lora_file(
     if add_hashes:
         metadata["sshs_model_hash"], metadata["sshs_legacy_hash"] = safetensors_hashes(state_dict, metadata)
 
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        safetensors.torch.save_file(dict(state_dict), tmp, metadata=metadata or None)
+    def write(tmp: Path) -> None:
+        safetensors.torch.save_file(dict(state_dict), str(tmp), metadata=metadata or None)
         # safetensors creates the file owner-only; a LoRA is meant to be read by other programs and users.
         os.chmod(tmp, 0o666 & ~_umask())
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    fsync_dir(directory)
+
+    write_atomically(Path(path).absolute(), write)
 
 
 def load_kohya_lora(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

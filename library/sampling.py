@@ -15,7 +15,6 @@ import math
 import os
 import random
 import tomllib
-import uuid
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Seque
 import numpy as np
 import torch
 
-from library.atomic import fsync_dir
+from library.atomic import write_atomically
 from library.config import UserError
 
 logger = logging.getLogger(__name__)
@@ -375,16 +374,7 @@ def _write_png(image: Any, path: Path, prompt: SamplePrompt, seed: int, sampler:
     negative = f"\nNegative prompt: {prompt.negative_prompt}" if prompt.negative_prompt else ""
     info.add_text("parameters", f"{prompt.prompt}{negative}\nSteps: {prompt.steps}, Sampler: {sampler}, "
                                 f"CFG scale: {prompt.scale:g}, Seed: {seed}, Size: {prompt.width}x{prompt.height}")
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            image.save(f, format="PNG", pnginfo=info)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_atomically(path, lambda tmp: image.save(tmp, format="PNG", pnginfo=info))
 
 
 def sample_images(prompts: Sequence[SamplePrompt], models: SamplingModels, out_dir: str | os.PathLike,
@@ -424,6 +414,5 @@ def sample_images(prompts: Sequence[SamplePrompt], models: SamplingModels, out_d
         path = directory / sample_file_name(output_name, prompt.index, seed, step, epoch)
         _write_png(image, path, prompt, seed, prompt.sampler or default_sampler)
         samples.append(Sample(prompt, seed, path, image))
-    fsync_dir(directory)
     logger.info("wrote %d sample images to %s", len(samples), directory)
     return samples

@@ -18,7 +18,7 @@ from typing import Any, Callable
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from library.atomic import fsync_dir
+from library.atomic import STALE_TEMPORARY, fsync_dir
 from library.config import UserError
 
 logger = logging.getLogger(__name__)
@@ -186,15 +186,14 @@ def resolve_resume(resume: str | None, output_dir: Path) -> Path | None:
     return path
 
 
-_STALE_FILE = re.compile(r"\..+\.safetensors\.[0-9a-f]{8}\.tmp")  # network.save_lora_file's temporaries
-
-
-def remove_stale_temporaries(output_dir: Path) -> None:
-    """Half-written saves from a run that was killed; they are never resumed from."""
-    for path in output_dir.iterdir() if output_dir.is_dir() else []:
-        if path.name.startswith(_TMP_PREFIX) or _STALE_FILE.fullmatch(path.name):
-            logger.info("removing an incomplete save left by an interrupted run: %s", path)
-            _remove(path)
+def remove_stale_temporaries(output_dir: Path, *subfolders: str) -> None:
+    """Half-written saves (LoRA files, state dirs, charts, and in `subfolders` such as the samples) from a run
+    that was killed; they are never resumed from."""
+    for folder in (output_dir, *(output_dir / name for name in subfolders)):
+        for path in folder.iterdir() if folder.is_dir() else []:
+            if path.name.startswith(_TMP_PREFIX) or STALE_TEMPORARY.fullmatch(path.name):
+                logger.info("removing an incomplete save left by an interrupted run: %s", path)
+                _remove(path)
 
 
 # --- saving and loading -----------------------------------------------------------------------------------------

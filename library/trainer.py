@@ -180,7 +180,7 @@ def _train(config: Config, accelerator: Accelerator, started_at: float, trackers
     output_dir = Path(config.output_dir)
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
-        remove_stale_temporaries(output_dir)
+        remove_stale_temporaries(output_dir, "sample")
     accelerator.wait_for_everyone()
     resume_dir = resolve_resume(config.resume, output_dir)
     resumed = TrainState.read(resume_dir) if resume_dir else None

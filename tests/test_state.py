@@ -153,3 +153,47 @@ def test_network_weights_start_from_a_file_and_dim_from_weights(tiny_sd1_dir, sm
     with pytest.raises(UserError, match="rank differs"):
         train(tiny_sd1_dir, small_data, tmp_path / "c", "--max_train_steps", "1", "--network_weights",
               str(first.output_file), "--network_alpha", "3")
+
+
+def test_saves_cut_short_by_a_kill_are_removed_by_the_next_run(tmp_path, monkeypatch):
+    """Every file a run keeps is written beside its name and renamed; a kill between the two leaves the
+    temporary, which the next run's start removes (in output_dir and its sample folder), and nothing else."""
+    from PIL import Image
+
+    from library import atomic, chart, sampling
+    from library.state import remove_stale_temporaries
+
+    out = tmp_path / "out"
+    (out / "sample").mkdir(parents=True)
+    keep = [out / ".notes.txt", out / "lora.tmp", out / "sample" / "a.png", out / "my.safetensors"]
+    for path in keep:
+        path.write_bytes(b"x")
+    (out / ".tmp-lora-step00000004-state").mkdir()  # a state dir being written
+    with monkeypatch.context() as m:
+        m.setattr(atomic.os, "replace", lambda src, dst: None)  # killed after writing, before the rename
+        network.save_lora_file(out / "lora.safetensors", {"w": torch.zeros(2)})
+        chart.save_png(Image.new("RGB", (4, 4)), out / "lora_loss_by_timestep.png")
+        prompt = sampling.SamplePrompt(index=0, prompt="p")
+        sampling._write_png(Image.new("RGB", (4, 4)), out / "sample" / "lora_0.png", prompt, 1, "ddim")
+    left = [p for p in out.rglob(".*") if atomic.STALE_TEMPORARY.fullmatch(p.name)]
+    assert sorted(p.parent.name for p in left) == ["out", "out", "sample"], left
+
+    remove_stale_temporaries(out, "sample")
+    assert sorted(out.rglob("*")) == sorted(keep + [out / "sample"])
+
+
+def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    from library.atomic import write_atomically
+
+    target = tmp_path / "f.txt"
+    target.write_text("old")
+
+    def fail(tmp: Path) -> None:
+        tmp.write_text("half")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_atomically(target, fail)
+    assert [p.name for p in tmp_path.iterdir()] == ["f.txt"] and target.read_text() == "old"
+    write_atomically(target, lambda tmp: tmp.write_text("new"))
+    assert [p.name for p in tmp_path.iterdir()] == ["f.txt"] and target.read_text() == "new"
