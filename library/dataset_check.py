@@ -13,13 +13,22 @@ logger = logging.getLogger(__name__)
 
 
 def _load_tokenizer(config: Config) -> Any:
+    """The model's (first) CLIP tokenizer: its tokenizer/ folder, or for a single .safetensors file the shipped
+    (or model_config) tokenizer of the architecture its keys show. None when neither can be had."""
     model = config.pretrained_model_name_or_path
-    if model is None or not (Path(model) / "tokenizer").is_dir():
+    if model is None:
         return None
     try:
         from transformers import CLIPTokenizer
 
-        tokenizer = CLIPTokenizer.from_pretrained(model, subfolder="tokenizer", local_files_only=True)
+        if Path(model, "tokenizer").is_dir():
+            tokenizer = CLIPTokenizer.from_pretrained(model, subfolder="tokenizer", local_files_only=True)
+        elif Path(model).is_file() and Path(model).suffix.lower() == ".safetensors":
+            from library.single_file import file_tokenizer
+
+            tokenizer = file_tokenizer(Path(model), config.model_config)
+        else:
+            return None
     except Exception as e:  # noqa: BLE001 - the report still works without token counts
         logger.info("no tokenizer for the dataset check (%s); captions are not tokenized", e)
         return None
@@ -76,7 +85,7 @@ def dataset_report(config: Config, tokenizer: Any = None, num_processes: int = 1
                  + (f" ({100 * from_files / total:.0f}%)" if total else ""))
     tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config)
     if tokenizer is not None and data.records:
-        limit = tokenizer.model_max_length - 2
+        limit = config.max_token_length or tokenizer.model_max_length - 2  # kohya's 75 / 150 / 225
         texts = [" ".join(t for t in (r.subset.caption_prefix, r.caption, r.subset.caption_suffix) if t)
                  for r in data.records]
         lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]

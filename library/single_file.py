@@ -226,6 +226,15 @@ def _has_vocabulary(folder: Path) -> bool:
                                                      and (folder / "merges.txt").is_file())
 
 
+def file_tokenizer(path: Path, model_config: str | os.PathLike[str] | None = None) -> Any:
+    """The (first) tokenizer a .safetensors checkpoint trains with, read from its header alone."""
+    shapes = _safetensors_shapes(path)
+    if shapes is None:
+        raise UserError(f"{path}: cannot read the safetensors header")
+    architecture = detect_architecture(shapes, str(path))
+    return load_tokenizer(Path(model_config) if model_config is not None else shipped_config_dir(architecture))
+
+
 def load_tokenizer(config_dir: Path, subfolder: str = "tokenizer") -> Any:
     """The folder's CLIP tokenizer; a folder with only tokenizer_config.json gets the standard CLIP vocabulary."""
     from transformers import CLIPTokenizer
