@@ -2,11 +2,27 @@
 from __future__ import annotations
 
 import datetime
+import functools
+import hashlib
 import json
 import os
 import time
 from collections.abc import Mapping
 from typing import Any
+
+
+@functools.lru_cache(maxsize=4)
+def model_file_hashes(path: str) -> dict[str, str]:
+    """kohya's hashes of a single-file base model: `ss_sd_model_hash`, AUTOMATIC1111's old short hash (sha256 of
+    the 64 KiB at offset 1 MiB, first 8 hex digits), and `ss_new_sd_model_hash`, the sha256 of the whole file."""
+    whole = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(0x100000)
+        legacy = hashlib.sha256(f.read(0x10000)).hexdigest()[:8]
+        f.seek(0)
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            whole.update(chunk)
+    return {"ss_sd_model_hash": legacy, "ss_new_sd_model_hash": whole.hexdigest()}
 
 
 def base_model_version(v2: bool = False, v_parameterization: bool = False, sdxl: bool = False) -> str:

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from library import adapter_training, network, objective
 from library.chart import loss_by_timestep_chart, save_png
-from library.metadata import lora_metadata
+from library.metadata import lora_metadata, model_file_hashes
 from library.accelerator import prepare_accelerator
 from library.config import Config, UserError
 from library.cache import cache_latents, cache_text_encoder_outputs
@@ -454,6 +454,9 @@ def _train(config: Config, accelerator: Accelerator, started_at: float, trackers
 
 def training_metadata(config: Config, spec: NetworkSpec, components: Components, plan: Plan,
                       data: TrainingData, seed: int, started_at: float, state: TrainState) -> dict[str, str]:
+    model = Path(config.pretrained_model_name_or_path)
+    # A folder has no single file to hash; kohya writes "IsADirectory" there, which helps nobody.
+    model_hashes = model_file_hashes(str(model.resolve())) if model.is_file() else {}
     return lora_metadata(
         network_dim=spec.dim, network_alpha=spec.alpha,
         v2=components.family.name == "sd2", v_parameterization=components.v_prediction,
@@ -475,5 +478,5 @@ def training_metadata(config: Config, spec: NetworkSpec, components: Components,
         max_token_length=config.max_token_length,
         training_comment=config.training_comment, title=config.metadata_title, author=config.metadata_author,
         description=config.metadata_description, license=config.metadata_license, tags=config.metadata_tags,
-        extra=data.kohya_metadata(),
+        extra={**data.kohya_metadata(), **model_hashes},
     )

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 from pathlib import Path
 
@@ -339,3 +340,8 @@ def test_single_file_trains_identically_to_the_folder(tiny_file, tiny_sd1_dir, s
         assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())
         assert b.metadata()["ss_sd_model_name"] == "tiny.safetensors"
         assert b.metadata()["ss_base_model_version"] == a.metadata()["ss_base_model_version"] == "sd_v1"
+        # kohya's base-model hashes: AUTOMATIC1111's old short hash and the file's sha256; a folder has none.
+        raw = Path(tiny_file).read_bytes()
+        assert b.metadata()["ss_sd_model_hash"] == hashlib.sha256(raw[0x100000:0x110000]).hexdigest()[:8]
+        assert b.metadata()["ss_new_sd_model_hash"] == hashlib.sha256(raw).hexdigest()
+        assert "ss_sd_model_hash" not in a.metadata() and "ss_new_sd_model_hash" not in a.metadata()
