@@ -226,8 +226,10 @@ def load_adapter(config: Config, model: DiffusionModel, state_dict: dict[str, to
     except ValueError as e:
         raise UserError(f"{source}: {e}") from None
     if report.missing:
+        # Keys are "<module>.<tensor>"; a module has 2 (LoRA) to 5 (DoRA, LoHa, LoKr) of them.
+        missing_modules = {key.split(".", 1)[0] for key in report.missing}
         logger.warning("%s: %d LoRA modules are not in the file and start from scratch", source,
-                       len(report.missing) // 2)
+                       len(missing_modules))
 
 
 def save_lora(config: Config, model: DiffusionModel, spec: NetworkSpec, path: Path, metadata: dict[str, str],

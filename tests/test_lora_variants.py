@@ -810,3 +810,24 @@ def test_ema_is_saved_in_the_state_used_for_the_file_and_resumes_exactly(tiny_sd
 
 def model_lora_modules(model) -> dict[str, nn.Module]:
     return {"lora_unet": model.unet, "lora_te": model.text_encoder}
+
+
+def test_a_partial_dora_file_names_the_number_of_modules_left_to_train(tiny_sd1_dir, sample_data_dir, tmp_path,
+                                                                       caplog):
+    from library.families import load_sd_components
+    from library.model import build_model, lora_modules, network_spec
+
+    dora = ("--network_args", "dora_wd=True")
+    model, _ = built(tiny_sd1_dir, sample_data_dir, tmp_path, *dora)
+    state_dict = network.kohya_state_dict(lora_modules(model, make_config(tiny_sd1_dir, sample_data_dir, tmp_path,
+                                                                          *dora)))
+    modules = sorted({key.split(".", 1)[0] for key in state_dict})
+    dropped = modules[:3]
+    partial = {k: v for k, v in state_dict.items() if k.split(".", 1)[0] not in dropped}
+    assert len(state_dict) - len(partial) == 3 * 4  # down, up, alpha and dora_scale per module
+    network.save_lora_file(tmp_path / "partial.safetensors", partial)
+    config = make_config(tiny_sd1_dir, sample_data_dir, tmp_path, *dora,
+                         "--network_weights", str(tmp_path / "partial.safetensors"))
+    with caplog.at_level("WARNING", logger="library.model"):
+        build_model(config, load_sd_components(tiny_sd1_dir), torch.device("cpu"), network_spec(config))
+    assert "3 LoRA modules are not in the file and start from scratch" in caplog.text, caplog.text
