@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from library.atomic import write_atomically
 from library.network_args import network_option_problems
 from library.options import (ALIASES, GROUPS, IGNORED_KOHYA_OPTIONS, OPTIONS, UNSUPPORTED_KOHYA_OPTIONS,
-                             Option, _to_str)
+                             ZERO_IS_UNSET, Option, _to_str)
 
 
 class UserError(Exception):
@@ -197,6 +197,8 @@ def _convert(option: Option, raw: Any, where: str) -> tuple[Any, str | None]:
         value = option.convert(raw)
     except ValueError as e:
         return None, f"{where}: {option.name} = {raw!r}: {e}"
+    if option.name in ZERO_IS_UNSET and value == 0:
+        return option.default, None
     if option.choices is not None and value not in option.choices:
         folded = {c.lower(): c for c in option.choices}
         if isinstance(value, str) and value.lower() in folded:
@@ -256,6 +258,9 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[Config, list[str]]:
         source = str(config_path)
         for name, raw in (file_values or {}).items():
             canonical, problem, note = _check_key(name, source)
+            if problem and name in UNSUPPORTED_KOHYA_OPTIONS and raw in ("", False, 0, []):
+                # Configs saved by kohya tools list options that are off; an option that asks for nothing is fine.
+                problem, note = None, f"{source}: {name} = {raw!r} asks for nothing here and is ignored"
             if problem:
                 problems.append(problem)
             if note:

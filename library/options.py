@@ -15,6 +15,8 @@ from typing import Any, Callable
 def _to_bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
+    if isinstance(value, int) and value in (0, 1):  # kohya_ss's GUI writes some flags as 0 / 1
+        return bool(value)
     if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on"):
         return True
     if isinstance(value, str) and value.strip().lower() in ("false", "0", "no", "off"):
@@ -59,6 +61,17 @@ def _to_float(value: Any) -> float:
     if not math.isfinite(result):
         raise ValueError("expected a finite number")
     return result
+
+
+def _to_lr(value: Any) -> float:
+    """A learning rate; newer kohya configs give text_encoder_lr as a list, one value per text encoder."""
+    if isinstance(value, (list, tuple)):
+        rates = {_to_float(v) for v in value}
+        if len(rates) != 1:
+            raise ValueError("one learning rate for every text encoder is supported; give a single value"
+                             if rates else "expected a number")
+        return rates.pop()
+    return _to_float(value)
 
 
 def _to_str(value: Any) -> str:
@@ -232,7 +245,7 @@ _NETWORK = [
     _opt("network_train_unet_only", _to_bool, False, "train LoRA on the UNet only"),
     _opt("network_train_text_encoder_only", _to_bool, False, "train LoRA on the text encoder only"),
     _opt("unet_lr", _to_float, None, "learning rate of the UNet LoRA (default: learning_rate)"),
-    _opt("text_encoder_lr", _to_float, None, "learning rate of the text encoder LoRA (default: learning_rate)"),
+    _opt("text_encoder_lr", _to_lr, None, "learning rate of the text encoder LoRA (default: learning_rate)"),
     _opt("loraplus_lr_ratio", _to_float, None,
          "LoRA+: train the LoRA up weights at learning rate x this (kohya reads it from network_args; either "
          "place works)"),
@@ -434,7 +447,7 @@ _DISTRIBUTED = [
     _opt("ddp_static_graph", _to_bool, False, "DDP static_graph"),
     _opt("torch_compile", _to_bool, False, "compile the UNet with torch.compile (dynamo_backend, default inductor)"),
     _opt("dynamo_backend", _to_str, "inductor", "torch.compile backend",
-         choices=("inductor", "eager", "aot_eager", "cudagraphs", "aot_ts_nvfuser", "nvprims_nvfuser", "ofi",
+         choices=("no", "inductor", "eager", "aot_eager", "cudagraphs", "aot_ts_nvfuser", "nvprims_nvfuser", "ofi",
                   "fx2trt", "onnxrt", "tensorrt", "aot_torchxla_trace_once", "torchxla_trace_once", "ipex", "tvm")),
     _opt("deepspeed", _to_bool, False, "train with DeepSpeed"),
     _opt("zero_stage", _to_int, 2, "DeepSpeed ZeRO stage", metavar="{0,1,2,3}"),
@@ -459,8 +472,21 @@ OPTIONS: dict[str, Option] = {
     o.name: dataclasses.replace(o, group=group) for group, options in _BY_GROUP.items() for o in options}
 ALIASES: dict[str, str] = {alias: o.name for o in OPTIONS.values() for alias in o.aliases}
 
+# Where kohya (and its GUI, which writes 0 for "off") reads 0 as unset, so does this trainer.
+ZERO_IS_UNSET: frozenset[str] = frozenset({
+    "clip_skip", "loraplus_lr_ratio", "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio",
+    "scale_weight_norms", "max_train_epochs", "min_snr_gamma", "adaptive_noise_scale", "multires_noise_iterations",
+    "save_every_n_steps", "save_every_n_epochs", "save_last_n_steps", "save_last_n_epochs",
+    "save_last_n_steps_state", "save_last_n_epochs_state", "sample_every_n_steps", "sample_every_n_epochs",
+    "vae_batch_size", "ddp_timeout",
+})
+
 # kohya options that have no effect here; accepted so kohya configs load, with the reason logged.
 IGNORED_KOHYA_OPTIONS: dict[str, str] = {
+    "epoch": "kohya_ss's GUI writes it and sd-scripts ignores it too; the run's length comes from "
+             "max_train_steps or max_train_epochs",
+    "noise_offset_type": "kohya_ss's GUI writes it and sd-scripts ignores it too; noise_offset and "
+                         "multires_noise_iterations themselves decide",
     "xformers": "attention always uses PyTorch scaled_dot_product_attention",
     "sdpa": "attention always uses PyTorch scaled_dot_product_attention",
     "mem_eff_attn": "attention always uses PyTorch scaled_dot_product_attention",

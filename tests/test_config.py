@@ -185,3 +185,38 @@ def test_config_is_read_only(paths):
     config, _ = parse_config(required_args(paths))
     with pytest.raises(AttributeError):
         config.network_dim = 3
+
+
+def test_a_config_as_kohya_ss_gui_writes_it_loads(tmp_path, paths):
+    """kohya_ss's GUI writes flags as 0/1, text_encoder_lr as a list, dynamo_backend "no", its own keys (epoch,
+    noise_offset_type), and hand-edited configs keep 0 for "off" and false for options not offered here."""
+    text = "".join(f'{k} = "{v}"\n' for k, v in paths.items()) + """
+dynamo_backend = "no"
+epoch = 10
+noise_offset_type = "Original"
+persistent_data_loader_workers = 1
+text_encoder_lr = [ 5e-5,]
+min_snr_gamma = 0
+scale_weight_norms = 0
+save_last_n_steps = 0
+max_train_epochs = 0
+clip_skip = 0
+fp8_base = false
+color_aug = false
+"""
+    config, notes = parse_config(["--config", write_toml(tmp_path / "gui.toml", text)])
+    assert config.dynamo_backend == "no" and config.persistent_data_loader_workers is True
+    assert config.text_encoder_lr == 5e-5
+    assert (config.min_snr_gamma, config.scale_weight_norms, config.save_last_n_steps, config.max_train_epochs,
+            config.clip_skip) == (None,) * 5
+    noted = "\n".join(notes)
+    for name in ("epoch", "noise_offset_type", "fp8_base", "color_aug"):
+        assert f"{name} " in noted, notes
+
+    problems = problems_of(["--config", write_toml(tmp_path / "bad.toml", "".join(
+        f'{k} = "{v}"\n' for k, v in paths.items()) + "text_encoder_lr = [1e-4, 5e-5]\nfp8_base = true\n"
+        "persistent_data_loader_workers = 2\n")])
+    text = "\n".join(problems)
+    assert "text_encoder_lr = [0.0001, 5e-05]: one learning rate for every text encoder" in text
+    assert "fp8_base is a kohya option this trainer does not support yet" in text
+    assert "persistent_data_loader_workers = 2: expected true or false" in text

@@ -203,7 +203,7 @@ def test_data_dir_without_kohya_folders_is_a_data_problem(tmp_path):
      "cannot use cache_text_encoder_outputs"),
     (["--caption_dropout_rate", "1.5"], "caption_dropout_rate must be in [0, 1]"),
     (["--caption_tag_dropout_rate", "-0.1"], "caption_tag_dropout_rate must be in [0, 1]"),
-    (["--vae_batch_size", "0"], "vae_batch_size must be at least 1"),
+    (["--vae_batch_size", "-1"], "vae_batch_size must be at least 1"),
     (["--bucket_reso_steps", "12"], "bucket_reso_steps must be a positive multiple of 8"),
     (["--min_bucket_reso", "600", "--max_bucket_reso", "500"], "need 1 <= min_bucket_reso <= max_bucket_reso"),
     (["--enable_bucket", "--resolution", "512", "--min_bucket_reso", "640", "--max_bucket_reso", "1024"],

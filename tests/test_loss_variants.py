@@ -284,7 +284,7 @@ v_pred_like_loss = 0.2
     ("noise_offset_random_strength = true", "noise_offset_random_strength needs noise_offset"),
     ("ip_noise_gamma_random_strength = true", "ip_noise_gamma_random_strength needs ip_noise_gamma"),
     ("ip_noise_gamma = -0.1", "ip_noise_gamma must not be negative"),
-    ("multires_noise_iterations = 0", "multires_noise_iterations must be at least 1"),
+    ("multires_noise_iterations = -1", "multires_noise_iterations must be at least 1"),
     ("multires_noise_iterations = 6\nmultires_noise_discount = 0", "multires_noise_discount must be positive"),
     ("loss_type = \"huber\"\nhuber_c = 0", "huber_c must be positive with loss_type huber"),
     ("loss_type = \"smooth_l1\"\nhuber_scale = -1", "huber_scale must be positive with loss_type smooth_l1"),
