@@ -197,6 +197,10 @@ def parse_network_args(args: Sequence[str], loraplus: Mapping[str, float | None]
         if not sep:
             problems.append(f"network_args: {arg!r} must look like key=value")
             continue
+        if key == "preset":
+            problems.append("network_args: LyCORIS' preset is not offered; remove it. Targets are kohya's: the "
+                            "attention and MLP layers, and with conv_dim the 3x3 convolutions")
+            continue
         if key not in _CONVERTERS:
             close = difflib.get_close_matches(key, SUPPORTED_KEYS, n=1, cutoff=0.6)
             hint = f" (did you mean {close[0]}?)" if close else ""

@@ -147,6 +147,8 @@ def test_network_options_from_toml(tmp_path):
     ('network_args = ["block_alphas=1,2"]\n', "block_alphas takes effect only with block_dims"),
     ('network_args = ["down_lr_weight=0.5"]\n', "network_args: down_lr_weight=0.5: expected a preset"),
     ('network_args = ["block_dims=4,-1"]\n', "network_args: block_dims=4,-1: values must not be negative"),
+    ('network_module = "lycoris.kohya"\n', 'set network_module = "networks.lora" and keep algo='),
+    ('network_args = ["algo=locon", "preset=full"]\n', "network_args: LyCORIS' preset is not offered; remove it"),
 ])
 def test_more_network_option_errors(tmp_path, text, message):
     with pytest.raises(ConfigError) as err:
