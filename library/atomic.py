@@ -1,7 +1,8 @@
 """Atomic, durable file writes: every file a user keeps is written beside its name and renamed over it.
 
-A run killed mid-write leaves the old file (or none) plus a temporary named like `.<name>.<8 hex>.tmp`;
-`STALE_TEMPORARY` matches those names so that the next run can remove them.
+A run killed mid-write leaves the old file (or none) plus a temporary named like `.<name>.<8 hex>.tmp`, or
+`.tmp<6 letters or digits>` where safetensors (0.8+) itself writes through a temporary file; `STALE_TEMPORARY`
+matches those names so that the next run can remove them.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-STALE_TEMPORARY = re.compile(r"\..+\.[0-9a-f]{8}\.tmp")
+STALE_TEMPORARY = re.compile(r"\..+\.[0-9a-f]{8}\.tmp|\.tmp[0-9A-Za-z]{6}")
 
 
 def temporary_path(path: str | os.PathLike) -> Path:

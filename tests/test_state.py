@@ -165,9 +165,11 @@ def test_saves_cut_short_by_a_kill_are_removed_by_the_next_run(tmp_path, monkeyp
 
     out = tmp_path / "out"
     (out / "sample").mkdir(parents=True)
-    keep = [out / ".notes.txt", out / "lora.tmp", out / "sample" / "a.png", out / "my.safetensors"]
+    keep = [out / ".notes.txt", out / "lora.tmp", out / ".tmpnotes.txt", out / "sample" / "a.png",
+            out / "my.safetensors"]
     for path in keep:
         path.write_bytes(b"x")
+    (out / ".tmpQ3xZ9a").write_bytes(b"x")  # safetensors' own temporary (Rust tempfile) from a killed save
     (out / ".tmp-lora-step00000004-state").mkdir()  # a state dir being written
     with monkeypatch.context() as m:
         m.setattr(atomic.os, "replace", lambda src, dst: None)  # killed after writing, before the rename
@@ -176,7 +178,7 @@ def test_saves_cut_short_by_a_kill_are_removed_by_the_next_run(tmp_path, monkeyp
         prompt = sampling.SamplePrompt(index=0, prompt="p")
         sampling._write_png(Image.new("RGB", (4, 4)), out / "sample" / "lora_0.png", prompt, 1, "ddim")
     left = [p for p in out.rglob(".*") if atomic.STALE_TEMPORARY.fullmatch(p.name)]
-    assert sorted(p.parent.name for p in left) == ["out", "out", "sample"], left
+    assert sorted(p.parent.name for p in left) == ["out", "out", "out", "sample"], left
 
     remove_stale_temporaries(out, "sample")
     assert sorted(out.rglob("*")) == sorted(keep + [out / "sample"])
