@@ -4,11 +4,13 @@ An item is (file stem, PIL image, caption): `<stem>.png` and `<stem>.txt` (the c
 """
 from __future__ import annotations
 
+import argparse
+import logging
 import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -53,3 +55,25 @@ def check_folder(target: Path, items: Iterable[Item], label: str = "") -> list[s
         elif (target / name).read_text(encoding="utf-8") != expected[name]:
             problems.append(f"caption differs in {label}{name}")
     return problems
+
+
+def main(description: str, default_out: Path, write: Callable[[Path], list[Path]],
+         check: Callable[[Path], list[str]], argv: list[str] | None = None) -> int:
+    """The command line the dataset tools share: write the folders, or with --check compare them (exit 1)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", type=Path, default=default_out, help="dataset root folder")
+    parser.add_argument("--check", action="store_true", help="compare with the files on disk, write nothing")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.check:
+        problems = check(args.out)
+        for problem in problems:
+            logging.error("%s", problem)
+        if not problems:
+            logging.info("%s is up to date", args.out)
+        return 1 if problems else 0
+    for target in write(args.out):
+        files = list(target.iterdir())
+        images = sum(p.suffix == ".png" for p in files)
+        print(f"wrote {images} images to {target} ({sum(p.stat().st_size for p in files) / 1024:.1f} KiB)")
+    return 0

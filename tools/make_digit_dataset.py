@@ -12,8 +12,6 @@ The images are the first ones of each digit in scikit-learn's order, upscaled to
 """
 from __future__ import annotations
 
-import argparse
-import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,9 +23,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from library import digits  # noqa: E402
+from tools import image_folders  # noqa: E402
 from tools.image_folders import check_folder, write_folder  # noqa: E402
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_OUT = REPO_ROOT / "data" / "digits"
 PER_DIGIT = 20
@@ -65,22 +62,7 @@ def _images(items: list[tuple[str, np.ndarray, str]]) -> list[tuple[str, Any, st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="dataset root folder")
-    parser.add_argument("--check", action="store_true", help="compare with the files on disk, write nothing")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.check:
-        problems = check(args.out)
-        for p in problems:
-            logger.error("%s", p)
-        if not problems:
-            logger.info("%s is up to date", args.out)
-        return 1 if problems else 0
-    for target in write(args.out):
-        files = list(target.iterdir())
-        print(f"wrote {len(files) // 2} images to {target} ({sum(p.stat().st_size for p in files) / 1024:.1f} KiB)")
-    return 0
+    return image_folders.main(__doc__.splitlines()[0], DEFAULT_OUT, write, check, argv)
 
 
 if __name__ == "__main__":

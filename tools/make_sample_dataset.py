@@ -8,8 +8,6 @@ Deterministic (PIL + numpy only, no random numbers), so the committed images can
 
 from __future__ import annotations
 
-import argparse
-import logging
 import math
 import sys
 from pathlib import Path
@@ -21,9 +19,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from tools import image_folders  # noqa: E402
 from tools.image_folders import check_folder, write_folder  # noqa: E402
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_OUT = REPO_ROOT / "data" / "quickstart"
 CONCEPT_DIR = "10_sks shape"  # kohya: 10 repeats, class/trigger "sks shape"
@@ -143,22 +140,7 @@ def check(out: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="dataset root folder")
-    parser.add_argument("--check", action="store_true", help="compare with the files on disk, write nothing")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.check:
-        problems = check(args.out)
-        for p in problems:
-            logger.error("%s", p)
-        if not problems:
-            logger.info("%s is up to date", args.out / CONCEPT_DIR)
-        return 1 if problems else 0
-    target = write(args.out)
-    total = sum(p.stat().st_size for p in target.iterdir())
-    print(f"wrote {len(ITEMS)} images to {target} ({total / 1024:.1f} KiB)")
-    return 0
+    return image_folders.main(__doc__.splitlines()[0], DEFAULT_OUT, lambda out: [write(out)], check, argv)
 
 
 if __name__ == "__main__":
