@@ -17,6 +17,7 @@ from torch import nn
 from library import network, network_setup
 from library.config import ConfigError, parse_config
 from library.network_args import NetworkArgs, parse_network_args
+from test_trainer import make_config
 
 RANK = 4
 
@@ -424,14 +425,6 @@ def test_lycoris_fresh_adapter_changes_nothing(tiny):
 
 
 # --------------------------------------------------------------------------------------------- LoRA+
-
-
-def make_config(tiny_sd1_dir: Path, sample_data_dir: Path, output_dir: Path, *extra: str):
-    config, _ = parse_config([
-        "--pretrained_model_name_or_path", str(tiny_sd1_dir), "--train_data_dir", str(sample_data_dir),
-        "--output_dir", str(output_dir), "--resolution", "64", "--caption_extension", ".txt",
-        "--train_batch_size", "2", "--seed", "3", *extra])
-    return config
 
 
 def built(tiny_sd1_dir, sample_data_dir, tmp_path, *extra):
