@@ -16,8 +16,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from library.atomic import write_atomically
 from library.network_args import network_option_problems
-from library.options import (ALIASES, GROUPS, IGNORED_KOHYA_OPTIONS, OPTIONS, UNSUPPORTED_KOHYA_OPTIONS,
-                             ZERO_IS_UNSET, Option, _to_str)
+from library.options import (ALIASES, CHOICE_HINTS, GROUPS, IGNORED_KOHYA_OPTIONS, OPTIONS,
+                             UNSUPPORTED_KOHYA_OPTIONS, ZERO_IS_UNSET, Option, _to_str)
 
 
 class UserError(Exception):
@@ -203,11 +203,9 @@ def _convert(option: Option, raw: Any, where: str) -> tuple[Any, str | None]:
         folded = {c.lower(): c for c in option.choices}
         if isinstance(value, str) and value.lower() in folded:
             return folded[value.lower()], None
-        if option.name == "network_module" and str(value).lower().startswith("lycoris"):
-            return None, (f"{where}: network_module = {raw!r}: LyCORIS' algorithms are built in here; set "
-                          "network_module = \"networks.lora\" and keep algo= (locon, loha, lokr; dora_wd=True for "
-                          "DoRA) in network_args. Targets are kohya's: the attention and MLP layers, and with "
-                          "conv_dim the 3x3 convolutions (LyCORIS' preset= is not offered)")
+        for prefix, hint in CHOICE_HINTS.get(option.name, {}).items():
+            if str(value).lower().startswith(prefix):
+                return None, f"{where}: {option.name} = {raw!r}: {hint}"
         return None, (f"{where}: {option.name} = {raw!r}: must be one of {', '.join(option.choices)}"
                       + _suggest(str(value), option.choices))
     return value, None

@@ -472,6 +472,15 @@ OPTIONS: dict[str, Option] = {
     o.name: dataclasses.replace(o, group=group) for group, options in _BY_GROUP.items() for o in options}
 ALIASES: dict[str, str] = {alias: o.name for o in OPTIONS.values() for alias in o.aliases}
 
+# Values other tools take for an option, by prefix: what to write here instead.
+CHOICE_HINTS: dict[str, dict[str, str]] = {
+    "network_module": {
+        "lycoris": "LyCORIS' algorithms are built in here; set network_module = \"networks.lora\" and keep algo= "
+                   "(locon, loha, lokr; dora_wd=True for DoRA) in network_args. Targets are kohya's: the attention "
+                   "and MLP layers, and with conv_dim the 3x3 convolutions (LyCORIS' preset= is not offered)",
+    },
+}
+
 # Where kohya (and its GUI, which writes 0 for "off") reads 0 as unset, so does this trainer.
 ZERO_IS_UNSET: frozenset[str] = frozenset({
     "clip_skip", "loraplus_lr_ratio", "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio",
