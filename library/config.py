@@ -16,8 +16,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from library.atomic import write_atomically
 from library.network_args import network_option_problems
-from library.options import (ALIASES, CHOICE_HINTS, GROUPS, IGNORED_KOHYA_OPTIONS, OPTIONS,
-                             UNSUPPORTED_KOHYA_OPTIONS, ZERO_IS_UNSET, Option, _to_str)
+from library.kohya_compat import CHOICE_HINTS, IGNORED_KOHYA_OPTIONS, UNSUPPORTED_KOHYA_OPTIONS, ZERO_IS_UNSET
+from library.options import ALIASES, GROUPS, OPTIONS, Option, _to_str
 
 
 class UserError(Exception):

@@ -1,0 +1,60 @@
+"""How this trainer reads what kohya's tools write: values that mean "unset", kohya options without effect here,
+kohya options not offered, and hints for values other tools take. library/config.py applies them."""
+from __future__ import annotations
+
+# Values other tools take for an option, by prefix: what to write here instead.
+CHOICE_HINTS: dict[str, dict[str, str]] = {
+    "network_module": {
+        "lycoris": "LyCORIS' algorithms are built in here; set network_module = \"networks.lora\" and keep algo= "
+                   "(locon, loha, lokr; dora_wd=True for DoRA) in network_args. Targets are kohya's: the attention "
+                   "and MLP layers, and with conv_dim the 3x3 convolutions (LyCORIS' preset= is not offered)",
+    },
+}
+
+# Where kohya (and its GUI, which writes 0 for "off") reads 0 as unset, so does this trainer.
+ZERO_IS_UNSET: frozenset[str] = frozenset({
+    "clip_skip", "loraplus_lr_ratio", "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio",
+    "scale_weight_norms", "max_train_epochs", "min_snr_gamma", "adaptive_noise_scale", "multires_noise_iterations",
+    "save_every_n_steps", "save_every_n_epochs", "save_last_n_steps", "save_last_n_epochs",
+    "save_last_n_steps_state", "save_last_n_epochs_state", "sample_every_n_steps", "sample_every_n_epochs",
+    "vae_batch_size", "ddp_timeout",
+})
+
+# kohya options that have no effect here; accepted so kohya configs load, with the reason logged.
+IGNORED_KOHYA_OPTIONS: dict[str, str] = {
+    "epoch": "kohya_ss's GUI writes it and sd-scripts ignores it too; the run's length comes from "
+             "max_train_steps or max_train_epochs",
+    "noise_offset_type": "kohya_ss's GUI writes it and sd-scripts ignores it too; noise_offset and "
+                         "multires_noise_iterations themselves decide",
+    "xformers": "attention always uses PyTorch scaled_dot_product_attention",
+    "sdpa": "attention always uses PyTorch scaled_dot_product_attention",
+    "mem_eff_attn": "attention always uses PyTorch scaled_dot_product_attention",
+    "lowram": "weights are loaded straight to their device",
+    "highvram": "memory placement is automatic",
+    "lowvram": "memory placement is automatic",
+    "tokenizer_cache_dir": "the tokenizer is read from the model folder (for a single file: model_config, or "
+                           "the shipped CLIP vocabulary)",
+    "use_safetensors": "LoRA files are always safetensors",
+    "console_log_simple": "console output is always plain",
+    "disable_mmap_load_safetensors": "safetensors files are read with the library default",
+    "conditioning_data_dir": "kohya reads it only from the dataset_config subsets; set it there, with masked_loss",
+}
+
+# kohya options this trainer does not offer (yet): named so a kohya user learns exactly what to change.
+UNSUPPORTED_KOHYA_OPTIONS: tuple[str, ...] = (
+    "async_upload", "base_weights", "base_weights_multiplier", "cache_info",
+    "cache_text_encoder_outputs_to_disk", "color_aug", "console_log_file",
+    "cpu_offload_checkpointing", "dataset_class", "dataset_repeats", "debug_dataset",
+    "enable_wildcard", "face_crop_aug_range", "fp8_base", "fp8_base_unet",
+    "fused_backward_pass",
+    "huggingface_path_in_repo", "huggingface_repo_id", "huggingface_repo_type", "huggingface_repo_visibility",
+    "huggingface_token", "in_json", "initial_epoch", "initial_step",
+    "max_validation_steps",
+    "offload_optimizer_nvme_path", "offload_param_nvme_path",
+    "resume_from_huggingface",
+    "save_n_epoch_ratio", "save_state_to_huggingface",
+    "secondary_separator", "skip_cache_check", "skip_until_initial_step", "token_warmup_min",
+    "token_warmup_step",
+    "vae",
+    "weighted_captions", "zero3_init_flag", "zero3_save_16bit_model",
+)
