@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if config.dataset_check:
-        from library.dataset_check import dataset_report
+        from library.data.check import dataset_report
 
         text, usable = dataset_report(config)
         print(text)
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     for note in notes:
         logging.getLogger("config").info(note)
 
-    from library import trainer
+    from library.training import trainer
     try:
         trainer.run(config)
     except UserError as e:

@@ -5,7 +5,7 @@
 
 "vae" is the bare encode: the dataset's exact pixel tensors are prepared beforehand (untimed), grouped into the
 same bucket batches, and only `vae.encode(batch).latent_dist` (mean and log-variance read back to the CPU) is timed.
-"cache" is `library.cache.cache_latents` from scratch: decoding, resizing and cropping every image (in line on a
+"cache" is `library.data.cache.cache_latents` from scratch: decoding, resizing and cropping every image (in line on a
 CPU device, in threads ahead of the VAE otherwise), the VAE encode, and for the disk variant the content hashes,
 the VAE fingerprint, the atomic writes and the key check of every entry. "reuse" is a second disk run that finds every entry valid (no VAE).
 Throughput is (image, flip) variants per second; the runs alternate (vae, cache-memory, cache-disk, ...) so that a
@@ -71,7 +71,7 @@ def make_images(root: Path, count: int, resolution: int) -> None:
 
 def build_data(root: Path, resolution: int, flip: bool):
     from library.config import parse_config
-    from library.data import build_training_data
+    from library.data.dataset import build_training_data
 
     args = ["--pretrained_model_name_or_path", str(root), "--output_dir", str(root / "out"), "--train_data_dir",
             str(root), "--resolution", str(resolution), "--enable_bucket", "--min_bucket_reso",
@@ -85,7 +85,7 @@ def bare_batches(data, vae_batch_size: int):
     """The exact tensors cache_latents feeds the VAE, in the same bucket batches."""
     import torch
 
-    from library.images import prepare_image
+    from library.data.images import prepare_image
 
     items = [(i, f) for i, r in enumerate(data.records) for f in ((False, True) if r.subset.flip_aug else (False,))]
     by_bucket: dict = {}
@@ -114,7 +114,7 @@ def time_bare(vae, batches, device: str) -> float:
 
 def time_cache(root: Path, resolution: int, flip: bool, vae, vae_batch_size: int, to_disk: bool,
                device: str) -> tuple[float, int]:
-    from library.cache import cache_latents
+    from library.data.cache import cache_latents
 
     data = build_data(root, resolution, flip)  # the dataset scan is not part of caching
     started = time.perf_counter()
@@ -123,7 +123,7 @@ def time_cache(root: Path, resolution: int, flip: bool, vae, vae_batch_size: int
 
 
 def clear_disk_cache(root: Path) -> None:
-    from library.cache import LATENT_SUFFIX
+    from library.data.cache import LATENT_SUFFIX
 
     for path in root.rglob("*" + LATENT_SUFFIX):
         path.unlink()

@@ -5,7 +5,7 @@
                               [--mixed_precision no|fp16|bf16] [--timeout S] [--retries K] [--budget S]
                               [--json PATH] [--profile DIR]
 
-"ours" is `library.trainer.run(config)` with a Config built by `library.config.parse_config` (the same path as
+"ours" is `library.training.trainer.run(config)` with a Config built by `library.config.parse_config` (the same path as
 `python train_network.py ...`); its RunResult.step_times are the wall seconds of each optimizer step. "bare" is a
 minimal hand-written loop (diffusers + transformers + peft + torch, nothing from library/) doing the same
 computation: PIL images -> VAE posterior sample -> noise / timesteps -> text encoder -> UNet -> MSE -> backward ->
@@ -44,7 +44,7 @@ RESULT_TAG = "STEP_TIME_RESULT "
 TARGET_RATIO = 1.05
 NOISY_LOAD = 0.25  # cores used by other processes during a run above which the run is marked noisy
 
-# Kept here rather than taken from library.network so that the bare loop stays independent of the trainer; the
+# Kept here rather than taken from library.network.lora so that the bare loop stays independent of the trainer; the
 # parent checks that both loops trained exactly the same modules.
 BARE_UNET_TARGETS = ["proj_in", "proj_out", "to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"]
 BARE_TEXT_ENCODER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
@@ -106,11 +106,11 @@ def _memory_end(device: str, start: dict) -> dict:
 
 
 def run_ours(args: argparse.Namespace) -> dict:
-    """The real loop: train_network.py's config parsing and library.trainer.run."""
+    """The real loop: train_network.py's config parsing and library.training.trainer.run."""
     import torch
     from safetensors import safe_open
 
-    from library import trainer
+    from library.training import trainer
     from library.config import parse_config
 
     torch.set_num_threads(args.threads)
@@ -379,7 +379,7 @@ def parent_main(args: argparse.Namespace) -> int:
 
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
-    from library.tiny import save_tiny_sd1
+    from library.models.tiny import save_tiny_sd1
 
     steps = {m: args.steps or DEFAULT_STEPS[m] for m in args.models}
     for m in args.models:

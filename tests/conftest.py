@@ -37,7 +37,7 @@ def sample_data_dir(repo_root: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_sd1_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny SD1-shaped diffusers pipeline folder (seed 0, epsilon), written once per session. Read-only."""
-    from library.tiny import save_tiny_sd1
+    from library.models.tiny import save_tiny_sd1
 
     return save_tiny_sd1(tmp_path_factory.mktemp("tiny_sd1") / "model", size="tiny", seed=0)
 

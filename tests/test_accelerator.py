@@ -8,7 +8,7 @@ import pytest
 import torch
 from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
-from library.accelerator import accelerator_kwargs, allow_fp16_gradients
+from library.training.accelerator import accelerator_kwargs, allow_fp16_gradients
 from library.config import UserError, parse_config
 
 

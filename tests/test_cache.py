@@ -10,11 +10,11 @@ import pytest
 import torch
 from PIL import Image
 
-from library.cache import (LATENT_SUFFIX, cache_latents, cache_text_encoder_outputs, check_finite_latents,
+from library.data.cache import (LATENT_SUFFIX, cache_latents, cache_text_encoder_outputs, check_finite_latents,
                            latent_cache_path, sample_cached_latents)
 from library.config import UserError, parse_config
-from library.data import build_training_data
-from library.images import prepare_image
+from library.data.dataset import build_training_data
+from library.data.images import prepare_image
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from library.config import OPTIONS, ConfigError, parse_config
+from library.config import ConfigError, parse_config
+from library.config.options import OPTIONS
 
 
 @pytest.fixture()

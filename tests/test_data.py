@@ -10,10 +10,10 @@ import torch
 from PIL import Image
 
 from library.config import parse_config
-from library.captions import process_caption
-from library.data import BucketBatchSampler, SampleKey, build_training_data
-from library.images import Bucketer, make_bucket_resolutions, prepare_image
-from library.dataset_config import DatasetSpec, SubsetSpec
+from library.data.captions import process_caption
+from library.data.dataset import BucketBatchSampler, SampleKey, build_training_data
+from library.data.images import Bucketer, make_bucket_resolutions, prepare_image
+from library.data.dataset_config import DatasetSpec, SubsetSpec
 
 
 def gradient_image(path: Path, size: tuple[int, int], seed: int = 0) -> Path:

@@ -10,9 +10,9 @@ import torch
 from PIL import Image
 
 from library.config import UserError, parse_config
-from library.data import build_training_data
-from library.dataset_check import dataset_report
-from library.images import open_image
+from library.data.dataset import build_training_data
+from library.data.check import dataset_report
+from library.data.images import open_image
 
 
 def make_config(tmp_path: Path, *args: str):
@@ -88,7 +88,7 @@ def test_every_problem_is_listed_in_one_error(tmp_path, bad_dataset):
 
 def test_skip_bad_images_leaves_them_out_and_logs_each(tmp_path, bad_dataset, caplog):
     root, files = bad_dataset
-    with caplog.at_level(logging.WARNING, logger="library.data"):
+    with caplog.at_level(logging.WARNING, logger="library.data.dataset"):
         data = build_training_data(make_config(tmp_path, "--train_data_dir", str(root), "--skip_bad_images"), None,
                                    seed=0)
     assert sorted(r.path.name for r in data.records) == ["good.png", "no_caption.png", "really_jpeg.png"]
@@ -161,7 +161,7 @@ def test_small_images_are_enlarged_with_a_warning_or_rejected_without_upscaling(
     folder = tmp_path / "train" / "1_x"
     noise_image(folder / "small.png", (16, 16))
     noise_image(folder / "big.png", (64, 64), seed=1)
-    with caplog.at_level(logging.WARNING, logger="library.data"):
+    with caplog.at_level(logging.WARNING, logger="library.data.dataset"):
         data = build_training_data(make_config(tmp_path, "--train_data_dir", str(tmp_path / "train")), None, seed=0)
     small = next(r for r in data.records if r.path.name == "small.png")
     assert small.upscaled and small.bucket == (32, 32)
@@ -227,7 +227,7 @@ def test_skipping_everything_is_still_an_error(tmp_path):
 def test_dataset_report_counts_tokens_for_a_single_file_model(tmp_path):
     """A single .safetensors checkpoint carries no tokenizer: the report uses the one its architecture ships
     with, and the truncation limit follows max_token_length."""
-    from library.tiny import save_tiny_sd1_single_file
+    from library.models.tiny import save_tiny_sd1_single_file
 
     model = save_tiny_sd1_single_file(tmp_path / "tiny.safetensors")
     root = tmp_path / "train"

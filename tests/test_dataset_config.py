@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from library.config import ConfigError, parse_config
-from library.dataset_config import parse_kohya_folder_name, resolve_datasets
+from library.data.dataset_config import parse_kohya_folder_name, resolve_datasets
 
 
 def config_of(tmp_path: Path, *args: str):

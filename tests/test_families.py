@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from library.config import UserError
-from library.families import load_sd_components, tokenize
-from library.tiny import save_tiny_sd1
+from library.models.family import load_sd_components, tokenize
+from library.models.tiny import save_tiny_sd1
 
 
 @pytest.fixture(scope="module")

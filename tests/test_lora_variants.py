@@ -14,9 +14,10 @@ import torch
 from accelerate.state import AcceleratorState
 from torch import nn
 
-from library import network, network_setup
+from library.network import lora as network
+from library.network import targets as network_setup
 from library.config import ConfigError, parse_config
-from library.network_args import NetworkArgs, parse_network_args
+from library.config.network_args import NetworkArgs, parse_network_args
 from test_trainer import make_config
 
 RANK = 4
@@ -24,7 +25,7 @@ RANK = 4
 
 @pytest.fixture(scope="module")
 def tiny():
-    from library.tiny import build_tiny_sd1
+    from library.models.tiny import build_tiny_sd1
 
     components = build_tiny_sd1(seed=0)
     for name in ("unet", "text_encoder", "vae"):
@@ -428,8 +429,8 @@ def test_lycoris_fresh_adapter_changes_nothing(tiny):
 
 
 def built(tiny_sd1_dir, sample_data_dir, tmp_path, *extra):
-    from library.families import load_sd_components
-    from library.model import build_model
+    from library.models.family import load_sd_components
+    from library.training.model import build_model
 
     config = make_config(tiny_sd1_dir, sample_data_dir, tmp_path, *extra)
     return build_model(config, load_sd_components(tiny_sd1_dir), torch.device("cpu"))
@@ -446,7 +447,7 @@ def test_loraplus_splits_up_weights_into_their_own_groups(tiny_sd1_dir, sample_d
         assert {id(p) for p in plus["params"]} == {id(layer.lora_B["default"].weight) for layer in layers}
         assert {id(p) for p in rest["params"]} == {id(p) for layer in layers for p in (
             layer.lora_A["default"].weight, layer.lora_magnitude_vector["default"].weight)}
-    from library.tracking import lr_names
+    from library.monitoring.tracking import lr_names
     assert lr_names(groups) == ["unet", "unet plus", "textencoder", "textencoder plus"]
 
 
@@ -484,7 +485,7 @@ def kohya_max_norm(pairs: list[tuple[torch.Tensor, torch.Tensor, float]], max_no
 
 
 def test_max_norm_matches_kohya(tiny):
-    from library.adapter_training import apply_max_norm
+    from library.training.adapters import apply_max_norm
 
     unet, te = attached(tiny, NetworkArgs(conv_dim=2, conv_alpha=1.0), alpha=2.0)
     layers = network.lora_layers(unet) + network.lora_layers(te)
@@ -555,7 +556,7 @@ def test_rank_and_module_dropout_follow_kohya():
 
 @pytest.fixture()
 def logged(monkeypatch) -> list[dict[str, float]]:
-    from library import tracking
+    from library.monitoring import tracking
 
     records: list[dict[str, float]] = []
     original = tracking.Trackers.log
@@ -569,7 +570,7 @@ def logged(monkeypatch) -> list[dict[str, float]]:
 
 
 def base_models(tiny_sd1_dir) -> dict[str, nn.Module]:
-    from library.families import load_sd_components
+    from library.models.family import load_sd_components
 
     components = load_sd_components(tiny_sd1_dir)
     return {"unet": components.unet.eval(), "text_encoder": components.text_encoder.eval()}
@@ -577,7 +578,7 @@ def base_models(tiny_sd1_dir) -> dict[str, nn.Module]:
 
 @pytest.mark.usefixtures("fresh_accelerator_state")
 def test_dora_locon_loraplus_max_norm_run(tiny_sd1_dir, sample_data_dir, tmp_path, logged):
-    from library import trainer
+    from library.training import trainer
 
     config = make_config(tiny_sd1_dir, sample_data_dir, tmp_path, "--max_train_steps", "3", "--learning_rate",
                          "2e-2", "--network_args", "conv_dim=2", "conv_alpha=1", "dora_wd=true",
@@ -596,7 +597,7 @@ def test_dora_locon_loraplus_max_norm_run(tiny_sd1_dir, sample_data_dir, tmp_pat
 
 @pytest.mark.usefixtures("fresh_accelerator_state")
 def test_lokr_run_saves_a_file_that_matches(tiny_sd1_dir, sample_data_dir, tmp_path):
-    from library import trainer
+    from library.training import trainer
 
     config = make_config(tiny_sd1_dir, sample_data_dir, tmp_path, "--max_train_steps", "2", "--learning_rate",
                          "2e-2", "--network_dim", "2", "--network_args", "algo=lokr", "conv_dim=2")
@@ -614,7 +615,7 @@ def test_lokr_run_saves_a_file_that_matches(tiny_sd1_dir, sample_data_dir, tmp_p
     ["rank_dropout=0.3", "module_dropout=0.2", "loraplus_lr_ratio=4"],
 ])
 def test_variant_resume_is_bit_exact(tiny_sd1_dir, sample_data_dir, tmp_path, network_args):
-    from library import trainer
+    from library.training import trainer
 
     def run(out: Path, *extra: str):
         AcceleratorState._reset_state(reset_partial_state=True)
@@ -646,7 +647,7 @@ def kohya_block_index_sd1(lora_name: str) -> int:
 
 
 def test_sd1_block_index_matches_kohya(tiny):
-    from library.blocks import block_index
+    from library.network.blocks import block_index
 
     linear, conv = network.unet_conv_target_modules(tiny["unet"])
     for name in network.unet_target_modules(tiny["unet"]) + linear + conv:
@@ -664,7 +665,7 @@ def test_sd1_block_index_matches_kohya(tiny):
     ("up_blocks.2.resnets.2.conv1", 21),  # output_blocks_8
 ])
 def test_sdxl_block_index_follows_kohyas_sgm_numbering(name, index):
-    from library.blocks import block_index
+    from library.network.blocks import block_index
 
     assert block_index(name, sdxl=True) == index
 
@@ -672,7 +673,7 @@ def test_sdxl_block_index_follows_kohyas_sgm_numbering(name, index):
 def test_lr_weight_presets_follow_kohya():
     import math
 
-    from library.blocks import lr_weight_values
+    from library.network.blocks import lr_weight_values
 
     assert lr_weight_values("cosine", 12) == [math.sin(math.pi * (i / 11) / 2) for i in reversed(range(12))]
     assert lr_weight_values("linear+0.5", 4) == [0.5, 0.5 + 1 / 3, 0.5 + 2 / 3, 1.5]
@@ -732,8 +733,8 @@ def test_block_lengths_are_checked(tiny):
 
 
 def test_sdxl_block_dims_attach_on_the_tiny_sdxl_unet():
-    from library.blocks import block_index
-    from library.tiny import build_tiny_sdxl
+    from library.network.blocks import block_index
+    from library.models.tiny import build_tiny_sdxl
 
     unet = build_tiny_sdxl(seed=0)["unet"].requires_grad_(False)
     assert network_setup.is_sdxl_unet(unet)
@@ -754,7 +755,7 @@ def test_sdxl_block_dims_attach_on_the_tiny_sdxl_unet():
 
 
 def test_ema_follows_the_weights_and_swaps_back_exactly(tiny):
-    from library.adapter_training import AdapterEMA
+    from library.training.adapters import AdapterEMA
 
     unet, te = attached(tiny, NetworkArgs(dora_wd=True))
     modules = {"lora_unet": unet, "lora_te": te}
@@ -779,8 +780,8 @@ def test_ema_follows_the_weights_and_swaps_back_exactly(tiny):
 
 @pytest.mark.usefixtures("fresh_accelerator_state")
 def test_ema_is_saved_in_the_state_used_for_the_file_and_resumes_exactly(tiny_sd1_dir, sample_data_dir, tmp_path):
-    from library import trainer
-    from library.state import ADAPTER_FILE, EMA_FILE
+    from library.training import trainer
+    from library.training.state import ADAPTER_FILE, EMA_FILE
 
     def run(out: Path, *extra: str):
         AcceleratorState._reset_state(reset_partial_state=True)
@@ -809,8 +810,8 @@ def model_lora_modules(model) -> dict[str, nn.Module]:
 
 def test_a_partial_dora_file_names_the_number_of_modules_left_to_train(tiny_sd1_dir, sample_data_dir, tmp_path,
                                                                        caplog):
-    from library.families import load_sd_components
-    from library.model import build_model, lora_modules, network_spec
+    from library.models.family import load_sd_components
+    from library.training.model import build_model, lora_modules, network_spec
 
     dora = ("--network_args", "dora_wd=True")
     model, _ = built(tiny_sd1_dir, sample_data_dir, tmp_path, *dora)
@@ -823,6 +824,6 @@ def test_a_partial_dora_file_names_the_number_of_modules_left_to_train(tiny_sd1_
     network.save_lora_file(tmp_path / "partial.safetensors", partial)
     config = make_config(tiny_sd1_dir, sample_data_dir, tmp_path, *dora,
                          "--network_weights", str(tmp_path / "partial.safetensors"))
-    with caplog.at_level("WARNING", logger="library.model"):
+    with caplog.at_level("WARNING", logger="library.training.model"):
         build_model(config, load_sd_components(tiny_sd1_dir), torch.device("cpu"), network_spec(config))
     assert "3 LoRA modules are not in the file and start from scratch" in caplog.text, caplog.text

@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from library import objective
+from library.core import seeds
+
+from library.models import objective
 from library.config import ConfigError, UserError, parse_config
-from library.model import Objective, diffusion_loss
-from library.objective import LossOptions, NoiseOptions
+from library.training.model import Objective, diffusion_loss
+from library.models.objective import LossOptions, NoiseOptions
 
 # SNR a / (1 - a): 1999 (capped to 1000 where kohya caps it), 4, 1, 0.25.
 ALPHAS = torch.tensor([0.9995, 0.8, 0.5, 0.2])
@@ -150,7 +152,7 @@ def test_prediction_type_combinations_kohya_refuses_are_user_errors():
 def test_default_noise_draws_are_unchanged():
     """Runs without the new options keep their random path (exact resume across versions of the code)."""
     latents = torch.zeros(2, 4, 8, 8)
-    g, expected_g = objective.step_generator(4, 0), objective.step_generator(4, 0)
+    g, expected_g = seeds.step_generator(4, 0), seeds.step_generator(4, 0)
     noise = objective.sample_noise(latents, g, 0.1, NoiseOptions())
     base = torch.randn(latents.shape, generator=expected_g)
     offset = torch.randn((2, 4, 1, 1), generator=expected_g)
@@ -200,8 +202,8 @@ def test_pyramid_noise_written_out_for_a_2x2_latent():
 
 def test_pyramid_noise_has_unit_std_and_low_frequencies():
     latents = torch.zeros(4, 4, 32, 32)
-    plain = objective.sample_noise(latents, objective.step_generator(1, 0))
-    pyramid = objective.sample_noise(latents, objective.step_generator(1, 0), None,
+    plain = objective.sample_noise(latents, seeds.step_generator(1, 0))
+    pyramid = objective.sample_noise(latents, seeds.step_generator(1, 0), None,
                                      NoiseOptions(multires_noise_iterations=6, multires_noise_discount=0.8))
     assert pyramid.std().item() == pytest.approx(1.0, abs=1e-5)
     # The coarse levels make neighbouring values alike, where plain Gaussian noise has no correlation.
@@ -234,7 +236,7 @@ def test_every_noise_option_depends_only_on_the_generator():
     latents = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(9))
 
     def draw() -> torch.Tensor:
-        g = objective.step_generator(11, 2, 3)
+        g = seeds.step_generator(11, 2, 3)
         noise = objective.sample_noise(latents, g, 0.1, options)
         return objective.perturb_noise(noise, g, options)
 
@@ -303,7 +305,7 @@ def test_bad_values_and_combinations_name_the_options(tmp_path, required, text, 
 
 
 def test_schema_choices_match_the_objective():
-    from library.options import OPTIONS
+    from library.config.options import OPTIONS
 
     assert OPTIONS["loss_type"].choices == objective.LOSS_TYPES
     assert OPTIONS["huber_schedule"].choices == objective.HUBER_SCHEDULES
@@ -319,7 +321,8 @@ def test_huber_values_are_not_checked_when_the_loss_does_not_use_them(required):
 def test_training_with_every_variant_is_deterministic(tiny_sd1_dir, sample_data_dir, tmp_path):
     from accelerate.state import AcceleratorState
 
-    from library import network, trainer
+    from library.network import lora as network
+    from library.training import trainer
 
     def run(output_dir: Path) -> trainer.RunResult:
         AcceleratorState._reset_state(reset_partial_state=True)
@@ -354,7 +357,7 @@ def _rgba(path: Path, rgba: list[list[tuple[int, int, int, int]]]) -> Path:
 
 
 def test_alpha_mask_is_cropped_and_flipped_with_the_pixels(tmp_path):
-    from library.images import prepare_mask
+    from library.data.images import prepare_mask
 
     alphas = [[0, 255, 255, 0], [0, 128, 255, 0]]
     path = _rgba(tmp_path / "a.png", [[(10, 20, 30, a) for a in row] for row in alphas])
@@ -368,7 +371,7 @@ def test_alpha_mask_is_cropped_and_flipped_with_the_pixels(tmp_path):
 def test_mask_images_are_read_like_kohya(tmp_path):
     from PIL import Image
 
-    from library.images import prepare_mask
+    from library.data.images import prepare_mask
 
     opaque = tmp_path / "rgb.png"
     Image.new("RGB", (2, 1), (200, 0, 0)).save(opaque)
@@ -380,7 +383,7 @@ def test_mask_images_are_read_like_kohya(tmp_path):
 
 
 def test_collate_gives_images_without_a_mask_a_full_one():
-    from library.data import collate
+    from library.data.dataset import collate
 
     def item(mask: torch.Tensor | None) -> dict:
         base = {"pixels": torch.zeros(3, 2, 2), "loss_weight": 1.0, "original_size": (2, 2), "crop_top_left": (0, 0),
@@ -428,7 +431,7 @@ def _data_config(tmp_path: Path, *args: str):
 
 
 def test_masks_from_a_conditioning_folder_reach_the_batch(tmp_path):
-    from library.data import build_training_data, collate
+    from library.data.dataset import build_training_data, collate
 
     config = _data_config(tmp_path, "--dataset_config", str(_mask_dataset(tmp_path)), "--masked_loss")
     data = build_training_data(config, None, seed=0)
@@ -444,7 +447,7 @@ def test_masks_from_a_conditioning_folder_reach_the_batch(tmp_path):
     ("no masked_loss", "conditioning_data_dir holds loss masks, which need masked_loss = true"),
 ])
 def test_mask_folder_problems_are_named(tmp_path, case, message):
-    from library.data import build_training_data
+    from library.data.dataset import build_training_data
 
     toml = _mask_dataset(tmp_path, mask_size=(32, 64) if case == "other size" else (64, 64),
                          with_mask=case != "missing")
@@ -461,7 +464,7 @@ def test_masked_loss_without_masks_is_a_config_error(tmp_path, required):
     parse_config(required + ["--masked_loss", "--alpha_mask"])
     toml = tmp_path / "plain.toml"
     toml.write_text(f"[[datasets]]\n[[datasets.subsets]]\nimage_dir = \"{tmp_path / 'data'}\"\n", encoding="utf-8")
-    from library.data import build_training_data
+    from library.data.dataset import build_training_data
 
     config = _data_config(tmp_path, "--dataset_config", str(toml), "--masked_loss")
     with pytest.raises(ConfigError, match="masked_loss needs masks"):
@@ -472,7 +475,7 @@ def test_fully_transparent_images_give_zero_loss_with_alpha_mask(tiny_sd1_dir, t
     """The mask reaches the loss in training, also with cached latents (where no pixels are decoded)."""
     from accelerate.state import AcceleratorState
 
-    from library import trainer
+    from library.training import trainer
 
     folder = tmp_path / "train" / "2_sks"
     for name in ("a", "b"):

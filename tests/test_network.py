@@ -12,8 +12,8 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from library import network
-from library.metadata import lora_metadata
+from library.network import lora as network
+from library.network.metadata import lora_metadata
 
 RANK = 4
 
@@ -23,7 +23,7 @@ RANK = 4
 
 @pytest.fixture(scope="session")
 def tiny():
-    from library.tiny import build_tiny_sd1
+    from library.models.tiny import build_tiny_sd1
 
     components = build_tiny_sd1(seed=0)
     for name in ("unet", "text_encoder", "vae"):

@@ -7,7 +7,9 @@ import pytest
 import torch
 from diffusers import DDPMScheduler
 
-from library import objective
+from library.core import seeds
+
+from library.models import objective
 
 
 @pytest.fixture(scope="module")
@@ -44,15 +46,15 @@ def test_per_sample_loss_is_mean_squared_error_per_item():
 
 
 def test_timesteps_stay_in_range():
-    g = objective.step_generator(1, 0)
+    g = seeds.step_generator(1, 0)
     t = objective.sample_timesteps(10_000, g, 200, 300)
     assert t.min().item() == 200 and t.max().item() == 299
 
 
 def test_noise_offset_adds_a_per_channel_constant():
     latents = torch.zeros(2, 4, 16, 16)
-    plain = objective.sample_noise(latents, objective.step_generator(3, 1))
-    offset = objective.sample_noise(latents, objective.step_generator(3, 1), noise_offset=0.5)
+    plain = objective.sample_noise(latents, seeds.step_generator(3, 1))
+    offset = objective.sample_noise(latents, seeds.step_generator(3, 1), noise_offset=0.5)
     difference = offset - plain
     # The same base noise, plus one value per (sample, channel).
     assert torch.allclose(difference, difference[:, :, :1, :1].expand_as(difference))
@@ -60,11 +62,11 @@ def test_noise_offset_adds_a_per_channel_constant():
 
 
 def test_step_generators_depend_only_on_their_keys():
-    a = torch.randn(5, generator=objective.step_generator(7, 1, 2, 0))
+    a = torch.randn(5, generator=seeds.step_generator(7, 1, 2, 0))
     torch.manual_seed(123)  # the global stream must not matter
-    b = torch.randn(5, generator=objective.step_generator(7, 1, 2, 0))
-    c = torch.randn(5, generator=objective.step_generator(7, 1, 2, 1))
-    d = torch.randn(5, generator=objective.step_generator(8, 1, 2, 0))
+    b = torch.randn(5, generator=seeds.step_generator(7, 1, 2, 0))
+    c = torch.randn(5, generator=seeds.step_generator(7, 1, 2, 1))
+    d = torch.randn(5, generator=seeds.step_generator(8, 1, 2, 0))
     assert torch.equal(a, b)
     assert not torch.equal(a, c) and not torch.equal(a, d)
     assert math.isfinite(a.sum().item())

@@ -11,14 +11,15 @@ import torch
 from accelerate.state import AcceleratorState
 from safetensors.torch import load_file
 
-from library import network, optim
-from library.model import lora_modules
+from library.network import lora as network
+from library.training import optim
+from library.training.model import lora_modules
 from library.config import Config, ConfigError, UserError, parse_config
-from library.options import OPTIMIZER_TYPES
+from library.config.options import OPTIMIZER_TYPES
 
 pytestmark = pytest.mark.filterwarnings("ignore:Paged optimizers are not supported")
 
-# The class each name must build, written out here rather than read from library.optim.
+# The class each name must build, written out here rather than read from library.training.optim.
 EXPECTED_CLASS = {
     "AdamW": "torch.optim.adamw.AdamW",
     "AdamW8bit": "bitsandbytes.optim.adamw.AdamW8bit",
@@ -68,7 +69,7 @@ def make_config(tmp_path: Path):
 
 
 def build(config: Config, model: torch.nn.Module, total_steps: int = 20):
-    """The optimizer and schedule, built with the arguments library.trainer passes."""
+    """The optimizer and schedule, built with the arguments library.training.trainer passes."""
     groups = [{"params": list(model.parameters()), "lr": config.learning_rate, "name": "unet"}]
     optimizer = optim.build_optimizer(config.optimizer_type, groups, config.learning_rate, config.optimizer_args,
                                       use_8bit_adam=config.use_8bit_adam,
@@ -205,7 +206,7 @@ def test_prodigy_and_dadaptation_need_one_learning_rate_and_warn_when_it_is_smal
         optim.build_optimizer("Prodigy", groups, 1.0, [])
     groups[1]["lr"] = 0.0  # a frozen part is allowed
     optim.build_optimizer("DAdaptAdam", groups, 1.0, [])
-    with caplog.at_level(logging.WARNING, logger="library.optim"):
+    with caplog.at_level(logging.WARNING, logger="library.training.optim"):
         optim.build_optimizer("DAdaptAdam", [{"params": list(model.parameters()), "lr": 1e-4}], 1e-4, [])
     assert "learning_rate multiplies it and is usually 1.0" in caplog.text
 
@@ -273,7 +274,7 @@ def test_schedule_free_trains_in_train_mode_and_keeps_its_average(make_config):
 
 
 def test_the_trainer_saves_a_schedule_free_optimizers_kept_weights(tiny_sd1_dir, sample_data_dir, tmp_path):
-    from library import trainer
+    from library.training import trainer
 
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
@@ -365,7 +366,7 @@ def test_scheduler_class_mistakes_are_user_errors(make_config):
 
 
 def test_settings_a_schedule_does_not_read_are_named_in_a_warning(make_config, caplog):
-    with caplog.at_level(logging.WARNING, logger="library.optim"):
+    with caplog.at_level(logging.WARNING, logger="library.training.optim"):
         build(make_config('lr_scheduler = "cosine"\nlr_decay_steps = 5'), linear())
     assert "lr_decay_steps is ignored by lr_scheduler cosine" in caplog.text
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from library import digits, judge
+from library import digits
+from library.digits import judge
 from library.config import parse_config
 from tools import make_digit_dataset, pretrain_base
 

@@ -12,10 +12,11 @@ import pytest
 import torch
 from PIL import Image
 
-from library import network, sampling
+from library.network import lora as network
+from library.monitoring import sampling
 from library.config import UserError
-from library.families import load_sd_components
-from library.sampling import SamplePrompt
+from library.models.family import load_sd_components
+from library.monitoring.sampling import SamplePrompt
 
 # diffusers' KDPM2 schedulers run numpy on torch tensors element by element: thousands of numpy 2 deprecation
 # warnings per image that say nothing about this code.
@@ -66,7 +67,7 @@ def test_txt_every_option_defaults_and_comments(tmp_path, caplog):
         "  # an indented comment",
         "sks shape --W 72 --SS DPM++ 2M Karras --foo bar --n  --q 1",
     ]))
-    with caplog.at_level(logging.WARNING, logger="library.sampling"):
+    with caplog.at_level(logging.WARNING, logger="library.monitoring.sampling"):
         prompts = sampling.load_prompts(path, default_size=(96, 80))
     assert prompts == [
         SamplePrompt("a red circle", "", 96, 80, None, 30, 7.5, None, 0),
@@ -121,7 +122,7 @@ def test_json_objects_and_kohya_lines(tmp_path, caplog):
          "negative_prompt": "x", "sample_sampler": "ddim", "sample_stpes": 5},
         "a blue square --w 80 --d 3",
     ]))
-    with caplog.at_level(logging.WARNING, logger="library.sampling"):
+    with caplog.at_level(logging.WARNING, logger="library.monitoring.sampling"):
         prompts = sampling.load_prompts(path, default_size=64)
     assert prompts == [SamplePrompt("a red circle", "x", 64, 64, 1, 2, 3.0, "ddim", 0),
                        SamplePrompt("a blue square", "", 80, 64, 3, 30, 7.5, None, 1)]

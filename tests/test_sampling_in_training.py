@@ -9,7 +9,8 @@ import torch
 from accelerate.state import AcceleratorState
 from PIL import Image
 
-from library import network, trainer
+from library.network import lora as network
+from library.training import trainer
 from library.config import UserError, parse_config
 
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from library import objective, trainer
+from library.models import objective
+from library.training import trainer
 from library.config import parse_config
-from library.families import load_sd_components, zero_terminal_snr
-from library.network import read_metadata
-from library.tiny import save_tiny_sd1
+from library.models.family import load_sd_components, zero_terminal_snr
+from library.network.lora import read_metadata
+from library.models.tiny import save_tiny_sd1
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,12 @@ import torch
 from accelerate.state import AcceleratorState
 from PIL import Image
 
-from library import trainer
+from library.training import trainer
 from library.config import parse_config
-from library.data import build_training_data, collate
-from library.families import caption_tokenizer, load_sd_components, sdxl_time_ids
-from library.network import read_metadata
-from library.tiny import save_tiny_sdxl
+from library.data.dataset import build_training_data, collate
+from library.models.family import caption_tokenizer, load_sd_components, sdxl_time_ids
+from library.network.lora import read_metadata
+from library.models.tiny import save_tiny_sdxl
 
 
 @pytest.fixture(scope="module")

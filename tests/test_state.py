@@ -8,9 +8,10 @@ import pytest
 import torch
 from accelerate.state import AcceleratorState
 
-from library import network, trainer
+from library.network import lora as network
+from library.training import trainer
 from library.config import UserError, parse_config
-from library.state import ADAPTER_FILE, STATE_FILE, TrainState, find_latest_state
+from library.training.state import ADAPTER_FILE, STATE_FILE, TrainState, find_latest_state
 
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
@@ -160,8 +161,10 @@ def test_saves_cut_short_by_a_kill_are_removed_by_the_next_run(tmp_path, monkeyp
     temporary, which the next run's start removes (in output_dir and its sample folder), and nothing else."""
     from PIL import Image
 
-    from library import atomic, chart, sampling
-    from library.state import remove_stale_temporaries
+    from library.core import atomic
+    from library.monitoring import chart
+    from library.monitoring import sampling
+    from library.training.state import remove_stale_temporaries
 
     out = tmp_path / "out"
     (out / "sample").mkdir(parents=True)
@@ -185,7 +188,7 @@ def test_saves_cut_short_by_a_kill_are_removed_by_the_next_run(tmp_path, monkeyp
 
 
 def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path):
-    from library.atomic import write_atomically
+    from library.core.atomic import write_atomically
 
     target = tmp_path / "f.txt"
     target.write_text("old")

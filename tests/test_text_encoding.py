@@ -7,10 +7,10 @@ import pytest
 import torch
 from accelerate.state import AcceleratorState
 
-from library import trainer
+from library.training import trainer
 from library.config import UserError, parse_config
-from library.families import encode_prompt, load_sd_components, tokenize
-from library.network import read_metadata
+from library.models.family import encode_prompt, load_sd_components, tokenize
+from library.network.lora import read_metadata
 
 LONG = ", ".join(["red shape on a blue square"] * 30)
 

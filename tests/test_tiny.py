@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from library.tiny import MODEL_MAX_LENGTH, build_tiny_sd1, build_tiny_tokenizer, save_tiny_sd1
+from library.models.tiny import MODEL_MAX_LENGTH, build_tiny_sd1, build_tiny_tokenizer, save_tiny_sd1
 
 
 def test_saved_folder_loads_and_round_trips(tiny_sd1_dir: Path) -> None:

@@ -10,10 +10,12 @@ import torch
 from accelerate.state import AcceleratorState
 from PIL import Image
 
-from library import network, trainer
+from library.network import lora as network
+from library.training import trainer
 from library.config import UserError, parse_config
-from library.tracking import TimestepLoss
-from library.validation import should_validate, split_validation
+from library.monitoring.tracking import TimestepLoss
+from library.data.dataset import split_validation
+from library.monitoring.validation import should_validate
 
 SECRET = "wandb-key-4f1c9a7e0b2d83c6a5e1f0d9b8c7a6e5f4d3c2b1"
 

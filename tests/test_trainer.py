@@ -8,10 +8,12 @@ import torch
 from accelerate.state import AcceleratorState
 from safetensors import safe_open
 
-from library import model as model_module, network, trainer
+from library.training import model as model_module
+from library.network import lora as network
+from library.training import trainer
 from library.config import parse_config
-from library.families import load_sd_components
-from library.optim import build_optimizer
+from library.models.family import load_sd_components
+from library.training.optim import build_optimizer
 
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from library.state import replace_dir
+from library.core.atomic import replace_dir
 
 Item = tuple[str, Any, str]
 

@@ -38,8 +38,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from library import digits, judge  # noqa: E402
-from library.tiny import MODEL_MAX_LENGTH, build_tiny_tokenizer, save_pipeline  # noqa: E402
+from library import digits
+from library.digits import judge  # noqa: E402
+from library.models.tiny import MODEL_MAX_LENGTH, build_tiny_tokenizer, save_pipeline  # noqa: E402
 
 logger = logging.getLogger("pretrain_base")
 

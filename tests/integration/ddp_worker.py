@@ -8,7 +8,9 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from library import model, network, trainer
+from library.training import model
+from library.network import lora as network
+from library.training import trainer
 from library.config import parse_config
 
 

@@ -1,0 +1,6 @@
+"""Options: the schema (kohya's names), TOML + command line -> a read-only Config, kohya compatibility."""
+from library.config.parse import (PICKLE_CHECKPOINT_SUFFIXES, Config, ConfigError, UserError, build_parser,
+                                  checkpoint_file_problem, parse_config, read_toml, write_config)
+
+__all__ = ["PICKLE_CHECKPOINT_SUFFIXES", "Config", "ConfigError", "UserError", "build_parser",
+           "checkpoint_file_problem", "parse_config", "read_toml", "write_config"]

@@ -1,0 +1,291 @@
+"""kohya / LyCORIS `network_args` ("key=value" strings) as typed settings, checked without torch.
+
+kohya's networks.lora reads conv_dim, conv_alpha, rank_dropout, module_dropout, the loraplus_* ratios and the
+block options (block_dims, block_alphas, conv_block_dims, conv_block_alphas, down/mid/up_lr_weight,
+block_lr_zero_threshold) from network_args; LyCORIS (lycoris.kohya) adds algo, dora_wd, wd_on_output, factor
+and decompose_both. The same
+spellings work here; every variant is trained through peft. Unknown keys are an error rather than silently
+ignored (kohya ignores them, so a typo there trains a different network than the user asked for).
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+ALGOS = ("lora", "locon", "loha", "lokr")
+LORAPLUS_KEYS = ("loraplus_lr_ratio", "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio")
+
+
+@dataclass(frozen=True)
+class NetworkArgs:
+    """The network_args of a run, with kohya's defaults for what is not given."""
+    algo: str = "lora"  # lora / locon (the same here), loha, lokr
+    conv_dim: int | None = None  # rank of the 3x3 convs in ResNet blocks and samplers; None: no conv LoRA
+    conv_alpha: float | None = None  # kohya: 1.0 when conv_dim is given without it
+    dora_wd: bool = False  # DoRA: magnitude per output channel (LyCORIS wd_on_output = true)
+    rank_dropout: float | None = None
+    module_dropout: float | None = None
+    loraplus_lr_ratio: float | None = None
+    loraplus_unet_lr_ratio: float | None = None
+    loraplus_text_encoder_lr_ratio: float | None = None
+    factor: int = -1  # LoKr: Kronecker factor; -1 splits each dimension near its square root
+    decompose_both: bool = False  # LoKr: also factor the smaller Kronecker matrix into two
+    # kohya's per-block ranks and learning rates (library.network.blocks): one value per kohya block
+    block_dims: tuple[int, ...] | None = None
+    block_alphas: tuple[float, ...] | None = None
+    conv_block_dims: tuple[int, ...] | None = None
+    conv_block_alphas: tuple[float, ...] | None = None
+    down_lr_weight: str | tuple[float, ...] | None = None  # a preset ("cosine+0.1") or one value per block
+    mid_lr_weight: tuple[float, ...] | None = None
+    up_lr_weight: str | tuple[float, ...] | None = None
+    block_lr_zero_threshold: float = 0.0
+
+    @property
+    def variant(self) -> str:
+        """The adapter family: "lora" (LoRA, LoCon, DoRA), "loha" or "lokr"."""
+        return "lora" if self.algo in ("lora", "locon") else self.algo
+
+    @property
+    def conv_rank_alpha(self) -> tuple[int, float] | None:
+        return None if self.conv_dim is None else (self.conv_dim, 1.0 if self.conv_alpha is None else self.conv_alpha)
+
+    def loraplus_ratio(self, part: str) -> float | None:
+        """kohya: the part's own ratio wins over loraplus_lr_ratio. `part` is "unet" or "text_encoder"."""
+        own = self.loraplus_unet_lr_ratio if part == "unet" else self.loraplus_text_encoder_lr_ratio
+        return own if own is not None else self.loraplus_lr_ratio
+
+    @property
+    def has_block_lr(self) -> bool:
+        return any(w is not None for w in (self.down_lr_weight, self.mid_lr_weight, self.up_lr_weight))
+
+    @property
+    def is_default(self) -> bool:
+        return self == NetworkArgs()
+
+
+def _bool(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("true", "1", "yes", "on"):
+        return True
+    if lowered in ("false", "0", "no", "off"):
+        return False
+    raise ValueError("expected true or false")
+
+
+def _int(value: str) -> int:
+    try:
+        return int(value.strip())
+    except ValueError:
+        raise ValueError("expected an integer") from None
+
+
+def _float(value: str) -> float:
+    try:
+        result = float(value.strip())
+    except ValueError:
+        raise ValueError("expected a number") from None
+    if result != result or result in (float("inf"), float("-inf")):
+        raise ValueError("expected a finite number")
+    return result
+
+
+def _algo(value: str) -> str:
+    lowered = value.strip().lower()
+    if lowered not in ALGOS:
+        raise ValueError(f"expected one of {', '.join(ALGOS)}")
+    return lowered
+
+
+def _positive_int(value: str) -> int:
+    result = _int(value)
+    if result < 1:
+        raise ValueError("must be at least 1")
+    return result
+
+
+def _positive(value: str) -> float:
+    result = _float(value)
+    if result <= 0:
+        raise ValueError("must be positive")
+    return result
+
+
+def _probability(value: str) -> float:
+    result = _float(value)
+    if not 0 <= result < 1:
+        raise ValueError("must be in [0, 1)")
+    return result
+
+
+def _factor(value: str) -> int:
+    result = _int(value)
+    if result != -1 and result < 1:
+        raise ValueError("must be -1 or a positive integer")
+    return result
+
+
+def _values(convert: Callable[[str], Any]) -> Callable[[str], tuple]:
+    # kohya splits on ","; an empty entry is 0 (its down/up_lr_weight parsing).
+    def parse(value: str) -> tuple:
+        items = tuple(convert(item) if item.strip() else convert("0") for item in value.split(","))
+        if any(item < 0 for item in items):
+            raise ValueError("values must not be negative")
+        return items
+    return parse
+
+
+def _lr_weight(value: str) -> str | tuple[float, ...]:
+    if "," in value:
+        return _values(_float)(value)
+    name, _, base = value.strip().partition("+")
+    if name not in ("cosine", "sine", "linear", "reverse_linear", "zeros"):
+        # kohya treats a value without "," as a preset name and ignores an unknown one; say so instead.
+        raise ValueError("expected a preset (cosine, sine, linear, reverse_linear, zeros, optionally +BASE) or "
+                         "comma-separated values, one per block (kohya takes a lone number for an unknown preset and "
+                         "ignores it)")
+    if base:
+        _float(base)
+    return value.strip()
+
+
+def _wd_on_output(value: str) -> bool:
+    if not _bool(value):
+        # peft's DoRA keeps one magnitude per output channel; the input-axis variant is another model.
+        raise ValueError("only true is supported (peft's DoRA decomposes per output channel)")
+    return True
+
+
+_CONVERTERS: dict[str, Callable[[str], Any]] = {
+    "algo": _algo,
+    "conv_dim": _positive_int,
+    "conv_alpha": _positive,
+    "dora_wd": _bool,
+    "wd_on_output": _wd_on_output,
+    "rank_dropout": _probability,
+    "module_dropout": _probability,
+    "loraplus_lr_ratio": _positive,
+    "loraplus_unet_lr_ratio": _positive,
+    "loraplus_text_encoder_lr_ratio": _positive,
+    "factor": _factor,
+    "decompose_both": _bool,
+    "block_dims": _values(_int),
+    "block_alphas": _values(_float),
+    "conv_block_dims": _values(_int),
+    "conv_block_alphas": _values(_float),
+    "down_lr_weight": _lr_weight,
+    "mid_lr_weight": _values(_float),
+    "up_lr_weight": _lr_weight,
+    "block_lr_zero_threshold": _float,
+}
+SUPPORTED_KEYS: tuple[str, ...] = tuple(_CONVERTERS)
+
+
+def parse_network_args(args: Sequence[str], loraplus: Mapping[str, float | None] | None = None
+                       ) -> tuple[NetworkArgs, list[str]]:
+    """(settings, problems) from kohya-style "key=value" strings.
+
+    `loraplus` holds the loraplus_* values given as top-level options; giving one in both places is a problem.
+    Every problem names the key, so that one run reports them all.
+    """
+    problems: list[str] = []
+    values: dict[str, Any] = {}
+    seen: set[str] = set()
+    for arg in args:
+        key, sep, raw = arg.partition("=")
+        key = key.strip()
+        if not sep:
+            problems.append(f"network_args: {arg!r} must look like key=value")
+            continue
+        if key == "preset":
+            problems.append("network_args: LyCORIS' preset is not offered; remove it. Targets are kohya's: the "
+                            "attention and MLP layers, and with conv_dim the 3x3 convolutions")
+            continue
+        if key not in _CONVERTERS:
+            close = difflib.get_close_matches(key, SUPPORTED_KEYS, n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            problems.append(f"network_args: unknown key {key!r}{hint}; supported: {', '.join(SUPPORTED_KEYS)}")
+            continue
+        if key in seen:
+            problems.append(f"network_args: {key} is given more than once")
+            continue
+        seen.add(key)
+        try:
+            value = _CONVERTERS[key](raw)
+        except ValueError as e:
+            problems.append(f"network_args: {key}={raw.strip()}: {e}")
+            continue
+        if key != "wd_on_output":
+            values[key] = value
+    for key, value in (loraplus or {}).items():
+        if value is None:
+            continue
+        if key in values:
+            problems.append(f"{key} is set both as an option and in network_args; keep one")
+        elif value <= 0:
+            problems.append(f"{key} must be positive (got {value})")
+        else:
+            values[key] = value
+    settings = NetworkArgs(**values)
+    problems += _combination_problems(settings, seen)
+    return settings, problems
+
+
+def _combination_problems(settings: NetworkArgs, given: set[str]) -> list[str]:
+    problems = []
+    if "conv_alpha" in given and settings.conv_dim is None:
+        problems.append("network_args: conv_alpha needs conv_dim (the rank of the 3x3 conv layers)")
+    if settings.variant != "lokr":
+        for key in ("factor", "decompose_both"):
+            if key in given:
+                problems.append(f"network_args: {key} applies to algo=lokr only (algo is {settings.algo})")
+    if settings.dora_wd and settings.variant != "lora":
+        problems.append(f"network_args: dora_wd works with algo=lora or locon (peft has no DoRA for "
+                        f"{settings.algo})")
+    if settings.dora_wd and (settings.rank_dropout or settings.module_dropout):
+        # peft's DoRA calls lora_A for its weight norm as well; a dropout there would corrupt the norm.
+        problems.append("network_args: rank_dropout and module_dropout cannot be combined with dora_wd")
+    block_options = settings.block_dims is not None or settings.has_block_lr
+    for key in ("block_alphas", "conv_block_dims", "conv_block_alphas", "block_lr_zero_threshold"):
+        if key in given and not block_options:
+            problems.append(f"network_args: {key} takes effect only with block_dims or down/mid/up_lr_weight")
+    for key in ("block_alphas", "conv_block_alphas"):
+        if 0 in (getattr(settings, key) or ()):
+            problems.append(f"network_args: {key} values must be positive")
+    if "conv_block_alphas" in given and settings.conv_block_dims is None:
+        problems.append("network_args: conv_block_alphas needs conv_block_dims")
+    if settings.variant != "lora" and any(getattr(settings, key) is not None for key in LORAPLUS_KEYS):
+        problems.append(f"loraplus_* ratios apply to LoRA's up weights; algo={settings.algo} has none")
+    return problems
+
+
+def network_args_of(config: Any) -> NetworkArgs:
+    """The parsed network_args of a validated Config (its problems were reported by the config check)."""
+    settings, problems = parse_network_args(
+        config.network_args, {key: getattr(config, key, None) for key in LORAPLUS_KEYS})
+    if problems:
+        raise ValueError("; ".join(problems))
+    return settings
+
+
+def network_option_problems(v: Mapping[str, Any]) -> list[str]:
+    """Config check: network_args and the network options that depend on them (raw option values)."""
+    settings, problems = parse_network_args(v["network_args"], {key: v.get(key) for key in LORAPLUS_KEYS})
+    if v.get("network_dropout") and settings.variant != "lora":
+        problems.append(f"network_dropout is not available for algo={settings.algo} (LyCORIS has none either); "
+                        "use rank_dropout or module_dropout")
+    decay = v.get("ema_decay")
+    if decay is not None and not 0 < decay < 1:
+        problems.append(f"ema_decay must be between 0 and 1 (got {decay})")
+    if v.get("ema_for_saved_file") and decay is None:
+        problems.append("ema_for_saved_file needs ema_decay (the EMA to save)")
+    max_norm = v.get("scale_weight_norms")
+    if max_norm is not None:
+        if max_norm <= 0:
+            problems.append(f"scale_weight_norms must be positive (got {max_norm})")
+        if settings.variant != "lora":
+            problems.append(f"scale_weight_norms rescales LoRA's up/down pairs; algo={settings.algo} has none")
+        if v.get("deepspeed"):
+            # ZeRO keeps fp32 master weights and copies them back over the module after each step.
+            problems.append("scale_weight_norms does not work with deepspeed (its master weights undo the scaling)")
+    return problems

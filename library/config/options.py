@@ -1,0 +1,473 @@
+"""The option schema: every option's name (kohya's where kohya has it), type, default, choices and help.
+
+The same converters serve the TOML file and the command line, so both get the same checks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+# --- value converters: each takes a raw value (TOML value or command-line string) and returns the typed value or
+# raises ValueError with a short reason. The same converter serves both sources.
+
+def _to_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):  # kohya_ss's GUI writes some flags as 0 / 1
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("false", "0", "no", "off"):
+        return False
+    raise ValueError("expected true or false")
+
+
+def _to_int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError("expected an integer, got a boolean")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+        try:
+            as_float = float(value)
+        except ValueError:
+            pass
+        else:
+            if as_float.is_integer():
+                return int(as_float)
+    raise ValueError("expected an integer")
+
+
+def _to_float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError("expected a number, got a boolean")
+    if isinstance(value, (int, float)):
+        result = float(value)
+    elif isinstance(value, str):
+        try:
+            result = float(value.strip())
+        except ValueError:
+            raise ValueError("expected a number") from None
+    else:
+        raise ValueError("expected a number")
+    if not math.isfinite(result):
+        raise ValueError("expected a finite number")
+    return result
+
+
+def _to_lr(value: Any) -> float:
+    """A learning rate; newer kohya configs give text_encoder_lr as a list, one value per text encoder."""
+    if isinstance(value, (list, tuple)):
+        rates = {_to_float(v) for v in value}
+        if len(rates) != 1:
+            raise ValueError("one learning rate for every text encoder is supported; give a single value"
+                             if rates else "expected a number")
+        return rates.pop()
+    return _to_float(value)
+
+
+def _to_str(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    raise ValueError("expected a string")
+
+
+def _to_str_list(value: Any) -> list[str]:
+    # kohya writes network_args / optimizer_args as TOML arrays; on the command line they are space-separated.
+    if isinstance(value, str):
+        return value.split()
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise ValueError("expected a list of strings")
+
+
+def _to_int_list(value: Any) -> list[int]:
+    """A TOML array of integers, or "100,300,500" (commas or spaces) on the command line."""
+    items = value.replace(",", " ").split() if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise ValueError("expected a list of integers")
+    return [_to_int(item) for item in items]
+
+
+def _to_resolution(value: Any) -> tuple[int, int]:
+    """kohya accepts "512", "512,768" (width,height) or a number; also a [w, h] array here."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size like 512 or \"512,768\"")
+    if isinstance(value, int):
+        parts: list[Any] = [value, value]
+    elif isinstance(value, str):
+        parts = [p.strip() for p in value.split(",")]
+        parts = parts * 2 if len(parts) == 1 else parts
+    elif isinstance(value, (list, tuple)):
+        parts = list(value) * 2 if len(value) == 1 else list(value)
+    else:
+        raise ValueError("expected a size like 512 or \"512,768\"")
+    if len(parts) != 2:
+        raise ValueError("expected a size like 512 or \"512,768\"")
+    try:
+        width, height = (_to_int(p) for p in parts)
+    except ValueError:
+        raise ValueError("expected a size like 512 or \"512,768\"") from None
+    if width <= 0 or height <= 0:
+        raise ValueError("sizes must be positive")
+    return width, height
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    convert: Callable[[Any], Any]
+    default: Any
+    help: str
+    group: str = ""
+    choices: tuple[str, ...] | None = None
+    aliases: tuple[str, ...] = ()
+    secret: bool = False  # never sent to trackers, metadata or the resolved-config dump
+    is_path: bool = False  # trackers get the base name only
+    metavar: str | None = None
+
+    @property
+    def is_flag(self) -> bool:
+        return self.convert is _to_bool
+
+    @property
+    def is_list(self) -> bool:
+        return self.convert is _to_str_list
+
+    @property
+    def is_size(self) -> bool:
+        return self.convert is _to_resolution
+
+
+def _opt(name: str, convert: Callable, default: Any, help: str, **kw: Any) -> Option:
+    return Option(name, convert, default, help, **kw)
+
+
+# Groups in --help order.
+GROUPS = {
+    "model": "Base model",
+    "dataset": "Dataset",
+    "network": "LoRA network",
+    "training": "Training",
+    "optimizer": "Optimizer and learning rate",
+    "objective": "Noise and loss",
+    "output": "Output",
+    "logging": "Logging",
+    "validation": "Validation",
+    "sampling": "Sample images",
+    "distributed": "Accelerator, multi-process and DeepSpeed",
+    "config": "Configuration file",
+}
+
+_MODEL = [
+    _opt("pretrained_model_name_or_path", _to_str, None,
+         "local diffusers model folder (StableDiffusionPipeline layout) or single-file .safetensors checkpoint "
+         "(original SD layout, as shared on model sites)", is_path=True, metavar="PATH"),
+    _opt("v2", _to_bool, False, "the base model is Stable Diffusion 2.x"),
+    _opt("v_parameterization", _to_bool, False,
+         "train with v-prediction (SD2.x 768-v); read from the scheduler config when not set"),
+    _opt("no_half_vae", _to_bool, False, "keep the VAE in float32 under fp16/bf16 mixed precision"),
+    _opt("model_config", _to_str, None,
+         "for a single-file checkpoint: a diffusers folder whose unet/vae/text_encoder/scheduler configs and "
+         "tokenizer describe it (weights there are ignored); default: the shipped config of the SD1.x / SD2.x / "
+         "SDXL architecture found in the file", is_path=True, metavar="PATH"),
+    _opt("allow_pickle_checkpoints", _to_bool, False,
+         "read .ckpt / .pt / .pth / .bin pickle checkpoints; unpickling can run arbitrary code hidden in the file: "
+         "only for files you trust (python -m library.models.single_file IN.ckpt OUT.safetensors converts one safely)"),
+    _opt("clip_skip", _to_int, None, "use the text encoder's n-th layer from the end (2: the penultimate)"),
+    _opt("max_token_length", _to_int, None, "caption length in tokens: 75 (default), 150 or 225 (kohya's chunking)"),
+    _opt("zero_terminal_snr", _to_bool, False, "rescale the noise schedule so the last timestep is pure noise"),
+]
+_DATASET = [
+    _opt("train_data_dir", _to_str, None,
+         "folder of image folders named like kohya's '10_sks dog' (10 repeats, class tokens 'sks dog')",
+         is_path=True, metavar="PATH"),
+    _opt("resolution", _to_resolution, (512, 512), "training size: 512 or \"width,height\"", metavar="SIZE"),
+    _opt("caption_extension", _to_str, ".caption",
+         "caption file extension; a .txt caption is used when this one is missing",
+         aliases=("caption_extention",)),
+    _opt("dataset_config", _to_str, None,
+         "kohya dataset TOML ([general], [[datasets]], [[datasets.subsets]]); replaces train_data_dir",
+         is_path=True, metavar="PATH"),
+    _opt("reg_data_dir", _to_str, None, "folder of regularisation image folders (kohya names)", is_path=True,
+         metavar="PATH"),
+    _opt("prior_loss_weight", _to_float, 1.0, "loss weight of regularisation images"),
+    _opt("dataset_check", _to_bool, False,
+         "check the dataset without loading the UNet: counts, buckets, captions, problems; exit 0 when usable"),
+    _opt("skip_bad_images", _to_bool, False,
+         "leave out unusable images (listed in the log) instead of stopping with status 2"),
+    _opt("enable_bucket", _to_bool, False, "aspect-ratio buckets"),
+    _opt("min_bucket_reso", _to_int, 256, "smallest bucket side"),
+    _opt("max_bucket_reso", _to_int, 1024, "largest bucket side"),
+    _opt("bucket_reso_steps", _to_int, 64, "bucket sides are multiples of this"),
+    _opt("bucket_no_upscale", _to_bool, False, "never enlarge an image to fit a bucket"),
+    _opt("shuffle_caption", _to_bool, False, "shuffle the caption's tags each time it is used"),
+    _opt("caption_separator", _to_str, ",", "separator between caption tags"),
+    _opt("keep_tokens", _to_int, 0, "leading tags kept in place when shuffling or dropping"),
+    _opt("keep_tokens_separator", _to_str, "", "tags before this separator are kept in place"),
+    _opt("caption_prefix", _to_str, None, "text put before every caption"),
+    _opt("caption_suffix", _to_str, None, "text put after every caption"),
+    _opt("caption_dropout_rate", _to_float, 0.0, "probability of training an image with an empty caption"),
+    _opt("caption_dropout_every_n_epochs", _to_int, 0, "use empty captions every n-th epoch"),
+    _opt("caption_tag_dropout_rate", _to_float, 0.0, "probability of dropping each (non-kept) tag"),
+    _opt("flip_aug", _to_bool, False, "random horizontal flips"),
+    _opt("random_crop", _to_bool, False, "random instead of centred crops"),
+    _opt("alpha_mask", _to_bool, False,
+         "weight the loss by the images' alpha channel (transparent pixels are not learned)"),
+    _opt("cache_latents", _to_bool, False, "encode every image with the VAE once, before training"),
+    _opt("cache_latents_to_disk", _to_bool, False, "keep the latent cache on disk beside the images"),
+    _opt("vae_batch_size", _to_int, 1, "images per VAE batch when caching latents"),
+    _opt("cache_text_encoder_outputs", _to_bool, False,
+         "encode every caption once (only with a frozen text encoder and fixed captions)"),
+    _opt("train_batch_size", _to_int, 1, "images per batch on each process"),
+    _opt("max_data_loader_n_workers", _to_int, 0, "data loader worker processes (0 loads in the main process)"),
+    _opt("persistent_data_loader_workers", _to_bool, False, "keep data loader workers alive between epochs"),
+]
+_NETWORK = [
+    _opt("network_module", _to_str, "networks.lora", "LoRA implementation; only networks.lora (peft LoRA)",
+         choices=("networks.lora",)),
+    _opt("network_dim", _to_int, 4, "LoRA rank"),
+    _opt("network_alpha", _to_float, 1.0, "LoRA alpha; the update is scaled by alpha / dim"),
+    _opt("network_dropout", _to_float, 0.0, "dropout probability on the LoRA input (peft lora_dropout)"),
+    _opt("network_args", _to_str_list, [],
+         "kohya / LyCORIS network arguments as key=value strings: conv_dim, conv_alpha, algo (lora, locon, loha, "
+         "lokr), dora_wd, rank_dropout, module_dropout, loraplus_*, factor, decompose_both, block_dims, "
+         "block_alphas, conv_block_dims, conv_block_alphas, down/mid/up_lr_weight, block_lr_zero_threshold",
+         metavar="KEY=VALUE"),
+    _opt("network_train_unet_only", _to_bool, False, "train LoRA on the UNet only"),
+    _opt("network_train_text_encoder_only", _to_bool, False, "train LoRA on the text encoder only"),
+    _opt("unet_lr", _to_float, None, "learning rate of the UNet LoRA (default: learning_rate)"),
+    _opt("text_encoder_lr", _to_lr, None, "learning rate of the text encoder LoRA (default: learning_rate)"),
+    _opt("loraplus_lr_ratio", _to_float, None,
+         "LoRA+: train the LoRA up weights at learning rate x this (kohya reads it from network_args; either "
+         "place works)"),
+    _opt("loraplus_unet_lr_ratio", _to_float, None, "LoRA+ ratio for the UNet (default: loraplus_lr_ratio)"),
+    _opt("loraplus_text_encoder_lr_ratio", _to_float, None,
+         "LoRA+ ratio for the text encoder (default: loraplus_lr_ratio)"),
+    _opt("scale_weight_norms", _to_float, None,
+         "after each optimizer step, scale down every LoRA module whose up @ down * alpha / dim has a norm above "
+         "this (kohya's max-norm regularisation; 1.0 is kohya's suggestion)"),
+    _opt("ema_decay", _to_float, None,
+         "keep an exponential moving average of the LoRA weights, updated after each optimizer step with this "
+         "decay (e.g. 0.999); kept in state dirs"),
+    _opt("ema_for_saved_file", _to_bool, False, "save the EMA weights (not the last ones) in the LoRA files"),
+]
+_TRAINING = [
+    _opt("max_train_steps", _to_int, 1600, "optimizer steps to train"),
+    _opt("max_train_epochs", _to_int, None, "epochs to train (overrides max_train_steps)"),
+    _opt("gradient_accumulation_steps", _to_int, 1, "batches per optimizer step"),
+    _opt("max_grad_norm", _to_float, 1.0, "clip the gradient norm to this (0 disables clipping)"),
+    _opt("mixed_precision", _to_str, "no", "autocast precision; frozen weights are stored in it",
+         choices=("no", "fp16", "bf16")),
+    _opt("full_fp16", _to_bool, False,
+         "keep the LoRA weights and their gradients in fp16 too (needs mixed_precision fp16); with DeepSpeed "
+         "ZeRO-2 and CPU optimizer offload, fp16 master weights and gradients"),
+    _opt("full_bf16", _to_bool, False, "keep the LoRA weights and their gradients in bf16 too (needs "
+         "mixed_precision bf16)"),
+    _opt("gradient_checkpointing", _to_bool, False, "recompute activations in backward to save memory"),
+    _opt("seed", _to_int, None, "random seed (a random one is drawn and recorded when unset)"),
+]
+# kohya's optimizer_type names, matched case-insensitively; library/optim.py builds each one.
+OPTIMIZER_TYPES: tuple[str, ...] = (
+    "AdamW", "AdamW8bit", "PagedAdamW", "PagedAdamW8bit", "PagedAdamW32bit", "SGDNesterov", "SGDNesterov8bit",
+    "Lion", "Lion8bit", "PagedLion8bit", "AdEMAMix8bit", "PagedAdEMAMix8bit", "Prodigy", "DAdaptation",
+    "DAdaptAdamPreprint", "DAdaptAdaGrad", "DAdaptAdam", "DAdaptAdan", "DAdaptAdanIP", "DAdaptLion", "DAdaptSGD",
+    "Adafactor", "AdamWScheduleFree", "RAdamScheduleFree", "SGDScheduleFree",
+)
+
+
+def canonical_optimizer_type(name: str) -> str:
+    """kohya's spelling of a known name, a torch.optim class name, or a "module.Class" path as given (that one is
+    imported when the optimizer is built). Raises ValueError naming close matches."""
+    known = {n.lower(): n for n in OPTIMIZER_TYPES}
+    if name.lower() in known:
+        return known[name.lower()]
+    if "." in name:
+        return name
+    # Imported here, not at the top: the schema must load without torch, and most configs never get this far.
+    import difflib
+
+    import torch.optim
+
+    torch_names = {n.lower(): n for n, v in vars(torch.optim).items()
+                   if isinstance(v, type) and issubclass(v, torch.optim.Optimizer) and v is not torch.optim.Optimizer}
+    if name.lower() in torch_names:
+        return torch_names[name.lower()]
+    candidates = {**torch_names, **known}
+    close = [candidates[c] for c in difflib.get_close_matches(name.lower(), list(candidates), n=3, cutoff=0.6)]
+    hint = (f"did you mean {' or '.join(map(repr, close))}?" if close else
+            f"use one of {', '.join(OPTIMIZER_TYPES)}, a torch.optim class such as RAdam, or \"module.Class\"")
+    raise ValueError(f"not a known optimizer; {hint}")
+
+
+def _to_optimizer_type(value: Any) -> str:
+    return canonical_optimizer_type(_to_str(value).strip())
+
+
+_OPTIMIZER = [
+    _opt("optimizer_type", _to_optimizer_type, "AdamW",
+         f"optimizer: {', '.join(OPTIMIZER_TYPES)} (any case); or a torch.optim class (RAdam) or \"module.Class\""),
+    _opt("use_8bit_adam", _to_bool, False, "kohya's older switch for optimizer_type AdamW8bit"),
+    _opt("use_lion_optimizer", _to_bool, False, "kohya's older switch for optimizer_type Lion"),
+    _opt("optimizer_args", _to_str_list, [], "optimizer keyword arguments, e.g. weight_decay=0.01 \"betas=(0.9,0.99)\"",
+         metavar="KEY=VALUE"),
+    _opt("learning_rate", _to_float, 2e-6, "base learning rate"),
+    _opt("lr_scheduler", _to_str, "constant", "learning-rate schedule (unused when lr_scheduler_type is set)",
+         choices=("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial",
+                  "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay", "piecewise_constant", "adafactor")),
+    _opt("lr_warmup_steps", _to_float, 0,
+         "warm-up steps, or a fraction of the total steps when below 1"),
+    _opt("lr_decay_steps", _to_float, 0,
+         "decay steps of warmup_stable_decay, or a fraction of the total steps when below 1"),
+    _opt("lr_scheduler_num_cycles", _to_int, 1,
+         "cycles of cosine_with_restarts; half-waves of the cosine in cosine_with_min_lr and warmup_stable_decay"),
+    _opt("lr_scheduler_power", _to_float, 1.0, "power of the polynomial schedule"),
+    _opt("lr_scheduler_timescale", _to_int, None,
+         "timescale of inverse_sqrt (default: the warm-up steps, or 10000 without warm-up)"),
+    _opt("lr_scheduler_min_lr_ratio", _to_float, None,
+         "final learning rate as a fraction of the initial one: cosine_with_min_lr (required), "
+         "warmup_stable_decay (default 0)"),
+    _opt("lr_scheduler_type", _to_str, None,
+         "a scheduler class instead of lr_scheduler: a torch.optim.lr_scheduler name (StepLR) or \"module.Class\"; "
+         "stepped once per optimizer step"),
+    _opt("lr_scheduler_args", _to_str_list, [],
+         "keyword arguments of lr_scheduler_type or lr_scheduler, e.g. step_size=100 gamma=0.5", metavar="KEY=VALUE"),
+]
+_OBJECTIVE = [
+    _opt("min_snr_gamma", _to_float, None, "Min-SNR loss weighting gamma (5 is the paper's value)"),
+    _opt("noise_offset", _to_float, None, "add this much per-channel offset noise"),
+    _opt("noise_offset_random_strength", _to_bool, False,
+         "scale the offset noise by a uniform draw in [0, noise_offset) per batch"),
+    _opt("adaptive_noise_scale", _to_float, None,
+         "add this times the latents' absolute channel mean to noise_offset (needs noise_offset)"),
+    _opt("multires_noise_iterations", _to_int, None,
+         "multi-resolution (pyramid) noise with this many levels (6-10 is usual)"),
+    _opt("multires_noise_discount", _to_float, 0.3,
+         "weight ratio between pyramid levels (with multires_noise_iterations)"),
+    _opt("ip_noise_gamma", _to_float, None,
+         "input perturbation: extra noise of this scale on the noisy latents only (0.1 is usual)"),
+    _opt("ip_noise_gamma_random_strength", _to_bool, False,
+         "scale the input perturbation by a uniform draw in [0, ip_noise_gamma) per batch"),
+    _opt("min_timestep", _to_int, 0, "lowest timestep to train (inclusive)"),
+    _opt("max_timestep", _to_int, 1000, "highest timestep to train (exclusive)"),
+    _opt("loss_type", _to_str, "l2", "loss function", choices=("l1", "l2", "huber", "smooth_l1")),
+    _opt("huber_schedule", _to_str, "snr",
+         "how huber_c changes with the timestep for loss_type huber / smooth_l1",
+         choices=("constant", "exponential", "snr")),
+    _opt("huber_c", _to_float, 0.1, "Huber threshold (loss_type huber / smooth_l1); the schedules' low end"),
+    _opt("huber_scale", _to_float, 1.0,
+         "multiplies huber_c in the constant and exponential schedules (kohya leaves it out of snr)"),
+    _opt("debiased_estimation_loss", _to_bool, False,
+         "weight the loss by 1/sqrt(SNR) (1/(SNR+1) with v-prediction), SNR capped at 1000"),
+    _opt("scale_v_pred_loss_like_noise_pred", _to_bool, False,
+         "weight a v-prediction loss by SNR/(SNR+1), the size of a noise-prediction loss"),
+    _opt("v_pred_like_loss", _to_float, None,
+         "add this times a v-prediction-like loss, loss*(SNR+1)/SNR, to a noise-prediction loss"),
+    _opt("masked_loss", _to_bool, False,
+         "weight the loss by masks: alpha_mask, or conditioning_data_dir in the dataset_config subsets (a mask "
+         "image per image, same file name, red channel)"),
+]
+_OUTPUT = [
+    _opt("output_dir", _to_str, None, "where the LoRA file is written", is_path=True, metavar="PATH"),
+    _opt("output_name", _to_str, "last", "base name of the LoRA file"),
+    _opt("save_model_as", _to_str, "safetensors", "file format of the LoRA", choices=("safetensors",)),
+    _opt("save_precision", _to_str, None, "dtype of the saved LoRA (default float)",
+         choices=("float", "fp16", "bf16")),
+    _opt("save_every_n_steps", _to_int, None, "also save a LoRA snapshot (name-step00000500) every n steps"),
+    _opt("save_every_n_epochs", _to_int, None, "also save a LoRA snapshot (name-000003) every n epochs"),
+    _opt("save_last_n_steps", _to_int, None,
+         "keep only the step snapshots of the last n steps (older ones are removed)"),
+    _opt("save_last_n_epochs", _to_int, None, "keep only the last n epoch snapshots"),
+    _opt("save_state", _to_bool, False,
+         "with each snapshot, also save a training state dir (name-...-state) to resume from"),
+    _opt("save_last_n_steps_state", _to_int, None, "keep only the state dirs of the last n steps"),
+    _opt("save_last_n_epochs_state", _to_int, None, "keep only the last n epoch state dirs"),
+    _opt("save_state_on_train_end", _to_bool, False, "save a state dir when training ends"),
+    _opt("resume", _to_str, None,
+         "continue from a state dir, or 'latest' for the newest complete one in output_dir", metavar="DIR|latest"),
+    _opt("network_weights", _to_str, None, "start from this kohya-format LoRA file", is_path=True,
+         metavar="PATH"),
+    _opt("dim_from_weights", _to_bool, False, "take network_dim and network_alpha from network_weights"),
+    _opt("no_metadata", _to_bool, False, "write no ss_* training metadata into the LoRA file"),
+    _opt("training_comment", _to_str, None, "free text stored as ss_training_comment"),
+    _opt("metadata_title", _to_str, None, "modelspec.title of the LoRA file (default: output_name)"),
+    _opt("metadata_author", _to_str, None, "modelspec.author of the LoRA file"),
+    _opt("metadata_description", _to_str, None, "modelspec.description of the LoRA file"),
+    _opt("metadata_license", _to_str, None, "modelspec.license of the LoRA file"),
+    _opt("metadata_tags", _to_str, None, "modelspec.tags of the LoRA file (comma-separated)"),
+]
+_LOGGING = [
+    _opt("log_with", _to_str, None, "trackers to log to (logging_dir alone means tensorboard)",
+         choices=("tensorboard", "wandb", "all")),
+    _opt("logging_dir", _to_str, None, "tracker log folder (default output_dir/logs when log_with is set)",
+         is_path=True, metavar="PATH"),
+    _opt("log_prefix", _to_str, None, "prefix of the run's folder name under logging_dir"),
+    _opt("log_tracker_name", _to_str, None, "tracker project / run name (default network_train)"),
+    _opt("log_tracker_config", _to_str, None,
+         "TOML of per-tracker init arguments: [wandb] entity = ..., [tensorboard] flush_secs = ...",
+         is_path=True, metavar="PATH"),
+    _opt("wandb_run_name", _to_str, None, "wandb run name"),
+    _opt("wandb_api_key", _to_str, None, "wandb API key (never written to any file or tracker)", secret=True),
+    _opt("log_config", _to_bool, False, "send the resolved config to the trackers (no secrets, no full paths)"),
+    _opt("loss_timestep_bins", _to_int, 10, "log the training loss binned by timestep into this many bins"),
+    _opt("console_log_level", _to_str, "INFO", "console log level",
+         choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")),
+]
+_VALIDATION = [
+    _opt("validation_split", _to_float, 0.0, "fraction of the training images held out for validation"),
+    _opt("validation_seed", _to_int, None, "seed of the split and of the validation noise (default: seed)"),
+    _opt("validate_every_n_steps", _to_int, None, "validate every n optimizer steps"),
+    _opt("validate_every_n_epochs", _to_int, None,
+         "validate every n epochs (default: every epoch when neither interval is set)"),
+    _opt("validation_timesteps", _to_int_list, [100, 300, 500, 700, 900],
+         "the fixed timesteps the validation loss is measured at", metavar="T,T,..."),
+]
+_SAMPLING = [
+    _opt("sample_prompts", _to_str, None,
+         "prompts to sample while training: kohya's .txt (--n --w --h --d --s --l --ss per line), .toml or .json",
+         is_path=True, metavar="PATH"),
+    _opt("sample_every_n_steps", _to_int, None, "sample every n optimizer steps"),
+    _opt("sample_every_n_epochs", _to_int, None, "sample every n epochs (overrides sample_every_n_steps, as kohya)"),
+    _opt("sample_at_first", _to_bool, False, "sample before the first step"),
+    _opt("sample_sampler", _to_str, "ddim",
+         "sampler: ddim, euler, euler_a, dpm++ 2m, dpm++ 2m karras, pndm, lms, heun, dpm_2, dpm_2_a, dpmsolver, "
+         "dpmsolver++, dpmsingle, ddpm (k_* aliases too)"),
+]
+_DISTRIBUTED = [
+    _opt("ddp_timeout", _to_int, None, "process-group timeout in minutes"),
+    _opt("ddp_gradient_as_bucket_view", _to_bool, False, "DDP gradient_as_bucket_view"),
+    _opt("ddp_static_graph", _to_bool, False, "DDP static_graph"),
+    _opt("torch_compile", _to_bool, False, "compile the UNet with torch.compile (dynamo_backend, default inductor)"),
+    _opt("dynamo_backend", _to_str, "inductor", "torch.compile backend",
+         choices=("no", "inductor", "eager", "aot_eager", "cudagraphs", "aot_ts_nvfuser", "nvprims_nvfuser", "ofi",
+                  "fx2trt", "onnxrt", "tensorrt", "aot_torchxla_trace_once", "torchxla_trace_once", "ipex", "tvm")),
+    _opt("deepspeed", _to_bool, False, "train with DeepSpeed"),
+    _opt("zero_stage", _to_int, 2, "DeepSpeed ZeRO stage", metavar="{0,1,2,3}"),
+    _opt("offload_optimizer_device", _to_str, None, "DeepSpeed optimizer offload", choices=("cpu", "nvme")),
+    _opt("offload_param_device", _to_str, None, "DeepSpeed parameter offload", choices=("cpu", "nvme")),
+    _opt("fp16_master_weights_and_gradients", _to_bool, False,
+         "DeepSpeed: fp16 master weights and gradients, optimizer states in fp32 (ZeRO-2 with "
+         "offload_optimizer_device cpu, mixed_precision fp16)"),
+]
+_CONFIG = [
+    _opt("config_file", _to_str, None, "TOML file of options (command-line flags override it)",
+         aliases=("config",), is_path=True, metavar="PATH"),
+    _opt("output_config", _to_str, None, "write the resolved configuration as TOML to PATH and exit",
+         is_path=True, metavar="PATH"),
+]
+
+_BY_GROUP = {"model": _MODEL, "dataset": _DATASET, "network": _NETWORK, "training": _TRAINING,
+             "optimizer": _OPTIMIZER, "objective": _OBJECTIVE, "output": _OUTPUT, "logging": _LOGGING,
+             "validation": _VALIDATION, "sampling": _SAMPLING,
+             "distributed": _DISTRIBUTED, "config": _CONFIG}
+OPTIONS: dict[str, Option] = {
+    o.name: dataclasses.replace(o, group=group) for group, options in _BY_GROUP.items() for o in options}
+ALIASES: dict[str, str] = {alias: o.name for o in OPTIONS.values() for alias in o.aliases}

@@ -1,0 +1,76 @@
+"""Atomic, durable file writes: every file a user keeps is written beside its name and renamed over it.
+
+A run killed mid-write leaves the old file (or none) plus a temporary named like `.<name>.<8 hex>.tmp`, or
+`.tmp<6 letters or digits>` where safetensors (0.8+) itself writes through a temporary file; `STALE_TEMPORARY`
+matches those names so that the next run can remove them.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Callable
+
+TMP_DIR_PREFIX = ".tmp-"  # a folder written under this name is renamed when complete
+STALE_TEMPORARY = re.compile(r"\..+\.[0-9a-f]{8}\.tmp|\.tmp[0-9A-Za-z]{6}")
+
+
+def temporary_path(path: str | os.PathLike) -> Path:
+    """A fresh name beside `path` for writing it before the rename (matches STALE_TEMPORARY)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+def write_atomically(path: str | os.PathLike, write: Callable[[Path], None], durable: bool = True) -> None:
+    """Call `write(tmp)` to create the file and rename it to `path`; nothing is left on failure. `durable` also
+    syncs the file and the rename to disk (a cache that can be rebuilt skips that)."""
+    path = Path(path)
+    tmp = temporary_path(path)
+    try:
+        write(tmp)
+        if durable:
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_dir(path.parent)
+
+
+def fsync_dir(directory: str | os.PathLike) -> None:
+    """Make a rename inside `directory` durable; silently skipped where the platform cannot fsync a folder."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def replace_dir(new: Path, target: Path) -> None:
+    """Put `new` at `target`; an existing target is moved aside first and removed after the rename."""
+    old = None
+    if target.exists():
+        old = target.with_name(TMP_DIR_PREFIX + "old-" + target.name)
+        remove_path(old)
+        os.replace(target, old)
+    os.replace(new, target)
+    fsync_dir(target.parent)
+    if old is not None:
+        remove_path(old)
+
+
+def remove_path(path: Path) -> None:
+    """Remove a file or a folder tree; what is already gone is fine."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

@@ -1,0 +1,393 @@
+"""Latent and text-encoder-output caches.
+
+Latents are cached as the VAE posterior's mean and log-variance (not a sample), so the trainer still draws a fresh
+posterior sample with its own generator at every step. A disk entry `<image file>.latents.safetensors` lies beside
+the image and records, for each variant (plain, flipped), a key made of the image file's content hash and every
+setting that changes the latent: resized size, bucket, crop, flip, the VAE (config + weights hash) and its dtype.
+An entry whose key differs is re-encoded; files are written atomically (temporary file, then os.replace).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import random
+import time
+from collections import deque
+from contextlib import nullcontext
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from library.core.atomic import write_atomically
+from library.config import UserError
+from library.data.captions import process_caption
+from library.data.dataset import ImageRecord, TrainingData
+from library.data.images import prepare_image
+
+logger = logging.getLogger(__name__)
+
+CACHE_FORMAT = 1  # bump when the pixels fed to the VAE change for the same settings
+LATENT_SUFFIX = ".latents.safetensors"
+_NAMES = {False: "plain", True: "flipped"}
+
+
+def file_digest(path: Path) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def vae_fingerprint(vae: torch.nn.Module) -> str:
+    """Hash of the VAE's config and weights: another VAE, or changed weights, never reuse a cache entry."""
+    digest = hashlib.blake2b(digest_size=16)
+    config = getattr(vae, "config", None)
+    digest.update(json.dumps(dict(config) if config is not None else {}, sort_keys=True, default=str).encode())
+    for name, tensor in sorted(vae.state_dict().items()):
+        tensor = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def latent_cache_path(image_path: Path) -> Path:
+    return image_path.with_name(image_path.name + LATENT_SUFFIX)
+
+
+def variant_key(record: ImageRecord, flipped: bool, image_digest: str, vae_id: str, dtype: torch.dtype) -> str:
+    return json.dumps({"format": CACHE_FORMAT, "image": image_digest, "size": record.size,
+                       "resized": record.resized, "bucket": record.bucket, "crop": record.crop, "flipped": flipped,
+                       "vae": vae_id, "dtype": str(dtype)}, sort_keys=True)
+
+
+class MemoryLatents:
+    """(record index, flipped) -> (mean, logvar) held in memory (float32 copies of the VAE's values)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def has(self, record_index: int, flipped: bool) -> bool:
+        return (record_index, flipped) in self.entries
+
+    def put(self, record_index: int, flipped: bool, mean: torch.Tensor, logvar: torch.Tensor) -> None:
+        self.entries[(record_index, flipped)] = (mean, logvar)
+
+    def get(self, record_index: int, flipped: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.entries[(record_index, flipped)]
+
+
+class DiskLatents:
+    """(record index, flipped) -> tensors read from the record's cache file at each use."""
+
+    def __init__(self, records: Sequence[ImageRecord]):
+        self.paths = {i: latent_cache_path(r.path) for i, r in enumerate(records)}
+
+    def get(self, record_index: int, flipped: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        from safetensors import safe_open
+
+        name = _NAMES[flipped]
+        with safe_open(self.paths[record_index], framework="pt") as f:
+            return f.get_tensor(f"{name}.mean"), f.get_tensor(f"{name}.logvar")
+
+
+def _read_entries(path: Path) -> dict[str, dict[str, Any]]:
+    """{variant name: {"key": ..., "finite": bool}} from a cache file's header (tensors are not read)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata() or {}
+        return json.loads(metadata.get("entries", "{}"))
+    except (OSError, ValueError, json.JSONDecodeError, Exception):  # noqa: BLE001 - a broken file is a stale file
+        return {}
+
+
+def _write_entries(path: Path, new: dict[str, tuple[str, torch.Tensor, torch.Tensor, bool]]) -> None:
+    """Write the new variants plus still-valid old ones, atomically."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    entries: dict[str, dict[str, Any]] = {}
+    old = _read_entries(path) if path.exists() else {}
+    if old:
+        keep = [name for name in old if name not in new]
+        if keep:
+            with safe_open(path, framework="pt") as f:
+                for name in keep:
+                    tensors[f"{name}.mean"] = f.get_tensor(f"{name}.mean")
+                    tensors[f"{name}.logvar"] = f.get_tensor(f"{name}.logvar")
+                    entries[name] = old[name]
+    for name, (key, mean, logvar, finite) in new.items():
+        tensors[f"{name}.mean"], tensors[f"{name}.logvar"] = mean.contiguous(), logvar.contiguous()
+        entries[name] = {"key": key, "finite": finite}
+    write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata={"entries": json.dumps(entries)}),
+                     durable=False)
+
+
+class _InlineExecutor:
+    """Runs submitted work at once in the calling thread."""
+
+    _max_workers = 1
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - re-raised by result()
+            future.set_exception(e)
+        return future
+
+    def map(self, fn: Callable[..., Any], items: Iterable[Any]) -> Iterable[Any]:
+        return map(fn, items)
+
+
+@dataclass
+class CacheStats:
+    encoded: int = 0  # variants encoded by this process
+    reused: int = 0  # variants found valid on disk
+    vae_batches: int = 0
+    seconds: float = 0.0
+
+
+def _finite(*tensors: torch.Tensor) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def _nan_message(record: ImageRecord, flipped: bool) -> str:
+    return (f"{record.path}: the VAE gave NaN or inf latents (bucket {record.bucket[0]}x{record.bucket[1]}"
+            f"{', flipped' if flipped else ''}); the image may be broken, or the VAE overflows in half precision "
+            "(try no_half_vae)")
+
+
+def _encode(items: list[tuple[int, bool]], records: Sequence[ImageRecord], vae: torch.nn.Module,
+            device: torch.device, dtype: torch.dtype, vae_batch_size: int, pool: ThreadPoolExecutor,
+            on_encoded: Callable[[int, bool, torch.Tensor, torch.Tensor], None], stats: CacheStats) -> None:
+    """Encode (record, flipped) items in VAE batches of one bucket each; pixels are prepared ahead in threads."""
+    by_bucket: dict[tuple[int, int], list[tuple[int, bool]]] = {}
+    for item in items:
+        by_bucket.setdefault(records[item[0]].bucket, []).append(item)
+    batches = [group[i:i + vae_batch_size] for _, group in sorted(by_bucket.items())
+               for i in range(0, len(group), vae_batch_size)]
+
+    def pixels(batch: list[tuple[int, bool]]) -> torch.Tensor:
+        return torch.stack([prepare_image(records[i].path, records[i].size, records[i].resized, records[i].bucket,
+                                          records[i].crop, flipped) for i, flipped in batch])
+
+    ahead = max(2, getattr(pool, "_max_workers", 2))
+    pending: deque[tuple[list[tuple[int, bool]], Future]] = deque()
+    queue = iter(batches)
+    for batch in queue:
+        pending.append((batch, pool.submit(pixels, batch)))
+        if len(pending) >= ahead:
+            break
+    while pending:
+        batch, future = pending.popleft()
+        next_batch = next(queue, None)
+        if next_batch is not None:
+            pending.append((next_batch, pool.submit(pixels, next_batch)))
+        with torch.inference_mode():
+            distribution = vae.encode(future.result().to(device=device, dtype=dtype)).latent_dist
+            mean, logvar = distribution.mean.float().cpu(), distribution.logvar.float().cpu()
+        stats.vae_batches += 1
+        for j, (record_index, flipped) in enumerate(batch):
+            on_encoded(record_index, flipped, mean[j].clone(), logvar[j].clone())
+            stats.encoded += 1
+
+
+def cache_latents(data: TrainingData, vae: torch.nn.Module, device: torch.device | str | None = None,
+                  dtype: torch.dtype | None = None, vae_batch_size: int = 1, to_disk: bool = False, *,
+                  process_index: int = 0, num_processes: int = 1, wait_for_everyone: Callable[[], Any] | None = None,
+                  skip_bad_images: bool = False, threads: int | None = None) -> CacheStats:
+    """Encode every (image, flip) the dataset uses; afterwards its items carry latent_mean / latent_logvar.
+
+    threads: worker threads that decode and resize images ahead of the VAE (0: in line; default: 0 on CPU,
+    else up to 8).
+
+    to_disk: entries are reused when their key matches and rewritten otherwise. With several processes each one
+    encodes its share (records i with i % num_processes == process_index), then all wait (wait_for_everyone) and
+    read everyone's files. In memory, every process encodes everything (no communication). NaN/inf latents are
+    an error naming the files, or, with skip_bad_images, those images are left out.
+    """
+    started = time.perf_counter()
+    first_parameter = next(vae.parameters())
+    device = torch.device(device) if device is not None else first_parameter.device
+    dtype = dtype or first_parameter.dtype
+    if dtype != first_parameter.dtype:
+        raise ValueError(f"dtype {dtype} differs from the VAE's {first_parameter.dtype}; cast the VAE instead")
+    if any(r.subset.random_crop for r in data.records):
+        raise UserError("random_crop draws a new crop each time and cannot use cached latents; turn off "
+                        "random_crop or cache_latents")
+    stats = CacheStats()
+    if threads is None:
+        # Preparing pixels in threads overlaps it with a GPU encode; when the VAE itself runs on the CPU, threads
+        # only compete with its intra-op threads (measured slower than preparing in line; bench/cache_throughput.py).
+        threads = 0 if device.type == "cpu" else min(8, os.cpu_count() or 1)
+    vae_id = vae_fingerprint(vae) if to_disk else ""
+    memory = MemoryLatents()
+    digests: dict[Path, str] = {}
+    with (ThreadPoolExecutor(max_workers=threads) if threads else nullcontext(_InlineExecutor())) as pool:
+        while True:
+            records = data.records
+            needed = [(i, flipped) for i, r in enumerate(records) if r.repeats
+                      for flipped in ((False, True) if r.subset.flip_aug else (False,))]
+            if to_disk:
+                problems = _cache_to_disk(records, needed, vae, device, dtype, vae_batch_size, vae_id, digests,
+                                          pool, process_index, num_processes, wait_for_everyone, stats)
+            else:
+                missing = [item for item in needed if not memory.has(*item)]
+                problems = []
+
+                def keep(record_index: int, flipped: bool, mean: torch.Tensor, logvar: torch.Tensor) -> None:
+                    memory.put(record_index, flipped, mean, logvar)
+                    if not _finite(mean, logvar):
+                        problems.append((records[record_index], flipped))
+
+                _encode(missing, records, vae, device, dtype, vae_batch_size, pool, keep, stats)
+            if not problems:
+                break
+            messages = sorted({_nan_message(r, f) for r, f in problems})
+            if not skip_bad_images:
+                raise UserError(messages)
+            # Leaving images out re-balances regularisation repeats; any image that now needs a latent gets it
+            # on the next pass.
+            old = {id(r): i for i, r in enumerate(records)}
+            data.drop_records({r.path for r, _ in problems}, messages)
+            logger.warning("skip_bad_images: left out %d images with NaN/inf latents:\n  %s", len(messages),
+                           "\n  ".join(messages))
+            remap = {old[id(r)]: i for i, r in enumerate(data.records)}
+            memory.entries = {(remap[i], f): v for (i, f), v in memory.entries.items() if i in remap}
+    data.dataset.latents = DiskLatents(data.records) if to_disk else memory
+    stats.seconds = time.perf_counter() - started
+    logger.info("latents: %d reused from disk, %d encoded in %d VAE batches (%.1f s)", stats.reused, stats.encoded,
+                stats.vae_batches, stats.seconds)
+    return stats
+
+
+def _cache_to_disk(records: Sequence[ImageRecord], needed: list[tuple[int, bool]], vae: torch.nn.Module,
+                   device: torch.device, dtype: torch.dtype, vae_batch_size: int, vae_id: str,
+                   digests: dict[Path, str], pool: ThreadPoolExecutor, process_index: int, num_processes: int,
+                   wait_for_everyone: Callable[[], Any] | None,
+                   stats: CacheStats) -> list[tuple[ImageRecord, bool]]:
+    """Bring every needed disk entry up to date; returns the (record, flipped) entries that are not finite."""
+    paths = sorted({records[i].path for i, _ in needed} - digests.keys())
+    digests.update(zip(paths, pool.map(file_digest, paths)))
+    keys = {(i, f): variant_key(records[i], f, digests[records[i].path], vae_id, dtype) for i, f in needed}
+
+    def stale(items: Iterable[tuple[int, bool]]) -> list[tuple[int, bool]]:
+        by_record: dict[int, list[bool]] = {}
+        for i, f in items:
+            by_record.setdefault(i, []).append(f)
+        out = []
+        for i, flips in by_record.items():
+            entries = _read_entries(latent_cache_path(records[i].path))
+            out += [(i, f) for f in flips if entries.get(_NAMES[f], {}).get("key") != keys[(i, f)]]
+        return out
+
+    mine = [(i, f) for i, f in needed if i % num_processes == process_index]
+    to_encode = stale(mine)
+    stats.reused += len(mine) - len(to_encode)
+    pending: dict[int, dict[str, tuple[str, torch.Tensor, torch.Tensor, bool]]] = {}
+    expected: dict[int, int] = {}
+    for i, _ in to_encode:
+        expected[i] = expected.get(i, 0) + 1
+    writes: list[Future] = []
+
+    def write(record_index: int, flipped: bool, mean: torch.Tensor, logvar: torch.Tensor) -> None:
+        variants = pending.setdefault(record_index, {})
+        variants[_NAMES[flipped]] = (keys[(record_index, flipped)], mean, logvar, _finite(mean, logvar))
+        if len(variants) == expected[record_index]:
+            writes.append(pool.submit(_write_entries, latent_cache_path(records[record_index].path),
+                                      pending.pop(record_index)))
+
+    _encode(to_encode, records, vae, device, dtype, vae_batch_size, pool, write, stats)
+    for future in writes:
+        future.result()
+    if num_processes > 1 and wait_for_everyone is not None:
+        wait_for_everyone()
+    problems, missing = [], []
+    by_record: dict[int, list[bool]] = {}
+    for i, f in needed:
+        by_record.setdefault(i, []).append(f)
+    for i, flips in by_record.items():
+        entries = _read_entries(latent_cache_path(records[i].path))
+        for f in flips:
+            entry = entries.get(_NAMES[f], {})
+            if entry.get("key") != keys[(i, f)]:
+                missing.append(f"{latent_cache_path(records[i].path)}: latent cache entry missing or stale after "
+                               "caching (was the file changed by another run?)")
+            elif not entry.get("finite", False):
+                problems.append((records[i], f))
+    if missing:
+        raise UserError(missing)
+    return problems
+
+
+def sample_cached_latents(mean: torch.Tensor, logvar: torch.Tensor, generator: torch.Generator,
+                          scaling_factor: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A posterior sample from cached parameters, computed like diffusers' DiagonalGaussianDistribution in the VAE's
+    dtype, with the noise drawn on CPU from `generator` (as the uncached path does), times the scaling factor."""
+    if dtype is not None:
+        mean, logvar = mean.to(dtype), logvar.to(dtype)
+    std = torch.exp(0.5 * logvar)
+    eps = torch.randn(mean.shape, generator=generator, dtype=torch.float32)
+    return (mean + std * eps.to(device=mean.device, dtype=mean.dtype)) * scaling_factor
+
+
+def check_finite_latents(latents: torch.Tensor, paths: Sequence[str]) -> None:
+    """For the uncached path: NaN/inf latents stop the run naming the images (never trained on, never zeroed)."""
+    bad = ~torch.isfinite(latents.detach().flatten(1)).all(dim=1)
+    if bool(bad.any()):
+        raise UserError([f"{paths[i]}: the VAE gave NaN or inf latents; the image may be broken, or the VAE "
+                         "overflows in half precision (try no_half_vae)" for i in bad.nonzero().flatten().tolist()])
+
+
+def fixed_caption(record: ImageRecord) -> str:
+    """The caption when no random caption operation applies (prefix, suffix, kept-token separator handled)."""
+    subset = dataclasses.replace(record.subset, caption_dropout_rate=0.0, caption_dropout_every_n_epochs=0)
+    return process_caption(record.caption, subset, 0, random.Random(0))
+
+
+def cache_text_encoder_outputs(data: TrainingData, encode: Callable[[Any], Any], batch_size: int = 16) -> int:
+    """Encode every caption the dataset can produce once (in memory); items then carry encoder_hidden_states.
+
+    `encode` maps token ids (B, L) to hidden states (B, L, D) with the frozen text encoder; for SDXL, a dict of
+    ids to a dict of outputs (encoder_hidden_states, pooled), cached per caption the same way. Whole-caption dropout
+    works (the empty caption is cached too); shuffled or tag-dropped captions cannot be cached. Returns the number
+    of distinct captions encoded.
+    """
+    tokenize = data.dataset.tokenize
+    if tokenize is None:
+        raise ValueError("cache_text_encoder_outputs needs the dataset built with a tokenize function")
+    bad = sorted({str(r.subset.image_dir) for r in data.records if r.subset.caption_ops})
+    if bad:
+        raise UserError([f"{d}: shuffle_caption / caption_tag_dropout_rate change the caption each time and "
+                         "cannot use cache_text_encoder_outputs" for d in bad])
+    captions: set[str] = set()
+    for record in data.records:
+        captions.add(fixed_caption(record))
+        if record.subset.caption_dropout_rate > 0 or record.subset.caption_dropout_every_n_epochs > 0:
+            captions.add("")
+    ordered = sorted(captions)
+    outputs: dict[str, Any] = {}
+    with torch.inference_mode():
+        for start in range(0, len(ordered), batch_size):
+            chunk = ordered[start:start + batch_size]
+            tokens = [tokenize(c) for c in chunk]
+            if isinstance(tokens[0], dict):
+                encoded = encode({key: torch.stack([t[key] for t in tokens]) for key in tokens[0]})
+                for i, caption in enumerate(chunk):
+                    outputs[caption] = {key: value[i].detach().cpu().clone() for key, value in encoded.items()}
+            else:
+                for caption, states in zip(chunk, encode(torch.stack(tokens))):
+                    outputs[caption] = states.detach().cpu().clone()
+    data.dataset.text_encoder_outputs = outputs
+    logger.info("text encoder outputs cached for %d distinct captions", len(outputs))
+    return len(outputs)

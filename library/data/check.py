@@ -1,0 +1,108 @@
+"""--dataset_check: a readable report on the dataset, made without loading the UNet."""
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from library.config import Config, ConfigError
+from library.data.dataset import collect_training_data, listing
+
+logger = logging.getLogger(__name__)
+
+
+def _load_tokenizer(config: Config) -> Any:
+    """The model's (first) CLIP tokenizer: its tokenizer/ folder, or for a single .safetensors file the shipped
+    (or model_config) tokenizer of the architecture its keys show. None when neither can be had."""
+    model = config.pretrained_model_name_or_path
+    if model is None:
+        return None
+    try:
+        from transformers import CLIPTokenizer
+
+        if Path(model, "tokenizer").is_dir():
+            tokenizer = CLIPTokenizer.from_pretrained(model, subfolder="tokenizer", local_files_only=True)
+        elif Path(model).is_file() and Path(model).suffix.lower() == ".safetensors":
+            from library.models.single_file import file_tokenizer
+
+            tokenizer = file_tokenizer(Path(model), config.model_config)
+        else:
+            return None
+    except Exception as e:  # noqa: BLE001 - the report still works without token counts
+        logger.info("no tokenizer for the dataset check (%s); captions are not tokenized", e)
+        return None
+    # transformers 5 returns an empty tokenizer instead of failing when the vocabulary files are missing.
+    return tokenizer if len(tokenizer) > 256 and tokenizer.model_max_length < 100_000 else None
+
+
+def dataset_report(config: Config, tokenizer: Any = None, num_processes: int = 1) -> tuple[str, bool]:
+    """A readable check of the dataset without loading the UNet: (text, usable).
+
+    Images per subset with repeats, the bucket histogram, batches and steps per epoch, caption coverage and every
+    problem. With no tokenizer given, the model folder's tokenizer/ is used when it loads.
+    """
+    lines: list[str] = []
+    try:
+        data, problems, warnings = collect_training_data(config, None, 0, num_processes)
+    except ConfigError as e:
+        return "\n".join(["dataset check: the dataset configuration is not usable:"]
+                         + [f"  - {p}" for p in e.problems]), False
+    assert data is not None
+    source = config.dataset_config or config.train_data_dir
+    lines.append(f"dataset check: {source}" + (f" (+ reg_data_dir {config.reg_data_dir})"
+                                               if config.reg_data_dir else ""))
+    for d, spec in enumerate(data.specs):
+        bucketing = (f"buckets {spec.min_bucket_reso}..{spec.max_bucket_reso} step {spec.bucket_reso_steps}"
+                     + (", no upscale" if spec.bucket_no_upscale else "")) if spec.enable_bucket else "no buckets"
+        lines.append(f"dataset {d}: resolution {spec.resolution[0]}x{spec.resolution[1]}, batch size "
+                     f"{spec.batch_size}, {bucketing}")
+        for report in (r for r in data.subsets if r.dataset_index == d):
+            spec_s = report.spec
+            kind = "reg " if spec_s.is_reg else ""
+            usable = report.images - report.left_out
+            if not report.used:
+                lines.append(f"  {kind}subset {report.subset_index}: {spec_s.image_dir}: not used")
+                continue
+            per_epoch = sum(r.repeats for r in data.records if r.subset is spec_s)
+            lines.append(f"  {kind}subset {report.subset_index}: {spec_s.image_dir}: {usable} images"
+                         + (f" ({report.left_out} left out)" if report.left_out else "")
+                         + f" x {spec_s.num_repeats} repeats -> {per_epoch} samples per epoch; captions: "
+                         f"{report.captions_from_file} from files, {usable - report.captions_from_file} class tokens")
+        histogram = [h for h in data.bucket_histogram() if h[0] == d]
+        if histogram:
+            lines.append("  buckets (width x height: samples per epoch / images):")
+            lines.extend(f"    {b[0]}x{b[1]}: {n} / {m}" for _, b, n, m in histogram)
+    batches = data.batches_per_epoch // num_processes
+    steps = math.ceil(batches / config.gradient_accumulation_steps) if batches else 0
+    lines.append(f"per epoch: {data.num_train_images} training samples, "
+                 f"{sum(r.repeats for r in data.records if r.is_reg)} regularisation samples; {batches} batches "
+                 f"and {steps} optimizer steps per process ({num_processes} process(es), gradient_accumulation_steps "
+                 f"{config.gradient_accumulation_steps})")
+    from_files = sum(r.caption_from_file for r in data.records)
+    total = len(data.records)
+    lines.append(f"captions: {from_files} of {total} usable images have a caption file"
+                 + (f" ({100 * from_files / total:.0f}%)" if total else ""))
+    tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config)
+    if tokenizer is not None and data.records:
+        limit = config.max_token_length or tokenizer.model_max_length - 2  # kohya's 75 / 150 / 225
+        texts = [" ".join(t for t in (r.subset.caption_prefix, r.caption, r.subset.caption_suffix) if t)
+                 for r in data.records]
+        lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
+        long = [str(r.path) for r, n in zip(data.records, lengths) if n > limit]
+        lines.append(f"  longest caption {max(lengths)} tokens; {len(long)} longer than {limit} tokens are "
+                     "truncated" + (f": {listing(long)}" if long else ""))
+    if warnings:
+        lines.append(f"warnings ({len(warnings)}):")
+        lines.extend(f"  - {w}" for w in warnings)
+    if data.left_out and not problems:
+        lines.append(f"left out by skip_bad_images ({len(data.left_out)}):")
+        lines.extend(f"  - {p}" for p in data.left_out)
+    if problems:
+        lines.append(f"problems ({len(problems)}):")
+        lines.extend(f"  - {p}" for p in problems)
+        lines.append("result: NOT USABLE" + ("" if config.skip_bad_images else
+                                             " (fix these, or set skip_bad_images to leave unusable files out)"))
+    else:
+        lines.append("result: usable")
+    return "\n".join(lines), not problems

@@ -1,0 +1,116 @@
+"""Which layers get which adapter, from network_args: kohya's targets, conv_dim, block dims and lr weights,
+the variant (LoRA, DoRA, LoHa, LoKr) and kohya's rank / module dropout for LoRA."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from library.network import blocks
+from library.network import lora as network
+from library.config import UserError
+from library.config.network_args import NetworkArgs
+
+
+def attach_network(model: nn.Module, part: str, rank: int, alpha: float, dropout: float,
+                   net: NetworkArgs) -> list[nn.Parameter]:
+    """Attach the configured adapter to the UNet (`part="unet"`) or one text encoder (`"text_encoder"`) with
+    kohya's targets; conv_dim adds the ResNet blocks and samplers of the UNet, block_dims and the block lr
+    weights set (or drop, at 0) each UNet block's rank and alpha."""
+    overrides: dict[str, tuple[int, float]] = {}
+    if part == "unet":
+        targets = network.unet_target_modules(model)
+        plan = unet_block_plan(model, rank, alpha, net)
+        conv_rank_alpha = net.conv_rank_alpha
+        if conv_rank_alpha is not None or (plan is not None and plan.conv_dims is not None):
+            linear, conv = network.unet_conv_target_modules(model)
+            targets += linear + conv
+            overrides.update({name: conv_rank_alpha for name in conv if conv_rank_alpha is not None})
+        if plan is not None:
+            sdxl = is_sdxl_unet(model)
+            conv_names = set(network.unet_conv_target_modules(model)[1])
+            for name in targets:
+                index = blocks.block_index(name, sdxl)
+                if index < 0:
+                    continue
+                if name in conv_names:
+                    assert plan.conv_dims is not None and plan.conv_alphas is not None
+                    overrides[name] = (plan.conv_dims[index], plan.conv_alphas[index])
+                else:
+                    overrides[name] = (plan.dims[index], plan.alphas[index])
+            # kohya leaves out modules whose block has rank 0 (or lr weight 0)
+            targets = [name for name in targets if overrides.get(name, (rank, alpha))[0] > 0]
+            overrides = {name: value for name, value in overrides.items() if value[0] > 0}
+            if not targets:
+                raise UserError("network_args: block_dims / the block lr weights leave no UNet module to train")
+    else:
+        targets = network.text_encoder_target_modules(model)
+    lycoris_dropout = net.variant != "lora"
+    params = network.attach_lora(
+        model, targets, rank, alpha, dropout, overrides=overrides, algo=net.variant, use_dora=net.dora_wd,
+        rank_dropout=(net.rank_dropout or 0.0) if lycoris_dropout else 0.0,
+        module_dropout=(net.module_dropout or 0.0) if lycoris_dropout else 0.0, factor=net.factor,
+        decompose_both=net.decompose_both)
+    if not lycoris_dropout and (net.rank_dropout or net.module_dropout):
+        add_kohya_dropout(model, net.rank_dropout or 0.0, net.module_dropout or 0.0)
+    return params
+
+
+def is_sdxl_unet(unet: nn.Module) -> bool:
+    # SDXL's UNet is the one conditioned on pooled text and size ("text_time" added embedding).
+    return getattr(getattr(unet, "config", None), "addition_embed_type", None) == "text_time"
+
+
+def unet_block_plan(unet: nn.Module, rank: int, alpha: float, net: NetworkArgs) -> blocks.BlockPlan | None:
+    """The per-block ranks and lr weights of kohya's block_dims / *_lr_weight, or None without them."""
+    try:
+        return blocks.block_plan(is_sdxl_unet(unet), rank, alpha, net.conv_rank_alpha, net.block_dims,
+                                 net.block_alphas, net.conv_block_dims, net.conv_block_alphas, net.down_lr_weight,
+                                 net.mid_lr_weight, net.up_lr_weight, net.block_lr_zero_threshold)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def block_lr(unet: nn.Module, rank: int, alpha: float, net: NetworkArgs) -> blocks.BlockLR | None:
+    """kohya's block learning rates for the UNet's optimizer groups, or None."""
+    plan = unet_block_plan(unet, rank, alpha, net)
+    if plan is None or plan.lr_weights is None:
+        return None
+    return blocks.BlockLR(plan.lr_weights, is_sdxl_unet(unet))
+
+
+class KohyaDropout:
+    """kohya's rank_dropout and module_dropout for a peft LoRA layer, as a forward hook on its lora_A.
+
+    In training, module dropout leaves out the whole LoRA of a layer with probability `module_dropout` (drawn
+    once per forward, before the rank mask, as kohya); rank dropout zeroes each rank of lora_down's output per
+    sample with probability `rank_dropout` and scales the rest by 1 / (1 - rank_dropout). Both draw from the
+    global torch RNG, like kohya and torch's own dropout.
+    """
+
+    def __init__(self, rank_dropout: float, module_dropout: float):
+        self.rank_dropout = rank_dropout
+        self.module_dropout = module_dropout
+
+    def __call__(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        if not module.training:
+            return None
+        if self.module_dropout and torch.rand(1) < self.module_dropout:
+            return output * 0  # lora_B has no bias: the layer's LoRA adds nothing, and gets no gradient
+        if not self.rank_dropout:
+            return None
+        rank = output.shape[1] if output.dim() == 4 else output.shape[-1]
+        mask = torch.rand((output.shape[0], rank), device=output.device) > self.rank_dropout
+        if output.dim() == 3:
+            mask = mask.unsqueeze(1)  # text encoder: (batch, tokens, rank)
+        elif output.dim() == 4:
+            mask = mask.unsqueeze(-1).unsqueeze(-1)  # conv: (batch, rank, h, w)
+        return output * mask.to(output.dtype) / (1.0 - self.rank_dropout)
+
+
+def add_kohya_dropout(model: nn.Module, rank_dropout: float, module_dropout: float,
+                      adapter_name: str = "default") -> None:
+    """kohya's rank_dropout / module_dropout on every peft LoRA layer of `model` (a hook on each lora_A)."""
+    hook = KohyaDropout(rank_dropout, module_dropout)
+    for _, layer in network.lora_layers(model, adapter_name):
+        if "lora_down.weight" in network.layer_parameters(layer, adapter_name):
+            layer.lora_A[adapter_name].register_forward_hook(hook)

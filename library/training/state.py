@@ -1,0 +1,256 @@
+"""Training state: train_state.json, adapter-only state dirs, checkpoint names, retention, atomic saves, resume.
+
+A state dir is written under a temporary name and renamed into place only when complete, so a crash at any moment
+leaves either the previous state or the new one, never a half-written dir that `--resume latest` would pick.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+from typing import Any, Callable
+
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+
+from library.core.atomic import STALE_TEMPORARY, TMP_DIR_PREFIX, fsync_dir, remove_path, replace_dir
+from library.config import UserError
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "train_state.json"
+ADAPTER_FILE = "adapter.safetensors"
+EMA_FILE = "ema.safetensors"  # only with ema_decay: the EMA of the adapter weights
+_VERSIONED = ("torch", "diffusers", "peft", "accelerate", "transformers")
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Where training stands. `batch_in_epoch` counts the batches each process has consumed in `epoch`."""
+    epoch: int = 0
+    global_step: int = 0
+    batch_in_epoch: int = 0
+    seed: int = 0
+    world_size: int = 1
+    fingerprint: dict[str, Any] = dataclasses.field(default_factory=dict)  # must match to resume
+    path_settings: dict[str, Any] = dataclasses.field(default_factory=dict)  # change the path if they differ
+    versions: dict[str, str] = dataclasses.field(default_factory=dict)
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)  # running metrics (binned loss, average)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def read(cls, state_dir: Path) -> "TrainState":
+        path = Path(state_dir) / STATE_FILE
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+            fields = {f.name for f in dataclasses.fields(cls)}
+            return cls(**{k: v for k, v in raw.items() if k in fields})
+        except FileNotFoundError:
+            raise UserError(f"{state_dir}: not a state dir (no {STATE_FILE})") from None
+        except (json.JSONDecodeError, TypeError) as e:
+            raise UserError(f"{path}: unreadable train state: {e}") from None
+
+
+def library_versions() -> dict[str, str]:
+    versions = {}
+    for name in _VERSIONED:
+        try:
+            versions[name] = importlib_metadata.version(name)
+        except importlib_metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def incompatibilities(saved: TrainState, current: TrainState) -> list[str]:
+    """What makes a saved state unusable with the current run (adapter shape, model, optimizer)."""
+    problems = []
+    for key in sorted(set(saved.fingerprint) | set(current.fingerprint)):
+        before, now = saved.fingerprint.get(key), current.fingerprint.get(key)
+        if before != now:
+            problems.append(f"{key}: the state has {_short(before)}, this run has {_short(now)}")
+    return problems
+
+
+def path_changes(saved: TrainState, current: TrainState) -> list[str]:
+    """Settings that may change on resume but make the continued run differ from an uninterrupted one."""
+    changes = [f"{key}: {_short(saved.path_settings.get(key))} -> {_short(current.path_settings.get(key))}"
+               for key in sorted(set(saved.path_settings) | set(current.path_settings))
+               if saved.path_settings.get(key) != current.path_settings.get(key)]
+    if saved.world_size != current.world_size:
+        changes.append(f"number of processes: {saved.world_size} -> {current.world_size}")
+    return changes
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else value
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# --- names (kohya's) -------------------------------------------------------------------------------------------
+
+def epoch_name(output_name: str, epoch: int) -> str:
+    return f"{output_name}-{epoch:06d}"
+
+
+def step_name(output_name: str, step: int) -> str:
+    return f"{output_name}-step{step:08d}"
+
+
+def state_dir_name(snapshot_name: str) -> str:
+    return f"{snapshot_name}-state"
+
+
+def _numbered(output_dir: Path, pattern: str) -> list[tuple[int, Path]]:
+    """Paths in output_dir whose names fully match `pattern` (one number group), sorted by that number."""
+    regex = re.compile(pattern)
+    found = []
+    for path in output_dir.iterdir() if output_dir.is_dir() else []:
+        match = regex.fullmatch(path.name)
+        if match:
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def prune_steps(output_dir: Path, output_name: str, current_step: int, keep_steps: int | None, state: bool) -> None:
+    """kohya's save_last_n_steps(_state): drop step saves older than `keep_steps` steps before current_step."""
+    if keep_steps is None:
+        return
+    suffix = r"-state" if state else r"\.safetensors"
+    for step, path in _numbered(output_dir, re.escape(output_name) + r"-step(\d{8})" + suffix):
+        if step <= current_step - keep_steps:
+            logger.info("removing %s (save_last_n_steps%s)", path, "_state" if state else "")
+            remove_path(path)
+
+
+def prune_epochs(output_dir: Path, output_name: str, keep: int | None, state: bool) -> None:
+    """kohya's save_last_n_epochs(_state): keep the newest `keep` epoch saves."""
+    if keep is None:
+        return
+    suffix = r"-state" if state else r"\.safetensors"
+    saves = _numbered(output_dir, re.escape(output_name) + r"-(\d{6})" + suffix)
+    for _, path in saves[:-keep] if keep < len(saves) else []:
+        logger.info("removing %s (save_last_n_epochs%s)", path, "_state" if state else "")
+        remove_path(path)
+
+
+# --- finding states -------------------------------------------------------------------------------------------
+
+def is_complete_state(path: Path) -> bool:
+    return path.is_dir() and not path.name.startswith(TMP_DIR_PREFIX) and (path / STATE_FILE).is_file()
+
+
+def find_latest_state(output_dir: Path) -> Path | None:
+    """The complete state dir in output_dir with the highest global step (newest on ties)."""
+    best: tuple[int, float, Path] | None = None
+    for path in output_dir.iterdir() if output_dir.is_dir() else []:
+        if not is_complete_state(path):
+            continue
+        try:
+            step = TrainState.read(path).global_step
+        except UserError:
+            continue
+        key = (step, path.stat().st_mtime, path)
+        best = key if best is None or key[:2] > best[:2] else best
+    return best[2] if best else None
+
+
+def resolve_resume(resume: str | None, output_dir: Path) -> Path | None:
+    """The state dir to resume from: a path, or 'latest' (None when output_dir holds no complete state yet)."""
+    if resume is None:
+        return None
+    if resume == "latest":
+        found = find_latest_state(output_dir)
+        if found is None:
+            logger.warning("resume = latest: no complete state in %s yet; starting from step 0", output_dir)
+        return found
+    path = Path(resume)
+    if not path.is_dir():
+        raise UserError(f"resume: {path} is not a folder (give a state dir or 'latest')")
+    if not (path / STATE_FILE).is_file():
+        raise UserError(f"resume: {path} is not a complete state dir (no {STATE_FILE})")
+    return path
+
+
+def remove_stale_temporaries(output_dir: Path, *subfolders: str) -> None:
+    """Half-written saves (LoRA files, state dirs, charts, and in `subfolders` such as the samples) from a run
+    that was killed; they are never resumed from."""
+    for folder in (output_dir, *(output_dir / name for name in subfolders)):
+        for path in folder.iterdir() if folder.is_dir() else []:
+            if path.name.startswith(TMP_DIR_PREFIX) or STALE_TEMPORARY.fullmatch(path.name):
+                logger.info("removing an incomplete save left by an interrupted run: %s", path)
+                remove_path(path)
+
+
+# --- saving and loading -----------------------------------------------------------------------------------------
+
+class Checkpointer:
+    """Adapter-only state dirs through accelerate's save_state/load_state and their pre-hooks."""
+
+    def __init__(self, accelerator: Accelerator, write_adapter: Callable[[Path], None],
+                 read_adapter: Callable[[Path], None], write_ema: Callable[[Path], None] | None = None,
+                 read_ema: Callable[[Path], None] | None = None):
+        self.accelerator = accelerator
+        self._write_adapter = write_adapter
+        self._read_adapter = read_adapter
+        self._write_ema = write_ema
+        self._read_ema = read_ema
+        self._pending: TrainState | None = None
+        accelerator.register_save_state_pre_hook(self._save_hook)
+        accelerator.register_load_state_pre_hook(self._load_hook)
+
+    def _save_hook(self, models: list, weights: list, output_dir: str) -> None:
+        # accelerate would write the whole UNet and text encoder; the state keeps only the adapter.
+        weights.clear()
+        if self.accelerator.is_main_process:
+            self._write_adapter(Path(output_dir) / ADAPTER_FILE)
+            if self._write_ema is not None:
+                self._write_ema(Path(output_dir) / EMA_FILE)
+            assert self._pending is not None
+            (Path(output_dir) / STATE_FILE).write_text(self._pending.to_json(), encoding="utf-8")
+
+    def _load_hook(self, models: list, input_dir: str) -> None:
+        models.clear()  # the base weights come from the model folder; only the adapter is in the state
+        self._read_adapter(Path(input_dir) / ADAPTER_FILE)
+        if self._read_ema is not None:
+            self._read_ema(Path(input_dir) / EMA_FILE)  # after the adapter: a state without EMA starts it there
+
+    def save(self, state_dir: Path, train_state: TrainState) -> None:
+        """Write a complete state dir at `state_dir`, atomically. Every process must call this."""
+        accelerator = self.accelerator
+        tmp = state_dir.with_name(TMP_DIR_PREFIX + state_dir.name)
+        if accelerator.is_main_process and tmp.exists():
+            shutil.rmtree(tmp)
+        accelerator.wait_for_everyone()
+        self._pending = train_state
+        try:
+            # DeepSpeed writes its own module file; without the frozen base it holds just the adapter.
+            accelerator.save_state(str(tmp), **self._deepspeed_kwargs(exclude_frozen_parameters=True))
+        finally:
+            self._pending = None
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            _fsync_tree(tmp)
+            replace_dir(tmp, state_dir)
+            logger.info("saved state %s", state_dir)
+        accelerator.wait_for_everyone()
+
+    def load(self, state_dir: Path) -> None:
+        self.accelerator.load_state(str(state_dir), **self._deepspeed_kwargs(load_module_strict=False))
+
+    def _deepspeed_kwargs(self, **kwargs: Any) -> dict[str, Any]:
+        return kwargs if self.accelerator.distributed_type == DistributedType.DEEPSPEED else {}
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in root.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    fsync_dir(root)
