@@ -33,9 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     for note in notes:
         logging.getLogger("config").info(note)
 
-    from library.training import trainer
+    from library.training import loop
     try:
-        trainer.run(config)
+        loop.run(config)
     except UserError as e:
         return _report(e)
     return 0

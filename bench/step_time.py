@@ -5,7 +5,7 @@
                               [--mixed_precision no|fp16|bf16] [--timeout S] [--retries K] [--budget S]
                               [--json PATH] [--profile DIR]
 
-"ours" is `library.training.trainer.run(config)` with a Config built by `library.config.parse_config` (the same path as
+"ours" is `library.training.loop.run(config)` with a Config built by `library.config.parse_config` (the same path as
 `python train_network.py ...`); its RunResult.step_times are the wall seconds of each optimizer step. "bare" is a
 minimal hand-written loop (diffusers + transformers + peft + torch, nothing from library/) doing the same
 computation: PIL images -> VAE posterior sample -> noise / timesteps -> text encoder -> UNet -> MSE -> backward ->
@@ -106,11 +106,11 @@ def _memory_end(device: str, start: dict) -> dict:
 
 
 def run_ours(args: argparse.Namespace) -> dict:
-    """The real loop: train_network.py's config parsing and library.training.trainer.run."""
+    """The real loop: train_network.py's config parsing and library.training.loop.run."""
     import torch
     from safetensors import safe_open
 
-    from library.training import trainer
+    from library.training import loop
     from library.config import parse_config
 
     torch.set_num_threads(args.threads)
@@ -132,7 +132,7 @@ def run_ours(args: argparse.Namespace) -> dict:
     ]
     config, _notes = parse_config(argv)
     memory_start = _memory_start(args.device)
-    result = trainer.run(config)
+    result = loop.run(config)
     memory = _memory_end(args.device, memory_start)
 
     # What was trained, read back from the LoRA file, so the parent can check both loops trained the same modules.

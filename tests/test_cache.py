@@ -209,14 +209,15 @@ def test_text_encoder_outputs_are_encoded_once_per_caption(tmp_path, images):
     for name in ("a", "b"):
         (images / "2_sks" / f"{name}.txt").write_text("sks, same caption", encoding="utf-8")
 
-    def tokenize(caption: str) -> torch.Tensor:
-        return torch.tensor([len(caption), sum(map(ord, caption)) % 1000])
+    def tokenize(caption: str) -> dict[str, torch.Tensor]:
+        return {"input_ids": torch.tensor([len(caption), sum(map(ord, caption)) % 1000])}
 
     encoded: list[list[int]] = []
 
-    def encode(ids: torch.Tensor) -> torch.Tensor:
+    def encode(tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ids = tokens["input_ids"]
         encoded.extend(ids.tolist())
-        return ids[:, :, None].float().repeat(1, 1, 3)
+        return {"encoder_hidden_states": ids[:, :, None].float().repeat(1, 1, 3)}
 
     data = build(tmp_path, images, "--caption_extension", ".txt", "--caption_dropout_rate", "0.5",
                  "--caption_prefix", "photo,", tokenize=tokenize)
@@ -227,8 +228,9 @@ def test_text_encoder_outputs_are_encoded_once_per_caption(tmp_path, images):
         for epoch in range(3):
             item = data.dataset[(epoch, index)]
             captions.add(item["caption"])
-            assert "input_ids" not in item
-            assert torch.equal(item["encoder_hidden_states"], encode(tokenize(item["caption"])[None])[0])
+            assert "input_ids" not in item["text"]
+            expected = encode({"input_ids": tokenize(item["caption"])["input_ids"][None]})
+            assert torch.equal(item["text"]["encoder_hidden_states"], expected["encoder_hidden_states"][0])
     assert captions == {"", "photo, sks, same caption", "photo, sks"}
     shuffled = build(tmp_path, images, "--caption_extension", ".txt", "--shuffle_caption", tokenize=tokenize)
     with pytest.raises(UserError, match="cannot use cache_text_encoder_outputs"):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from library.config import ConfigError, parse_config
+from library.config import ConfigError, parse_config, write_config
 from library.config.options import OPTIONS
 
 
@@ -171,6 +171,18 @@ def test_resolved_config_round_trips(tmp_path, paths):
     written = {key for table in tomllib.loads(Path(dumped).read_text()).values() for key in table}
     assert not written & {"output_config", "config_file"}
     reloaded, _ = parse_config(["--config", dumped])
+    assert {**reloaded.as_dict(), "config_file": None} == config.as_dict()
+
+
+def test_output_config_round_trips_quotes_backslashes_and_unicode(tmp_path, paths):
+    # toml 0.10.2 alone would write "C:\\x..." as a \x escape and DEL unescaped; neither would read back.
+    comment = 'say "hi" \\ C:\\xyz\\new\ttab ünï 日本 \x7f end\\'
+    optimizer_args = ['betas="(0.9, 0.99)"', "path=C:\\x1\\'q'", "name=日本"]
+    config, _ = parse_config(required_args(paths) + ["--training_comment", comment,
+                                                     "--optimizer_args", *optimizer_args])
+    write_config(config, tmp_path / "resolved.toml")
+    reloaded, _ = parse_config(["--config", str(tmp_path / "resolved.toml")])
+    assert reloaded.training_comment == comment and reloaded.optimizer_args == optimizer_args
     assert {**reloaded.as_dict(), "config_file": None} == config.as_dict()
 
 

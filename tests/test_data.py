@@ -214,7 +214,7 @@ def test_dataset_items_buckets_sizes_and_loss_weights(tmp_path, mixed_dataset):
                          "--enable_bucket", "--min_bucket_reso", "32", "--max_bucket_reso", "128",
                          "--bucket_reso_steps", "16", "--train_batch_size", "2", "--prior_loss_weight", "0.5",
                          "--caption_extension", ".txt")
-    data = build_training_data(config, lambda c: torch.tensor([len(c)]), seed=3)
+    data = build_training_data(config, lambda c: {"input_ids": torch.tensor([len(c)])}, seed=3)
     assert (data.num_train_images, data.num_reg_images, data.num_unique_images) == (9, 4, 3)
     # kohya's balancing: 4 reg images, 9 training samples -> reg repeats 3, 2, 2, 2
     assert sorted(r.repeats for r in data.records if r.is_reg) == [2, 2, 2, 3]
@@ -234,7 +234,7 @@ def test_dataset_items_buckets_sizes_and_loss_weights(tmp_path, mixed_dataset):
                 assert batch["caption"][i] == "sks, wide thing"
             if path.endswith("tall.png"):
                 assert batch["caption"][i] == "sks"  # class tokens: no caption file
-                assert batch["input_ids"][i].tolist() == [3]
+                assert batch["text"]["input_ids"][i].tolist() == [3]
     assert batches_seen == len(data.sampler) == data.batches_per_epoch == 6 + 2 + 2
 
 

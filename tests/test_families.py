@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from library.config import UserError
-from library.models.family import load_sd_components, tokenize
+from library.models.loading import load_components
+from library.models.clip_text import tokenize
 from library.models.tiny import save_tiny_sd1
 
 
@@ -17,13 +18,13 @@ def tiny_v_dir(tmp_path_factory):
 
 
 def test_v_prediction_is_read_from_the_scheduler(tiny_sd1_dir, tiny_v_dir):
-    assert load_sd_components(tiny_v_dir).v_prediction
-    assert not load_sd_components(tiny_sd1_dir).v_prediction
-    assert load_sd_components(tiny_sd1_dir, v_parameterization=True).v_prediction
+    assert load_components(tiny_v_dir).v_prediction
+    assert not load_components(tiny_sd1_dir).v_prediction
+    assert load_components(tiny_sd1_dir, v_parameterization=True).v_prediction
 
 
 def test_components_load_in_the_weight_dtype(tiny_sd1_dir):
-    components = load_sd_components(tiny_sd1_dir, weight_dtype=torch.bfloat16, vae_dtype=torch.float32)
+    components = load_components(tiny_sd1_dir, weight_dtype=torch.bfloat16, vae_dtype=torch.float32)
     assert components.unet.dtype == torch.bfloat16 and components.text_encoder.dtype == torch.bfloat16
     assert components.vae.dtype == torch.float32
     assert components.base_model_version == "sd_v1"
@@ -35,7 +36,7 @@ def test_incomplete_folder_names_what_is_missing(tiny_sd1_dir, tmp_path):
     shutil.rmtree(copy / "vae")
     shutil.rmtree(copy / "tokenizer")
     with pytest.raises(UserError, match="missing vae, tokenizer"):
-        load_sd_components(copy)
+        load_components(copy)
 
 
 def test_corrupt_weights_are_a_user_error(tiny_sd1_dir, tmp_path):
@@ -44,18 +45,18 @@ def test_corrupt_weights_are_a_user_error(tiny_sd1_dir, tmp_path):
     for weights in (copy / "unet").glob("*.safetensors"):
         weights.write_bytes(b"not a safetensors file")
     with pytest.raises(UserError, match="cannot load the model"):
-        load_sd_components(copy)
+        load_components(copy)
 
 
 def test_unreadable_single_file_checkpoint_is_a_user_error(tmp_path):
     checkpoint = tmp_path / "model.safetensors"
     checkpoint.write_bytes(b"")
     with pytest.raises(UserError, match="not a readable safetensors file"):
-        load_sd_components(checkpoint)
+        load_components(checkpoint)
 
 
 def test_tokenize_pads_to_the_model_length(tiny_sd1_dir):
-    tokenizer = load_sd_components(tiny_sd1_dir).tokenizer
+    tokenizer = load_components(tiny_sd1_dir).tokenizer
     ids = tokenize(tokenizer, "sks shape, a red circle")
     assert ids.shape == (77,)
     assert ids[0].item() == tokenizer.bos_token_id

@@ -14,7 +14,7 @@ import torch
 from accelerate.state import AcceleratorState
 from torch import nn
 
-from library.network import lora as network
+from library.network import kohya_format, lora
 from library.network import targets as network_setup
 from library.config import ConfigError, parse_config
 from library.config.network_args import NetworkArgs, parse_network_args
@@ -56,8 +56,8 @@ def attached(tiny, net: NetworkArgs, rank: int = RANK, alpha: float = 2.0, seed:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for model in (unet, te):
-            for _, layer in network.lora_layers(model):
-                for role, param in network.layer_parameters(layer).items():
+            for _, layer in lora.lora_layers(model):
+                for role, param in lora.layer_parameters(layer).items():
                     if role == "dora_scale":
                         param.mul_(1 + 0.2 * torch.rand(param.shape, generator=gen))  # a magnitude stays positive
                     else:
@@ -169,7 +169,7 @@ SAMPLERS_SD1 = ["down_blocks.0.downsamplers.0.conv", "up_blocks.0.upsamplers.0.c
 
 
 def test_conv_targets_follow_kohya(tiny):
-    linear, conv = network.unet_conv_target_modules(tiny["unet"])
+    linear, conv = lora.unet_conv_target_modules(tiny["unet"])
     assert set(conv) == {f"{r}.{c}" for r in RESNETS_SD1 for c in ("conv1", "conv2")} | set(SAMPLERS_SD1)
     assert set(linear) == ({f"{r}.time_emb_proj" for r in RESNETS_SD1}
                            | {f"{r}.conv_shortcut" for r in SHORTCUTS_SD1})
@@ -177,7 +177,7 @@ def test_conv_targets_follow_kohya(tiny):
 
 def test_conv_lora_keys_shapes_and_alpha(tiny):
     unet, te = attached(tiny, NetworkArgs(conv_dim=2, conv_alpha=0.5), rank=RANK, alpha=2.0)
-    sd = network.kohya_state_dict({"lora_unet": unet, "lora_te": te})
+    sd = kohya_format.kohya_state_dict({"lora_unet": unet, "lora_te": te})
     name = "lora_unet_down_blocks_0_resnets_0_conv1"
     assert sd[f"{name}.lora_down.weight"].shape == (2, 32, 3, 3)
     assert sd[f"{name}.lora_up.weight"].shape == (32, 2, 1, 1)
@@ -189,7 +189,7 @@ def test_conv_lora_keys_shapes_and_alpha(tiny):
     assert sd["lora_unet_down_blocks_1_resnets_0_conv_shortcut.lora_down.weight"].shape == (RANK, 32, 1, 1)
     assert sd["lora_unet_down_blocks_1_resnets_0_conv_shortcut.alpha"].item() == 2.0
     # dim_from_weights reads the linear rank; the 3x3 convs carry conv_dim's
-    assert network.dims_from_state_dict(sd) == (RANK, 2.0)
+    assert kohya_format.dims_from_state_dict(sd) == (RANK, 2.0)
 
 
 def test_conv_lora_loads_in_diffusers_and_matches(tiny, tmp_path):
@@ -200,8 +200,8 @@ def test_conv_lora_loads_in_diffusers_and_matches(tiny, tmp_path):
     # the conv layers change the output, or the comparison would not test them
     assert (ours_u - outputs(plain_u, te, x)[0]).abs().max() > 1e-3
     path = tmp_path / "locon.safetensors"
-    network.save_lora_file(path, network.kohya_state_dict({"lora_unet": unet, "lora_te": te}))
-    d_unet, d_te = diffusers_load(tiny, network.load_kohya_lora(path)[0])
+    kohya_format.save_lora_file(path, kohya_format.kohya_state_dict({"lora_unet": unet, "lora_te": te}))
+    d_unet, d_te = diffusers_load(tiny, kohya_format.load_kohya_lora(path)[0])
     theirs_u, theirs_t = outputs(d_unet, d_te, x)
     torch.testing.assert_close(theirs_u, ours_u, atol=1e-5, rtol=0)
     torch.testing.assert_close(theirs_t, ours_t, atol=1e-5, rtol=0)
@@ -210,18 +210,18 @@ def test_conv_lora_loads_in_diffusers_and_matches(tiny, tmp_path):
 def test_conv_lora_round_trip_and_mismatch(tiny):
     net = NetworkArgs(conv_dim=2, conv_alpha=0.5)
     unet, te = attached(tiny, net)
-    sd = network.kohya_state_dict({"lora_unet": unet, "lora_te": te})
+    sd = kohya_format.kohya_state_dict({"lora_unet": unet, "lora_te": te})
     fresh_u, fresh_t = attached(tiny, net, seed=7)
-    report = network.apply_kohya_state_dict({"lora_unet": fresh_u, "lora_te": fresh_t}, sd)
-    assert len(report.loaded) == len(network.lora_layers(unet)) + len(network.lora_layers(te))
-    for a, b in zip(network.lora_parameters(unet), network.lora_parameters(fresh_u)):
+    report = kohya_format.apply_kohya_state_dict({"lora_unet": fresh_u, "lora_te": fresh_t}, sd)
+    assert len(report.loaded) == len(lora.lora_layers(unet)) + len(lora.lora_layers(te))
+    for a, b in zip(lora.lora_parameters(unet), lora.lora_parameters(fresh_u)):
         assert torch.equal(a, b)
     other_u, other_t = attached(tiny, NetworkArgs(conv_dim=4, conv_alpha=0.5))
     with pytest.raises(ValueError, match="conv_dim"):
-        network.apply_kohya_state_dict({"lora_unet": other_u, "lora_te": other_t}, sd)
+        kohya_format.apply_kohya_state_dict({"lora_unet": other_u, "lora_te": other_t}, sd)
     plain_u, plain_t = attached(tiny, NetworkArgs())
     with pytest.raises(ValueError, match="unexpected keys"):
-        network.apply_kohya_state_dict({"lora_unet": plain_u, "lora_te": plain_t}, sd)
+        kohya_format.apply_kohya_state_dict({"lora_unet": plain_u, "lora_te": plain_t}, sd)
 
 
 # --------------------------------------------------------------------------------------------- ComfyUI's merge
@@ -275,7 +275,7 @@ def comfy_merge(tiny, state_dict: dict[str, torch.Tensor]) -> tuple[nn.Module, n
     for prefix, model in (("lora_unet", unet), ("lora_te", te)):
         for module_name, module in model.named_modules():
             if isinstance(module, (nn.Linear, nn.Conv2d)):
-                by_name[network.kohya_lora_name(prefix, module_name)] = module
+                by_name[kohya_format.kohya_lora_name(prefix, module_name)] = module
     grouped: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in state_dict.items():
         name, _, role = key.partition(".")
@@ -302,7 +302,7 @@ def assert_matches_comfy(tiny, unet: nn.Module, te: nn.Module, sd: dict[str, tor
 def test_comfy_merge_reproduces_diffusers_for_plain_and_conv_lora(tiny):
     # The reference merge is checked against diffusers where both read the file.
     unet, te = attached(tiny, NetworkArgs(conv_dim=2, conv_alpha=0.5))
-    sd = network.kohya_state_dict({"lora_unet": unet, "lora_te": te})
+    sd = kohya_format.kohya_state_dict({"lora_unet": unet, "lora_te": te})
     assert_matches_comfy(tiny, unet, te, sd)
 
 
@@ -311,7 +311,7 @@ def test_comfy_merge_reproduces_diffusers_for_plain_and_conv_lora(tiny):
 
 def test_dora_keys_and_shapes(tiny):
     unet, te = attached(tiny, NetworkArgs(dora_wd=True, conv_dim=2))
-    sd = network.kohya_state_dict({"lora_unet": unet, "lora_te": te})
+    sd = kohya_format.kohya_state_dict({"lora_unet": unet, "lora_te": te})
     assert sd["lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q.dora_scale"].shape == (32, 1)
     assert sd["lora_unet_down_blocks_0_resnets_0_conv1.dora_scale"].shape == (32, 1, 1, 1)
     assert sd["lora_unet_down_blocks_0_attentions_0_proj_in.dora_scale"].shape == (32, 1, 1, 1)
@@ -324,9 +324,9 @@ def test_dora_keys_and_shapes(tiny):
 def test_dora_magnitude_starts_at_the_weight_norm(tiny):
     unet = copy.deepcopy(tiny["unet"])
     network_setup.attach_network(unet, "unet", RANK, 2.0, 0.0, NetworkArgs(dora_wd=True))
-    layer = dict(network.lora_layers(unet))["down_blocks.0.attentions.0.transformer_blocks.0.ff.net.2"]
+    layer = dict(lora.lora_layers(unet))["down_blocks.0.attentions.0.transformer_blocks.0.ff.net.2"]
     weight = layer.get_base_layer().weight
-    torch.testing.assert_close(network.dora_scale_of(layer)[:, 0], weight.norm(dim=1))
+    torch.testing.assert_close(lora.dora_scale_of(layer)[:, 0], weight.norm(dim=1))
     x = fixed_inputs()
     # lora_up starts at zero, so a fresh DoRA leaves the model unchanged
     torch.testing.assert_close(outputs(unet, tiny["text_encoder"], x)[0],
@@ -336,7 +336,7 @@ def test_dora_magnitude_starts_at_the_weight_norm(tiny):
 def test_dora_file_matches_our_model_in_comfy_merge(tiny):
     net = NetworkArgs(dora_wd=True, conv_dim=2, conv_alpha=1.0)
     unet, te = attached(tiny, net)
-    sd = network.kohya_state_dict({"lora_unet": unet, "lora_te": te})
+    sd = kohya_format.kohya_state_dict({"lora_unet": unet, "lora_te": te})
     assert_matches_comfy(tiny, unet, te, sd)
     # the magnitudes matter: without them the merge is another model
     without = {k: v for k, v in sd.items() if not k.endswith(".dora_scale")}
@@ -348,15 +348,15 @@ def test_dora_file_matches_our_model_in_comfy_merge(tiny):
 def test_dora_round_trip(tiny):
     net = NetworkArgs(dora_wd=True)
     unet, te = attached(tiny, net)
-    sd = network.kohya_state_dict({"lora_unet": unet, "lora_te": te})
+    sd = kohya_format.kohya_state_dict({"lora_unet": unet, "lora_te": te})
     fresh_u, fresh_t = attached(tiny, net, seed=5)
-    network.apply_kohya_state_dict({"lora_unet": fresh_u, "lora_te": fresh_t}, sd)
-    for a, b in zip(network.lora_parameters(unet) + network.lora_parameters(te),
-                    network.lora_parameters(fresh_u) + network.lora_parameters(fresh_t)):
+    kohya_format.apply_kohya_state_dict({"lora_unet": fresh_u, "lora_te": fresh_t}, sd)
+    for a, b in zip(lora.lora_parameters(unet) + lora.lora_parameters(te),
+                    lora.lora_parameters(fresh_u) + lora.lora_parameters(fresh_t)):
         assert torch.equal(a, b)
     plain_u, plain_t = attached(tiny, NetworkArgs())
     with pytest.raises(ValueError, match="dora_scale"):
-        network.apply_kohya_state_dict({"lora_unet": plain_u, "lora_te": plain_t}, sd)
+        kohya_format.apply_kohya_state_dict({"lora_unet": plain_u, "lora_te": plain_t}, sd)
 
 
 # --------------------------------------------------------------------------------------------- LoHa / LoKr
@@ -364,7 +364,7 @@ def test_dora_round_trip(tiny):
 
 def test_loha_keys_shapes_and_comfy_merge(tiny):
     unet, te = attached(tiny, NetworkArgs(algo="loha", conv_dim=2, conv_alpha=1.0), rank=RANK, alpha=2.0)
-    sd = network.kohya_state_dict({"lora_unet": unet, "lora_te": te})
+    sd = kohya_format.kohya_state_dict({"lora_unet": unet, "lora_te": te})
     name = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q"
     assert {k for k in sd if k.startswith(name + ".")} == {
         f"{name}.{role}" for role in ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "alpha")}
@@ -374,13 +374,13 @@ def test_loha_keys_shapes_and_comfy_merge(tiny):
     assert sd[f"{conv}.hada_w2_a"].shape == (32, 2) and sd[f"{conv}.hada_w2_b"].shape == (2, 32 * 9)
     assert not any(".lora_" in key for key in sd)
     assert_matches_comfy(tiny, unet, te, sd)
-    assert network.dims_from_state_dict(sd) == (RANK, 2.0)
+    assert kohya_format.dims_from_state_dict(sd) == (RANK, 2.0)
 
 
 @pytest.mark.parametrize("rank, extra", [(2, {}), (RANK, {}), (2, {"decompose_both": True, "factor": 8})])
 def test_lokr_keys_and_comfy_merge(tiny, rank, extra):
     unet, te = attached(tiny, NetworkArgs(algo="lokr", conv_dim=2, **extra), rank=rank, alpha=1.0)
-    sd = network.kohya_state_dict({"lora_unet": unet, "lora_te": te})
+    sd = kohya_format.kohya_state_dict({"lora_unet": unet, "lora_te": te})
     name = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q"  # 32 x 32: factors 4 x 8
     roles = {k.partition(".")[2] for k in sd if k.startswith(name + ".")}
     if extra:  # factor 8: w1 is 8 x 8 (factored, rank < 8 / 2), w2 4 x 4 (whole)
@@ -400,18 +400,18 @@ def test_lokr_keys_and_comfy_merge(tiny, rank, extra):
 def test_lycoris_round_trip_and_training_parameters(tiny, algo):
     net = NetworkArgs(algo=algo, conv_dim=2)
     unet, te = attached(tiny, net, rank=2)
-    sd = network.kohya_state_dict({"lora_unet": unet, "lora_te": te})
+    sd = kohya_format.kohya_state_dict({"lora_unet": unet, "lora_te": te})
     fresh_u, fresh_t = attached(tiny, net, rank=2, seed=9)
-    network.apply_kohya_state_dict({"lora_unet": fresh_u, "lora_te": fresh_t}, sd)
-    ours = network.lora_parameters(unet) + network.lora_parameters(te)
-    for a, b in zip(ours, network.lora_parameters(fresh_u) + network.lora_parameters(fresh_t)):
+    kohya_format.apply_kohya_state_dict({"lora_unet": fresh_u, "lora_te": fresh_t}, sd)
+    ours = lora.lora_parameters(unet) + lora.lora_parameters(te)
+    for a, b in zip(ours, lora.lora_parameters(fresh_u) + lora.lora_parameters(fresh_t)):
         assert torch.equal(a, b)
     assert all(p.dtype == torch.float32 and p.requires_grad for p in ours)
     trainable = {id(p) for p in ours}
     assert not any(p.requires_grad for p in unet.parameters() if id(p) not in trainable)
     lora_u, lora_t = attached(tiny, NetworkArgs(conv_dim=2), rank=2)
     with pytest.raises(ValueError, match="missing keys"):
-        network.apply_kohya_state_dict({"lora_unet": lora_u, "lora_te": lora_t}, sd)
+        kohya_format.apply_kohya_state_dict({"lora_unet": lora_u, "lora_te": lora_t}, sd)
 
 
 def test_lycoris_fresh_adapter_changes_nothing(tiny):
@@ -429,11 +429,11 @@ def test_lycoris_fresh_adapter_changes_nothing(tiny):
 
 
 def built(tiny_sd1_dir, sample_data_dir, tmp_path, *extra):
-    from library.models.family import load_sd_components
+    from library.models.loading import load_components
     from library.training.model import build_model
 
     config = make_config(tiny_sd1_dir, sample_data_dir, tmp_path, *extra)
-    return build_model(config, load_sd_components(tiny_sd1_dir), torch.device("cpu"))
+    return build_model(config, load_components(tiny_sd1_dir), torch.device("cpu"))
 
 
 def test_loraplus_splits_up_weights_into_their_own_groups(tiny_sd1_dir, sample_data_dir, tmp_path):
@@ -442,8 +442,8 @@ def test_loraplus_splits_up_weights_into_their_own_groups(tiny_sd1_dir, sample_d
                           "dora_wd=true")
     assert [(g["name"], g["lr"]) for g in groups] == [("unet", 2e-3), ("unet plus", 8e-3),
                                                       ("text_encoder", 1e-3), ("textencoder plus", 8e-3)]
-    for part, (rest, plus) in (("unet", groups[:2]), ("text_encoder", groups[2:])):
-        layers = [layer for _, layer in network.lora_layers(getattr(model, part))]
+    for part, (rest, plus) in ((model.denoiser, groups[:2]), (model.text_encoders[0], groups[2:])):
+        layers = [layer for _, layer in lora.lora_layers(part)]
         assert {id(p) for p in plus["params"]} == {id(layer.lora_B["default"].weight) for layer in layers}
         assert {id(p) for p in rest["params"]} == {id(p) for layer in layers for p in (
             layer.lora_A["default"].weight, layer.lora_magnitude_vector["default"].weight)}
@@ -454,7 +454,7 @@ def test_loraplus_splits_up_weights_into_their_own_groups(tiny_sd1_dir, sample_d
 def test_without_loraplus_the_groups_are_as_before(tiny_sd1_dir, sample_data_dir, tmp_path):
     model, groups = built(tiny_sd1_dir, sample_data_dir, tmp_path, "--learning_rate", "1e-3")
     assert [g["name"] for g in groups] == ["unet", "text_encoder"]
-    expected = [p for _, layer in network.lora_layers(model.unet)
+    expected = [p for _, layer in lora.lora_layers(model.denoiser)
                 for p in (layer.lora_A["default"].weight, layer.lora_B["default"].weight)]
     assert [id(p) for p in groups[0]["params"]] == [id(p) for p in expected]
 
@@ -488,7 +488,7 @@ def test_max_norm_matches_kohya(tiny):
     from library.training.adapters import apply_max_norm
 
     unet, te = attached(tiny, NetworkArgs(conv_dim=2, conv_alpha=1.0), alpha=2.0)
-    layers = network.lora_layers(unet) + network.lora_layers(te)
+    layers = lora.lora_layers(unet) + lora.lora_layers(te)
     with torch.no_grad():
         for i, (_, layer) in enumerate(layers):
             layer.lora_B["default"].weight.mul_(0.2 if i % 2 else 20.0)  # some above the limit, some below
@@ -511,7 +511,7 @@ def test_max_norm_matches_kohya(tiny):
 def test_rank_and_module_dropout_follow_kohya():
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(16, 12))
-    network.attach_lora(base, ["0"], 4, 2.0)
+    lora.attach_lora(base, ["0"], 4, 2.0)
     network_setup.add_kohya_dropout(base, rank_dropout=0.5, module_dropout=0.0)
     layer = base[0]
     with torch.no_grad():
@@ -530,7 +530,7 @@ def test_rank_and_module_dropout_follow_kohya():
     torch.testing.assert_close(base(x), base_out + x @ down.T @ up.T * 0.5)
 
     conv = nn.Sequential(nn.Conv2d(4, 6, 3, padding=1))
-    network.attach_lora(conv, ["0"], 2, 2.0)
+    lora.attach_lora(conv, ["0"], 2, 2.0)
     network_setup.add_kohya_dropout(conv, rank_dropout=0.0, module_dropout=0.5)
     with torch.no_grad():
         conv[0].lora_B["default"].weight.normal_()
@@ -570,42 +570,42 @@ def logged(monkeypatch) -> list[dict[str, float]]:
 
 
 def base_models(tiny_sd1_dir) -> dict[str, nn.Module]:
-    from library.models.family import load_sd_components
+    from library.models.loading import load_components
 
-    components = load_sd_components(tiny_sd1_dir)
+    components = load_components(tiny_sd1_dir)
     return {"unet": components.unet.eval(), "text_encoder": components.text_encoder.eval()}
 
 
 @pytest.mark.usefixtures("fresh_accelerator_state")
 def test_dora_locon_loraplus_max_norm_run(tiny_sd1_dir, sample_data_dir, tmp_path, logged):
-    from library.training import trainer
+    from library.training import loop
 
     config = make_config(tiny_sd1_dir, sample_data_dir, tmp_path, "--max_train_steps", "3", "--learning_rate",
                          "2e-2", "--network_args", "conv_dim=2", "conv_alpha=1", "dora_wd=true",
                          "loraplus_lr_ratio=4", "--scale_weight_norms", "0.05", "--max_grad_norm", "0")
-    result = trainer.run(config)
+    result = loop.run(config)
     steps = [record for record in logged if "max_norm/keys_scaled" in record]
     assert len(steps) == 3 and steps[-1]["max_norm/keys_scaled"] > 0
     assert all(record["max_norm/max_key_norm"] <= 0.05 + 1e-6 for record in steps)
     assert "lr/unet plus" in steps[0] and steps[0]["lr/unet plus"] == pytest.approx(4 * steps[0]["lr/unet"])
-    sd = network.load_kohya_lora(result.output_file)[0]
+    sd = kohya_format.load_kohya_lora(result.output_file)[0]
     assert sd["lora_unet_mid_block_resnets_0_conv2.lora_down.weight"].shape == (2, 64, 3, 3)
     assert "lora_unet_mid_block_resnets_0_conv2.dora_scale" in sd
     model = result.model.eval()
-    assert_matches_comfy(base_models(tiny_sd1_dir), model.unet, model.text_encoder, sd)
+    assert_matches_comfy(base_models(tiny_sd1_dir), model.denoiser, model.text_encoders[0], sd)
 
 
 @pytest.mark.usefixtures("fresh_accelerator_state")
 def test_lokr_run_saves_a_file_that_matches(tiny_sd1_dir, sample_data_dir, tmp_path):
-    from library.training import trainer
+    from library.training import loop
 
     config = make_config(tiny_sd1_dir, sample_data_dir, tmp_path, "--max_train_steps", "2", "--learning_rate",
                          "2e-2", "--network_dim", "2", "--network_args", "algo=lokr", "conv_dim=2")
-    result = trainer.run(config)
-    sd = network.load_kohya_lora(result.output_file)[0]
+    result = loop.run(config)
+    sd = kohya_format.load_kohya_lora(result.output_file)[0]
     assert all(key.endswith(".alpha") or key.partition(".")[2].startswith("lokr_") for key in sd)
     model = result.model.eval()
-    assert_matches_comfy(base_models(tiny_sd1_dir), model.unet, model.text_encoder, sd)
+    assert_matches_comfy(base_models(tiny_sd1_dir), model.denoiser, model.text_encoders[0], sd)
 
 
 @pytest.mark.usefixtures("fresh_accelerator_state")
@@ -615,20 +615,20 @@ def test_lokr_run_saves_a_file_that_matches(tiny_sd1_dir, sample_data_dir, tmp_p
     ["rank_dropout=0.3", "module_dropout=0.2", "loraplus_lr_ratio=4"],
 ])
 def test_variant_resume_is_bit_exact(tiny_sd1_dir, sample_data_dir, tmp_path, network_args):
-    from library.training import trainer
+    from library.training import loop
 
     def run(out: Path, *extra: str):
         AcceleratorState._reset_state(reset_partial_state=True)
-        return trainer.run(make_config(tiny_sd1_dir, sample_data_dir, out, "--max_train_steps", "3",
+        return loop.run(make_config(tiny_sd1_dir, sample_data_dir, out, "--max_train_steps", "3",
                                        "--learning_rate", "1e-2", "--network_args", *network_args, *extra))
 
     straight = run(tmp_path / "a", "--save_every_n_steps", "1", "--save_state")
     resumed = run(tmp_path / "b", "--resume", str(tmp_path / "a" / "last-step00000001-state"))
     assert resumed.losses == straight.losses[1:]
-    a, b = network.load_kohya_lora(straight.output_file)[0], network.load_kohya_lora(resumed.output_file)[0]
+    a, b = kohya_format.load_kohya_lora(straight.output_file)[0], kohya_format.load_kohya_lora(resumed.output_file)[0]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     model = resumed.model.eval()
-    assert_matches_comfy(base_models(tiny_sd1_dir), model.unet, model.text_encoder, b)
+    assert_matches_comfy(base_models(tiny_sd1_dir), model.denoiser, model.text_encoders[0], b)
 
 
 # --------------------------------------------------------------------------------------------- blocks
@@ -649,9 +649,9 @@ def kohya_block_index_sd1(lora_name: str) -> int:
 def test_sd1_block_index_matches_kohya(tiny):
     from library.network.blocks import block_index
 
-    linear, conv = network.unet_conv_target_modules(tiny["unet"])
-    for name in network.unet_target_modules(tiny["unet"]) + linear + conv:
-        assert block_index(name, sdxl=False) == kohya_block_index_sd1(network.kohya_lora_name("lora_unet", name))
+    linear, conv = lora.unet_conv_target_modules(tiny["unet"])
+    for name in lora.unet_target_modules(tiny["unet"]) + linear + conv:
+        assert block_index(name, sdxl=False) == kohya_block_index_sd1(kohya_format.kohya_lora_name("lora_unet", name))
 
 
 @pytest.mark.parametrize("name, index", [
@@ -689,7 +689,7 @@ def test_block_dims_set_each_blocks_rank_and_load_in_diffusers(tiny):
                                         "conv_dim=2"])
     assert problems == []
     unet, te = attached(tiny, net, rank=RANK, alpha=2.0)
-    sd = network.kohya_state_dict({"lora_unet": unet, "lora_te": te})
+    sd = kohya_format.kohya_state_dict({"lora_unet": unet, "lora_te": te})
     dims = [int(d) for d in SD1_BLOCK_DIMS.split(",")]
     for key, tensor in sd.items():
         name, _, role = key.partition(".")
@@ -719,8 +719,8 @@ def test_block_lr_weights_make_kohyas_groups(tiny_sd1_dir, sample_data_dir, tmp_
         names)
     # down_blocks.1.resnets.0 (block 4) has weight 0: kohya leaves it out rather than train it at lr 0
     assert not any(name.startswith("unet_block4") for name, _ in names)
-    assert not any(name.startswith("down_blocks.1.resnets.0.") for name, _ in network.lora_layers(model.unet))
-    assert any(name.startswith("down_blocks.1.resnets.1.") for name, _ in network.lora_layers(model.unet))
+    assert not any(name.startswith("down_blocks.1.resnets.0.") for name, _ in lora.lora_layers(model.denoiser))
+    assert any(name.startswith("down_blocks.1.resnets.1.") for name, _ in lora.lora_layers(model.denoiser))
     assert names[-1] == ("text_encoder", 1e-3)  # the UNet's ratio only; block weights are the UNet's too
 
 
@@ -742,7 +742,7 @@ def test_sdxl_block_dims_attach_on_the_tiny_sdxl_unet():
     net, problems = parse_network_args(["block_dims=" + ",".join(map(str, dims)), "conv_dim=2"])
     assert problems == []
     network_setup.attach_network(unet, "unet", RANK, 1.0, 0.0, net)
-    layers = network.lora_layers(unet)
+    layers = lora.lora_layers(unet)
     indices = {name: block_index(name, sdxl=True) for name, _ in layers}
     assert all(1 <= index <= 21 for index in indices.values())
     assert not any(index == 11 for index in indices.values())
@@ -760,17 +760,17 @@ def test_ema_follows_the_weights_and_swaps_back_exactly(tiny):
     unet, te = attached(tiny, NetworkArgs(dora_wd=True))
     modules = {"lora_unet": unet, "lora_te": te}
     ema = AdapterEMA(modules, 0.9)
-    params = network.lora_parameters(unet) + network.lora_parameters(te)
+    params = lora.lora_parameters(unet) + lora.lora_parameters(te)
     start = [p.detach().clone() for p in params]
     with torch.no_grad():
         for p in params:
             p.add_(1.0)
     ema.update()
-    trained = network.kohya_state_dict(modules)
+    trained = kohya_format.kohya_state_dict(modules)
     with ema.swapped():
         for p, s in zip(params, start):
             torch.testing.assert_close(p, s + 0.1)  # 0.9 * start + 0.1 * (start + 1)
-        averaged = network.kohya_state_dict(modules)
+        averaged = kohya_format.kohya_state_dict(modules)
     assert all(torch.equal(p, s + 1.0) for p, s in zip(params, start))
     assert averaged.keys() == trained.keys()
     restored = AdapterEMA(modules, 0.9)
@@ -780,12 +780,12 @@ def test_ema_follows_the_weights_and_swaps_back_exactly(tiny):
 
 @pytest.mark.usefixtures("fresh_accelerator_state")
 def test_ema_is_saved_in_the_state_used_for_the_file_and_resumes_exactly(tiny_sd1_dir, sample_data_dir, tmp_path):
-    from library.training import trainer
+    from library.training import loop
     from library.training.state import ADAPTER_FILE, EMA_FILE
 
     def run(out: Path, *extra: str):
         AcceleratorState._reset_state(reset_partial_state=True)
-        return trainer.run(make_config(tiny_sd1_dir, sample_data_dir, out, "--max_train_steps", "3",
+        return loop.run(make_config(tiny_sd1_dir, sample_data_dir, out, "--max_train_steps", "3",
                                        "--learning_rate", "1e-2", "--ema_decay", "0.5", "--ema_for_saved_file",
                                        *extra))
 
@@ -795,35 +795,35 @@ def test_ema_is_saved_in_the_state_used_for_the_file_and_resumes_exactly(tiny_sd
         [ADAPTER_FILE, EMA_FILE])
     resumed = run(tmp_path / "b", "--resume", str(state_dir))
     assert resumed.losses == straight.losses[1:]
-    a, b = network.load_kohya_lora(straight.output_file)[0], network.load_kohya_lora(resumed.output_file)[0]
+    a, b = kohya_format.load_kohya_lora(straight.output_file)[0], kohya_format.load_kohya_lora(resumed.output_file)[0]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # the file holds the EMA, not the last weights the model trained to
-    last = network.kohya_state_dict(model_lora_modules(straight.model))
+    last = kohya_format.kohya_state_dict(model_lora_modules(straight.model))
     assert any(not torch.equal(a[k], last[k]) for k in a if k.endswith(".lora_up.weight"))
-    ema = network.load_kohya_lora(tmp_path / "a" / "last-state" / EMA_FILE)[0]
+    ema = kohya_format.load_kohya_lora(tmp_path / "a" / "last-state" / EMA_FILE)[0]
     assert all(torch.equal(ema[k], a[k]) for k in a if not k.endswith(".alpha"))
 
 
 def model_lora_modules(model) -> dict[str, nn.Module]:
-    return {"lora_unet": model.unet, "lora_te": model.text_encoder}
+    return {"lora_unet": model.denoiser, "lora_te": model.text_encoders[0]}
 
 
 def test_a_partial_dora_file_names_the_number_of_modules_left_to_train(tiny_sd1_dir, sample_data_dir, tmp_path,
                                                                        caplog):
-    from library.models.family import load_sd_components
+    from library.models.loading import load_components
     from library.training.model import build_model, lora_modules, network_spec
 
     dora = ("--network_args", "dora_wd=True")
     model, _ = built(tiny_sd1_dir, sample_data_dir, tmp_path, *dora)
-    state_dict = network.kohya_state_dict(lora_modules(model, make_config(tiny_sd1_dir, sample_data_dir, tmp_path,
+    state_dict = kohya_format.kohya_state_dict(lora_modules(model, make_config(tiny_sd1_dir, sample_data_dir, tmp_path,
                                                                           *dora)))
     modules = sorted({key.split(".", 1)[0] for key in state_dict})
     dropped = modules[:3]
     partial = {k: v for k, v in state_dict.items() if k.split(".", 1)[0] not in dropped}
     assert len(state_dict) - len(partial) == 3 * 4  # down, up, alpha and dora_scale per module
-    network.save_lora_file(tmp_path / "partial.safetensors", partial)
+    kohya_format.save_lora_file(tmp_path / "partial.safetensors", partial)
     config = make_config(tiny_sd1_dir, sample_data_dir, tmp_path, *dora,
                          "--network_weights", str(tmp_path / "partial.safetensors"))
     with caplog.at_level("WARNING", logger="library.training.model"):
-        build_model(config, load_sd_components(tiny_sd1_dir), torch.device("cpu"), network_spec(config))
+        build_model(config, load_components(tiny_sd1_dir), torch.device("cpu"), network_spec(config))
     assert "3 LoRA modules are not in the file and start from scratch" in caplog.text, caplog.text

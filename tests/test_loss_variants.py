@@ -16,7 +16,8 @@ from library.core import seeds
 
 from library.models import objective
 from library.config import ConfigError, UserError, parse_config
-from library.training.model import Objective, diffusion_loss
+from library.models.objective import DiffusionObjective as Objective
+from library.training.model import diffusion_loss
 from library.models.objective import LossOptions, NoiseOptions
 
 # SNR a / (1 - a): 1999 (capped to 1000 where kohya caps it), 4, 1, 0.25.
@@ -114,7 +115,7 @@ def test_masked_loss_is_the_mean_over_the_mask_area():
 class _Recorder(torch.nn.Module):
     """Returns zeros and keeps what it was given, to check what goes in and what the loss compares against."""
 
-    def forward(self, noisy: torch.Tensor, timesteps: torch.Tensor, conditioning: torch.Tensor) -> torch.Tensor:
+    def forward(self, noisy: torch.Tensor, timesteps: torch.Tensor, text: dict, conditioning: dict) -> torch.Tensor:
         self.noisy = noisy
         return torch.zeros_like(noisy)
 
@@ -127,24 +128,26 @@ def test_diffusion_loss_perturbs_the_input_only_and_applies_the_options():
     t = torch.tensor([0])
     model = _Recorder()
     plain = Objective(alphas, False, 0, 2, None, None)
-    loss = diffusion_loss(model, latents, torch.zeros(1, 1), noise, t, plain, input_noise=input_noise)
+    loss = diffusion_loss(model, latents, {}, {}, noise, t, plain, input_noise=input_noise)
     torch.testing.assert_close(model.noisy, torch.tensor([[[[0.8 + 0.6 * 2, 0.8 + 0.6 * 0]]]]))
     torch.testing.assert_close(loss, torch.tensor([1.0]))  # the target is the noise, not the perturbed noise
     # l1 with debiased estimation at SNR 0.64 / 0.36: mean |noise| = 1, weight 1 / sqrt(16 / 9) = 3 / 4.
     weighted = Objective(alphas, False, 0, 2, None, None, loss=LossOptions("l1", debiased_estimation_loss=True))
-    loss = diffusion_loss(model, latents, torch.zeros(1, 1), noise, t, weighted)
+    loss = diffusion_loss(model, latents, {}, {}, noise, t, weighted)
     torch.testing.assert_close(loss, torch.tensor([0.75]))
     # A mask over the second element only: the loss there, 1, over an area of 1.
-    loss = diffusion_loss(model, latents, torch.zeros(1, 1), noise, t, plain, mask=torch.tensor([[[[0.0, 1.0]]]]))
+    loss = diffusion_loss(model, latents, {}, {}, noise, t, plain, mask=torch.tensor([[[[0.0, 1.0]]]]))
     torch.testing.assert_close(loss, torch.tensor([1.0]))
 
 
 def test_prediction_type_combinations_kohya_refuses_are_user_errors():
-    with pytest.raises(UserError, match="scale_v_pred_loss_like_noise_pred needs a v-prediction model"):
-        Objective(ALPHAS, False, 0, 4, None, None, loss=LossOptions(scale_v_pred_loss_like_noise_pred=True))
-    with pytest.raises(UserError, match="v_pred_like_loss is for noise-prediction models"):
-        Objective(ALPHAS, True, 0, 4, None, None, loss=LossOptions(v_pred_like_loss=0.1))
-    Objective(ALPHAS, True, 0, 4, None, None, loss=LossOptions(scale_v_pred_loss_like_noise_pred=True))
+    [problem] = Objective(ALPHAS, False, 0, 4, None, None,
+                          loss=LossOptions(scale_v_pred_loss_like_noise_pred=True)).problems()
+    assert "scale_v_pred_loss_like_noise_pred needs a v-prediction model" in problem
+    [problem] = Objective(ALPHAS, True, 0, 4, None, None, loss=LossOptions(v_pred_like_loss=0.1)).problems()
+    assert "v_pred_like_loss is for noise-prediction models" in problem
+    assert not Objective(ALPHAS, True, 0, 4, None, None,
+                         loss=LossOptions(scale_v_pred_loss_like_noise_pred=True)).problems()
 
 
 # --- noise ----------------------------------------------------------------------------------------------------------
@@ -321,10 +324,10 @@ def test_huber_values_are_not_checked_when_the_loss_does_not_use_them(required):
 def test_training_with_every_variant_is_deterministic(tiny_sd1_dir, sample_data_dir, tmp_path):
     from accelerate.state import AcceleratorState
 
-    from library.network import lora as network
-    from library.training import trainer
+    from library.network import kohya_format
+    from library.training import loop
 
-    def run(output_dir: Path) -> trainer.RunResult:
+    def run(output_dir: Path) -> loop.RunResult:
         AcceleratorState._reset_state(reset_partial_state=True)
         config, _ = parse_config([
             "--pretrained_model_name_or_path", str(tiny_sd1_dir), "--train_data_dir", str(sample_data_dir),
@@ -335,14 +338,14 @@ def test_training_with_every_variant_is_deterministic(tiny_sd1_dir, sample_data_
             "--adaptive_noise_scale", "0.01", "--multires_noise_iterations", "3", "--ip_noise_gamma", "0.1",
             "--ip_noise_gamma_random_strength"])
         try:
-            return trainer.run(config)
+            return loop.run(config)
         finally:
             AcceleratorState._reset_state(reset_partial_state=True)
 
     first, second = run(tmp_path / "a"), run(tmp_path / "b")
     assert len(first.losses) == 2 and all(math.isfinite(loss) for loss in first.losses)
     assert first.losses == second.losses
-    ups = [v for k, v in network.load_kohya_lora(first.output_file)[0].items() if k.endswith("lora_up.weight")]
+    ups = [v for k, v in kohya_format.load_kohya_lora(first.output_file)[0].items() if k.endswith("lora_up.weight")]
     assert ups and all(v.abs().max() > 0 for v in ups)
 
 
@@ -475,7 +478,7 @@ def test_fully_transparent_images_give_zero_loss_with_alpha_mask(tiny_sd1_dir, t
     """The mask reaches the loss in training, also with cached latents (where no pixels are decoded)."""
     from accelerate.state import AcceleratorState
 
-    from library.training import trainer
+    from library.training import loop
 
     folder = tmp_path / "train" / "2_sks"
     for name in ("a", "b"):
@@ -486,7 +489,7 @@ def test_fully_transparent_images_give_zero_loss_with_alpha_mask(tiny_sd1_dir, t
         "--output_dir", str(tmp_path / "out"), "--resolution", "64", "--train_batch_size", "2", "--seed", "1",
         "--max_train_steps", "2", "--alpha_mask", "--masked_loss", "--cache_latents"])
     try:
-        result = trainer.run(config)
+        result = loop.run(config)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
     assert result.losses == [0.0, 0.0]

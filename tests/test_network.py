@@ -12,7 +12,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from library.network import lora as network
+from library.network import kohya_format, lora
 from library.network.metadata import lora_metadata
 
 RANK = 4
@@ -64,13 +64,13 @@ def expected_unet_targets(blocks: list[str], transformer_layers: int = 1) -> set
 def attached(tiny, alpha: float, rank: int = RANK, randomize_up: bool = True, seed: int = 1):
     """Fresh copies of the tiny UNet and text encoder with LoRA attached (up weights random if asked)."""
     unet, te = copy.deepcopy(tiny["unet"]), copy.deepcopy(tiny["text_encoder"])
-    network.attach_lora(unet, network.unet_target_modules(unet), rank, alpha)
-    network.attach_lora(te, network.text_encoder_target_modules(te), rank, alpha)
+    lora.attach_lora(unet, lora.unet_target_modules(unet), rank, alpha)
+    lora.attach_lora(te, lora.text_encoder_target_modules(te), rank, alpha)
     if randomize_up:
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for model in (unet, te):
-                for _, layer in network.lora_layers(model):
+                for _, layer in lora.lora_layers(model):
                     w = layer.lora_B["default"].weight
                     w.copy_(torch.randn(w.shape, generator=gen) * 0.05)
     return unet, te
@@ -94,9 +94,9 @@ def outputs(unet, te, x):
 
 
 def save(tmp_path, unet, te, alpha, name="lora.safetensors", dtype=None, metadata=None):
-    sd = network.kohya_state_dict({"lora_unet": unet, "lora_te": te}, alpha, dtype=dtype)
+    sd = kohya_format.kohya_state_dict({"lora_unet": unet, "lora_te": te}, alpha, dtype=dtype)
     path = tmp_path / name
-    network.save_lora_file(path, sd, metadata or {})
+    kohya_format.save_lora_file(path, sd, metadata or {})
     return path, sd
 
 
@@ -124,7 +124,7 @@ def diffusers_load(tiny, state_dict_or_path):
 
 
 def test_unet_targets_sd1_exact(tiny):
-    names = network.unet_target_modules(tiny["unet"])
+    names = lora.unet_target_modules(tiny["unet"])
     assert len(names) == len(set(names)) == 6 * 12
     assert set(names) == expected_unet_targets(ATTENTION_BLOCKS_SD1)
     modules = dict(tiny["unet"].named_modules())
@@ -146,7 +146,7 @@ def _tiny_unet(**overrides):
 def test_unet_targets_sd2_sdxl_layouts():
     # SD2.x: Linear proj_in/out; SDXL: several transformer blocks per attention, attention in later blocks only
     sd2 = _tiny_unet(use_linear_projection=True)
-    assert set(network.unet_target_modules(sd2)) == expected_unet_targets(ATTENTION_BLOCKS_SD1)
+    assert set(lora.unet_target_modules(sd2)) == expected_unet_targets(ATTENTION_BLOCKS_SD1)
     assert isinstance(dict(sd2.named_modules())["mid_block.attentions.0.proj_in"], nn.Linear)
 
     xl = _tiny_unet(
@@ -158,20 +158,20 @@ def test_unet_targets_sd2_sdxl_layouts():
     blocks = ["down_blocks.1.attentions.0", "down_blocks.1.attentions.1", "mid_block.attentions.0"] + [
         f"up_blocks.0.attentions.{i}" for i in range(3)
     ]
-    assert set(network.unet_target_modules(xl)) == expected_unet_targets(blocks, transformer_layers=2)
+    assert set(lora.unet_target_modules(xl)) == expected_unet_targets(blocks, transformer_layers=2)
 
 
 def test_text_encoder_targets_exact(tiny):
-    names = network.text_encoder_target_modules(tiny["text_encoder"])
+    names = lora.text_encoder_target_modules(tiny["text_encoder"])
     assert set(names) == {f"encoder.layers.{i}.{s}" for i in range(2) for s in PER_CLIP_LAYER}
     assert len(names) == 12
 
 
 def test_targets_reject_wrong_model():
     with pytest.raises(ValueError, match="Transformer2DModel"):
-        network.unet_target_modules(nn.Sequential(nn.Linear(2, 2)))
+        lora.unet_target_modules(nn.Sequential(nn.Linear(2, 2)))
     with pytest.raises(ValueError, match="CLIP"):
-        network.text_encoder_target_modules(nn.Sequential(nn.Linear(2, 2)))
+        lora.text_encoder_target_modules(nn.Sequential(nn.Linear(2, 2)))
 
 
 # --------------------------------------------------------------------------------------------- attach
@@ -184,17 +184,17 @@ def test_attach_bf16_base_keeps_fp32_lora_and_freezes_base(tiny):
     te = copy.deepcopy(tiny["text_encoder"]).to(torch.bfloat16)
     base_u, base_t = outputs(unet, te, bf)
 
-    for model, list_targets in ((unet, network.unet_target_modules), (te, network.text_encoder_target_modules)):
+    for model, list_targets in ((unet, lora.unet_target_modules), (te, lora.text_encoder_target_modules)):
         targets = list_targets(model)
-        params = network.attach_lora(model, targets, RANK, 1.0)
+        params = lora.attach_lora(model, targets, RANK, 1.0)
         assert isinstance(params, list) and len(params) == 2 * len(targets)
         assert all(p.dtype == torch.float32 for p in params)
         assert {id(p) for p in model.parameters() if p.requires_grad} == {id(p) for p in params}
         # the base stays in bf16
         assert all(p.dtype == torch.bfloat16 for n, p in model.named_parameters() if "lora_" not in n)
-        assert network.lora_layers(model)[0][0] == targets[0]
+        assert lora.lora_layers(model)[0][0] == targets[0]
         assert set(list_targets(model)) == set(targets)  # listing looks through peft's wrappers
-        for _, layer in network.lora_layers(model):
+        for _, layer in lora.lora_layers(model):
             down, up = layer.lora_A["default"].weight, layer.lora_B["default"].weight
             assert torch.count_nonzero(up) == 0  # kohya: lora_up zeros
             fan_in = math.prod(down.shape[1:])
@@ -210,14 +210,14 @@ def test_attach_bf16_base_keeps_fp32_lora_and_freezes_base(tiny):
     pred = unet(bf["sample"], bf["timestep"], encoder_hidden_states=bf["encoder_hidden_states"]).sample
     loss = pred.float().pow(2).mean()
     loss.backward()
-    grads = [layer.lora_B["default"].weight.grad for _, layer in network.lora_layers(unet)]
+    grads = [layer.lora_B["default"].weight.grad for _, layer in lora.lora_layers(unet)]
     assert all(g is not None and g.dtype == torch.float32 for g in grads)
 
 
 def test_attach_rejects_unknown_targets(tiny):
     unet = copy.deepcopy(tiny["unet"])
     with pytest.raises(ValueError, match="not in the model"):
-        network.attach_lora(unet, ["down_blocks.0.attentions.0.nope"], RANK, 1.0)
+        lora.attach_lora(unet, ["down_blocks.0.attentions.0.nope"], RANK, 1.0)
 
 
 # --------------------------------------------------------------------------------------------- export keys
@@ -225,9 +225,9 @@ def test_attach_rejects_unknown_targets(tiny):
 
 def test_export_keys_shapes_and_names(tiny):
     unet, te = attached(tiny, alpha=2.0)
-    sd = network.kohya_state_dict({"lora_unet": unet, "lora_te": te}, 2.0)
-    n_unet = len(network.unet_target_modules(tiny["unet"]))
-    n_te = len(network.text_encoder_target_modules(tiny["text_encoder"]))
+    sd = kohya_format.kohya_state_dict({"lora_unet": unet, "lora_te": te}, 2.0)
+    n_unet = len(lora.unet_target_modules(tiny["unet"]))
+    n_te = len(lora.text_encoder_target_modules(tiny["text_encoder"]))
     assert len(sd) == 3 * (n_unet + n_te)
     assert all(k.startswith(("lora_unet_", "lora_te_")) for k in sd)
     names = {k.split(".", 1)[0] for k in sd}
@@ -249,32 +249,32 @@ def test_export_keys_shapes_and_names(tiny):
     assert "lora_te_text_model_encoder_layers_0_mlp_fc1.lora_up.weight" in sd
 
     # exported tensors are copies, not views of the live parameters
-    layer = dict(network.lora_layers(unet))["down_blocks.0.attentions.0.proj_in"]
+    layer = dict(lora.lora_layers(unet))["down_blocks.0.attentions.0.proj_in"]
     with torch.no_grad():
         layer.lora_B["default"].weight.add_(1.0)
     assert not torch.equal(sd[f"{conv}.lora_up.weight"], layer.lora_B["default"].weight)
 
-    half = network.kohya_state_dict({"lora_unet": unet}, dtype=torch.float16)
+    half = kohya_format.kohya_state_dict({"lora_unet": unet}, dtype=torch.float16)
     assert all(v.dtype == torch.float16 for k, v in half.items() if not k.endswith(".alpha"))
 
     with pytest.raises(ValueError, match="alpha"):
-        network.kohya_state_dict({"lora_unet": unet}, alpha=3.0)
+        kohya_format.kohya_state_dict({"lora_unet": unet}, alpha=3.0)
 
 
 def test_kohya_lora_name_edge_cases():
     # transformers >= 5 CLIPTextModel (flattened) and CLIPTextModelWithProjection (SDXL te2) both give text_model_
-    te = network.kohya_lora_name("lora_te", "encoder.layers.0.mlp.fc1")
+    te = kohya_format.kohya_lora_name("lora_te", "encoder.layers.0.mlp.fc1")
     assert te == "lora_te_text_model_encoder_layers_0_mlp_fc1"
-    te2 = network.kohya_lora_name("lora_te2", "text_model.encoder.layers.3.self_attn.q_proj")
+    te2 = kohya_format.kohya_lora_name("lora_te2", "text_model.encoder.layers.3.self_attn.q_proj")
     assert te2 == "lora_te2_text_model_encoder_layers_3_self_attn_q_proj"
-    unet = network.kohya_lora_name("lora_unet", "up_blocks.1.attentions.0.transformer_blocks.0.attn1.to_out.0")
+    unet = kohya_format.kohya_lora_name("lora_unet", "up_blocks.1.attentions.0.transformer_blocks.0.attn1.to_out.0")
     assert unet == "lora_unet_up_blocks_1_attentions_0_transformer_blocks_0_attn1_to_out_0"
 
 
 def test_attach_passes_dropout_to_peft(tiny):
     te = copy.deepcopy(tiny["text_encoder"])
-    network.attach_lora(te, network.text_encoder_target_modules(te), RANK, 1.0, dropout=0.25)
-    drop = network.lora_layers(te)[0][1].lora_dropout["default"]
+    lora.attach_lora(te, lora.text_encoder_target_modules(te), RANK, 1.0, dropout=0.25)
+    drop = lora.lora_layers(te)[0][1].lora_dropout["default"]
     assert isinstance(drop, nn.Dropout) and drop.p == 0.25
 
 
@@ -302,7 +302,7 @@ def test_diffusers_comparison_catches_a_wrong_alpha(tiny):
     x = fixed_inputs()
     unet, te = attached(tiny, alpha)
     ours_u, ours_t = outputs(unet, te, x)
-    sd = network.kohya_state_dict({"lora_unet": unet, "lora_te": te}, alpha)
+    sd = kohya_format.kohya_state_dict({"lora_unet": unet, "lora_te": te}, alpha)
 
     right_u, right_t = outputs(*diffusers_load(tiny, sd), x)
     torch.testing.assert_close(right_u, ours_u, atol=1e-5, rtol=0)
@@ -324,18 +324,18 @@ def test_round_trip_through_file(tiny, tmp_path):
     meta = lora_metadata(network_dim=RANK, network_alpha=alpha, output_name="sks", resolution=512)
     path, sd = save(tmp_path, unet, te, alpha, metadata=meta)
 
-    loaded, metadata = network.load_kohya_lora(path)
+    loaded, metadata = kohya_format.load_kohya_lora(path)
     assert loaded.keys() == sd.keys() and all(torch.equal(loaded[k], sd[k]) for k in sd)
-    assert network.dims_from_state_dict(loaded) == (RANK, alpha)
+    assert kohya_format.dims_from_state_dict(loaded) == (RANK, alpha)
     assert metadata["ss_network_dim"] == "4" and metadata["ss_network_alpha"] == "1.5"
-    assert (metadata["sshs_model_hash"], metadata["sshs_legacy_hash"]) == network.safetensors_hashes(sd, meta)
-    assert network.read_metadata(path) == metadata
+    assert (metadata["sshs_model_hash"], metadata["sshs_legacy_hash"]) == kohya_format.safetensors_hashes(sd, meta)
+    assert kohya_format.read_metadata(path) == metadata
 
     fresh_u, fresh_t = attached(tiny, alpha, randomize_up=False, seed=99)
-    report = network.apply_kohya_state_dict({"lora_unet": fresh_u, "lora_te": fresh_t}, loaded)
+    report = kohya_format.apply_kohya_state_dict({"lora_unet": fresh_u, "lora_te": fresh_t}, loaded)
     assert not report.missing and not report.unexpected and len(report.loaded) == len(sd) // 3
     for a, b in ((unet, fresh_u), (te, fresh_t)):
-        pa, pb = network.lora_parameters(a), network.lora_parameters(b)
+        pa, pb = lora.lora_parameters(a), lora.lora_parameters(b)
         assert len(pa) == len(pb) and all(torch.equal(x, y) for x, y in zip(pa, pb))
     x = fixed_inputs()
     for o, f in zip(outputs(unet, te, x), outputs(fresh_u, fresh_t, x)):
@@ -345,46 +345,46 @@ def test_round_trip_through_file(tiny, tmp_path):
 def test_save_precision_fp16(tiny, tmp_path):
     unet, te = attached(tiny, 1.0)
     path, _ = save(tmp_path, unet, te, 1.0, dtype=torch.float16)
-    loaded, _ = network.load_kohya_lora(path)
+    loaded, _ = kohya_format.load_kohya_lora(path)
     assert {v.dtype for k, v in loaded.items() if not k.endswith(".alpha")} == {torch.float16}
     assert {v.dtype for k, v in loaded.items() if k.endswith(".alpha")} == {torch.float32}
     # an fp16 file loads back into the fp32 LoRA
     fresh_u, fresh_t = attached(tiny, 1.0, randomize_up=False)
-    network.apply_kohya_state_dict({"lora_unet": fresh_u, "lora_te": fresh_t}, loaded)
-    assert network.lora_parameters(fresh_u)[1].dtype == torch.float32
+    kohya_format.apply_kohya_state_dict({"lora_unet": fresh_u, "lora_te": fresh_t}, loaded)
+    assert lora.lora_parameters(fresh_u)[1].dtype == torch.float32
 
 
 def test_apply_reports_missing_unexpected_and_mismatches(tiny):
     unet, te = attached(tiny, 1.5)
-    sd = network.kohya_state_dict({"lora_unet": unet, "lora_te": te})
+    sd = kohya_format.kohya_state_dict({"lora_unet": unet, "lora_te": te})
     fresh_u, fresh_t = attached(tiny, 1.5, randomize_up=False)
     modules = {"lora_unet": fresh_u, "lora_te": fresh_t}
-    before = [p.clone() for p in network.lora_parameters(fresh_u)]
+    before = [p.clone() for p in lora.lora_parameters(fresh_u)]
 
     dropped = "lora_unet_mid_block_attentions_0_proj_out"
     partial = {k: v for k, v in sd.items() if not k.startswith(dropped + ".")}
     partial["lora_unet_conv_in.lora_down.weight"] = torch.zeros(RANK, 4, 3, 3)
     with pytest.raises(ValueError) as err:
-        network.apply_kohya_state_dict(modules, partial)
+        kohya_format.apply_kohya_state_dict(modules, partial)
     assert dropped in str(err.value) and "lora_unet_conv_in.lora_down.weight" in str(err.value)
     # a failed load writes nothing
-    assert all(torch.equal(a, b) for a, b in zip(before, network.lora_parameters(fresh_u)))
+    assert all(torch.equal(a, b) for a, b in zip(before, lora.lora_parameters(fresh_u)))
 
-    report = network.apply_kohya_state_dict(modules, partial, strict=False)
+    report = kohya_format.apply_kohya_state_dict(modules, partial, strict=False)
     assert report.missing == [f"{dropped}.lora_down.weight", f"{dropped}.lora_up.weight"]
     assert report.unexpected == ["lora_unet_conv_in.lora_down.weight"]
 
     other_alpha = {k: (torch.tensor(4.0) if k.endswith(".alpha") else v) for k, v in sd.items()}
     with pytest.raises(ValueError, match="different alpha"):
-        network.apply_kohya_state_dict(modules, other_alpha)
+        kohya_format.apply_kohya_state_dict(modules, other_alpha)
 
     rank8_u, rank8_t = attached(tiny, 1.5, rank=8, randomize_up=False)
     with pytest.raises(ValueError, match="rank differs"):
-        network.apply_kohya_state_dict({"lora_unet": rank8_u, "lora_te": rank8_t}, sd)
+        kohya_format.apply_kohya_state_dict({"lora_unet": rank8_u, "lora_te": rank8_t}, sd)
 
     # no alpha in the file means alpha = rank (kohya)
     no_alpha = {k: v for k, v in sd.items() if not k.endswith(".alpha")}
-    assert network.dims_from_state_dict(no_alpha) == (RANK, float(RANK))
+    assert kohya_format.dims_from_state_dict(no_alpha) == (RANK, float(RANK))
 
 
 def test_dims_from_state_dict_rejects_mixed_dims():
@@ -395,9 +395,9 @@ def test_dims_from_state_dict_rejects_mixed_dims():
         "lora_unet_b.alpha": torch.tensor(1.0),
     }
     with pytest.raises(ValueError, match="different"):
-        network.dims_from_state_dict(sd)
+        kohya_format.dims_from_state_dict(sd)
     with pytest.raises(ValueError, match="kohya"):
-        network.dims_from_state_dict({"foo": torch.zeros(1)})
+        kohya_format.dims_from_state_dict({"foo": torch.zeros(1)})
 
 
 # --------------------------------------------------------------------------------------------- metadata
@@ -467,11 +467,11 @@ def test_hashes_match_kohya_definition():
 
     sd = {"lora_unet_a.lora_down.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
     meta = {"ss_network_dim": "2", "modelspec.title": "ignored by the hash"}
-    model_hash, legacy = network.safetensors_hashes(sd, meta)
+    model_hash, legacy = kohya_format.safetensors_hashes(sd, meta)
     # tensor bytes only (little-endian fp32), independent of non-ss_ metadata; small file -> sha256 of nothing
     assert model_hash == hashlib.sha256(sd["lora_unet_a.lora_down.weight"].numpy().tobytes()).hexdigest()
     assert legacy == hashlib.sha256(b"").hexdigest()[:8]
-    assert network.safetensors_hashes(sd, {"ss_network_dim": "2"}) == (model_hash, legacy)
+    assert kohya_format.safetensors_hashes(sd, {"ss_network_dim": "2"}) == (model_hash, legacy)
 
 
 # --------------------------------------------------------------------------------------------- atomic save
@@ -479,13 +479,13 @@ def test_hashes_match_kohya_definition():
 
 def test_save_rejects_non_string_metadata(tmp_path):
     with pytest.raises(TypeError, match="ss_network_dim"):
-        network.save_lora_file(tmp_path / "x.safetensors", {"a": torch.zeros(1)}, {"ss_network_dim": 4})
+        kohya_format.save_lora_file(tmp_path / "x.safetensors", {"a": torch.zeros(1)}, {"ss_network_dim": 4})
     assert list(tmp_path.iterdir()) == []
 
 
 def test_save_is_atomic(tmp_path, monkeypatch):
     path = tmp_path / "lora.safetensors"
-    network.save_lora_file(path, {"a.lora_down.weight": torch.ones(2, 2)}, {"ss_network_dim": "2"})
+    kohya_format.save_lora_file(path, {"a.lora_down.weight": torch.ones(2, 2)}, {"ss_network_dim": "2"})
     before = path.read_bytes()
 
     real_save_file = safetensors.torch.save_file
@@ -498,13 +498,13 @@ def test_save_is_atomic(tmp_path, monkeypatch):
 
     monkeypatch.setattr(safetensors.torch, "save_file", crash_midway)
     with pytest.raises(OSError, match="disk full"):
-        network.save_lora_file(path, {"a.lora_down.weight": torch.zeros(4, 4)}, {"ss_network_dim": "4"})
+        kohya_format.save_lora_file(path, {"a.lora_down.weight": torch.zeros(4, 4)}, {"ss_network_dim": "4"})
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lora.safetensors"]
 
     monkeypatch.undo()
-    network.save_lora_file(path, {"a.lora_down.weight": torch.zeros(4, 4)}, {"ss_network_dim": "4"})
-    assert network.load_kohya_lora(path)[0]["a.lora_down.weight"].shape == (4, 4)
+    kohya_format.save_lora_file(path, {"a.lora_down.weight": torch.zeros(4, 4)}, {"ss_network_dim": "4"})
+    assert kohya_format.load_kohya_lora(path)[0]["a.lora_down.weight"].shape == (4, 4)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lora.safetensors"]
 
 
@@ -512,7 +512,7 @@ def test_saved_file_is_readable_by_others_as_the_umask_allows(tmp_path):
     old = os.umask(0o022)
     try:
         path = tmp_path / "lora.safetensors"
-        network.save_lora_file(path, {"x": torch.zeros(2)}, {})
+        kohya_format.save_lora_file(path, {"x": torch.zeros(2)}, {})
     finally:
         os.umask(old)
     assert path.stat().st_mode & 0o777 == 0o644

@@ -11,7 +11,7 @@ import torch
 from accelerate.state import AcceleratorState
 from safetensors.torch import load_file
 
-from library.network import lora as network
+from library.network import kohya_format
 from library.training import optim
 from library.training.model import lora_modules
 from library.config import Config, ConfigError, UserError, parse_config
@@ -69,7 +69,7 @@ def make_config(tmp_path: Path):
 
 
 def build(config: Config, model: torch.nn.Module, total_steps: int = 20):
-    """The optimizer and schedule, built with the arguments library.training.trainer passes."""
+    """The optimizer and schedule, built with the arguments library.training.loop passes."""
     groups = [{"params": list(model.parameters()), "lr": config.learning_rate, "name": "unet"}]
     optimizer = optim.build_optimizer(config.optimizer_type, groups, config.learning_rate, config.optimizer_args,
                                       use_8bit_adam=config.use_8bit_adam,
@@ -274,7 +274,7 @@ def test_schedule_free_trains_in_train_mode_and_keeps_its_average(make_config):
 
 
 def test_the_trainer_saves_a_schedule_free_optimizers_kept_weights(tiny_sd1_dir, sample_data_dir, tmp_path):
-    from library.training import trainer
+    from library.training import loop
 
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
@@ -283,12 +283,12 @@ def test_the_trainer_saves_a_schedule_free_optimizers_kept_weights(tiny_sd1_dir,
             "--output_dir", str(tmp_path), "--resolution", "64", "--caption_extension", ".txt", "--seed", "3",
             "--max_train_steps", "3", "--optimizer_type", "AdamWScheduleFree", "--learning_rate", "1e-2",
             "--network_train_unet_only"])
-        result = trainer.run(config)
+        result = loop.run(config)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
     saved = load_file(result.output_file)
     # result.model is back on the training weights; the file holds the optimizer's average, which differs.
-    training = network.kohya_state_dict(lora_modules(result.model, config), config.network_alpha, None)
+    training = kohya_format.kohya_state_dict(lora_modules(result.model, config), config.network_alpha, None)
     keys = [k for k in saved if k.endswith("lora_up.weight")]
     assert keys and any(not torch.allclose(saved[k], training[k]) for k in keys)
 

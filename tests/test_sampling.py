@@ -1,6 +1,7 @@
 """Sample images during training: prompt files, samplers, rendering, file names, and a round's side effects."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
@@ -12,10 +13,10 @@ import pytest
 import torch
 from PIL import Image
 
-from library.network import lora as network
+from library.network import lora
 from library.monitoring import sampling
 from library.config import UserError
-from library.models.family import load_sd_components
+from library.models.loading import load_components
 from library.monitoring.sampling import SamplePrompt
 
 # diffusers' KDPM2 schedulers run numpy on torch tensors element by element: thousands of numpy 2 deprecation
@@ -28,11 +29,11 @@ STEPS = 2  # the fewest that take a multistep sampler past its first step
 
 @pytest.fixture(scope="module")
 def components(tiny_sd1_dir: Path):
-    c = load_sd_components(tiny_sd1_dir)
-    network.attach_lora(c.unet, network.unet_target_modules(c.unet), 4, 1.0, 0.0)
+    c = load_components(tiny_sd1_dir)
+    lora.attach_lora(c.unet, lora.unet_target_modules(c.unet), 4, 1.0, 0.0)
     # Non-zero lora_up, so the LoRA takes part in the images.
     with torch.no_grad():
-        for p in network.lora_parameters(c.unet):
+        for p in lora.lora_parameters(c.unet):
             if not p.abs().sum():
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.1)
     return c
@@ -41,7 +42,7 @@ def components(tiny_sd1_dir: Path):
 @pytest.fixture(scope="module")
 def models(components) -> sampling.SamplingModels:
     c = components
-    return sampling.SamplingModels(c.unet, c.text_encoder, c.vae, c.tokenizer, c.noise_scheduler.config)
+    return sampling.SamplingModels(c.denoiser, c.text_encoders, c.vae, c.tokenizers, c.noise_scheduler.config, c.family)
 
 
 def write(tmp_path: Path, name: str, text: str) -> Path:
@@ -196,7 +197,7 @@ def test_every_sampler_builds_and_renders(models, name):
     assert type(scheduler).__name__ == sampling.SAMPLERS[name][0]
     assert scheduler.config.num_train_timesteps == models.scheduler_config["num_train_timesteps"]
     prompt = SamplePrompt("a red circle", width=64, height=64, steps=STEPS, scale=1.0, sampler=name)
-    with sampling.sampling_mode([models.unet, models.text_encoder, models.vae]):
+    with sampling.sampling_mode(models.modules):
         image = sampling.generate_image(prompt, models, seed=3)
     assert image.size == (64, 64)
     assert pixels(image).std() > 0
@@ -221,9 +222,8 @@ def test_sampler_settings_and_prediction_type(models):
 
 def test_v_prediction_changes_the_image(models):
     prompt = SamplePrompt("a red circle", width=64, height=64, steps=STEPS, sampler="euler")
-    v_models = sampling.SamplingModels(models.unet, models.text_encoder, models.vae, models.tokenizer,
-                                       models.scheduler_config, prediction_type="v_prediction")
-    with sampling.sampling_mode([models.unet]):
+    v_models = dataclasses.replace(models, prediction_type="v_prediction")
+    with sampling.sampling_mode([models.denoiser]):
         eps = pixels(sampling.generate_image(prompt, models, seed=1))
         v = pixels(sampling.generate_image(prompt, v_models, seed=1))
     assert not np.array_equal(eps, v)
@@ -231,9 +231,9 @@ def test_v_prediction_changes_the_image(models):
 
 def test_samples_follow_the_live_lora_weights(models):
     prompt = SamplePrompt("a red circle", width=64, height=64, steps=STEPS, scale=1.0)
-    lora_up = [p for name, p in models.unet.named_parameters() if "lora_B" in name]
+    lora_up = [p for name, p in models.denoiser.named_parameters() if "lora_B" in name]
     saved = [p.detach().clone() for p in lora_up]
-    with sampling.sampling_mode([models.unet]):
+    with sampling.sampling_mode([models.denoiser]):
         before = pixels(sampling.generate_image(prompt, models, seed=4))
         try:
             for p in lora_up:
@@ -310,7 +310,7 @@ def test_prompts_are_dealt_to_processes_and_only_the_main_one_writes(models, tmp
 
 
 def test_sampling_mode_sets_and_restores_the_context(models):
-    unet = models.unet
+    unet = models.denoiser
     unet.train()
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -355,7 +355,7 @@ def _flags(*modules):
 
 
 def test_round_leaves_training_state_untouched(models, tmp_path):
-    unet, text_encoder, vae = models.unet, models.text_encoder, models.vae
+    unet, (text_encoder,), vae = models.denoiser, models.text_encoders, models.vae
     unet.train()
     text_encoder.train()
     text_encoder.get_input_embeddings().eval()  # mixed flags must come back exactly, not as train(True)
@@ -390,7 +390,7 @@ def test_round_leaves_training_state_untouched(models, tmp_path):
 
 
 def test_state_is_restored_when_sampling_fails(models, tmp_path, monkeypatch):
-    models.unet.train()
+    models.denoiser.train()
     _seed_all()
     expected = _global_draws()
     _seed_all()
@@ -403,9 +403,9 @@ def test_state_is_restored_when_sampling_fails(models, tmp_path, monkeypatch):
     try:
         with pytest.raises(RuntimeError, match="out of memory"):
             sampling.sample_images([SamplePrompt("a", index=0)], models, tmp_path, "x", base_seed=0, step=1)
-        assert models.unet.training and torch.is_grad_enabled()
+        assert models.denoiser.training and torch.is_grad_enabled()
     finally:
-        models.unet.eval()
+        models.denoiser.eval()
     assert _global_draws() == expected
     assert list(tmp_path.iterdir()) == []
 
@@ -427,13 +427,13 @@ def test_rounds_do_not_accumulate_memory(models, tmp_path):
     prompts = [SamplePrompt("a red circle", width=64, height=64, steps=STEPS, scale=1.0, sampler=s, index=i)
                for i, s in enumerate(("euler_a", "dpm++ 2m"))]
     sampling.sample_images(prompts, models, tmp_path, "x", base_seed=0, step=0)  # warm-up: lazy caches
-    baseline = _census(models.unet)
+    baseline = _census(models.denoiser)
     assert baseline[2] == 0
     kept = []
     for step in (1, 2):
         kept.append(sampling.sample_images(prompts, models, tmp_path, "x", base_seed=0, step=step))
     # The census does see what a caller keeps ...
-    assert _census(models.unet)[3] == baseline[3] + 2 * len(prompts)
+    assert _census(models.denoiser)[3] == baseline[3] + 2 * len(prompts)
     kept.clear()
     # ... and nothing else survives a round: no pipeline, scheduler tensor, latent or image.
-    assert _census(models.unet) == baseline
+    assert _census(models.denoiser) == baseline

@@ -9,8 +9,8 @@ import torch
 from accelerate.state import AcceleratorState
 from PIL import Image
 
-from library.network import lora as network
-from library.training import trainer
+from library.network import kohya_format
+from library.training import loop
 from library.config import UserError, parse_config
 
 
@@ -30,7 +30,7 @@ def run(tiny_sd1_dir: Path, data_dir: Path, output_dir: Path, *extra: str):
         "--output_dir", str(output_dir), "--resolution", "64", "--caption_extension", ".txt",
         "--train_batch_size", "2", "--seed", "9", "--learning_rate", "1e-2", "--network_dropout", "0.2", *extra])
     AcceleratorState._reset_state(reset_partial_state=True)
-    return trainer.run(config)
+    return loop.run(config)
 
 
 def test_sampling_writes_and_logs_images_without_changing_training(tiny_sd1_dir, sample_data_dir, tmp_path,
@@ -43,7 +43,7 @@ def test_sampling_writes_and_logs_images_without_changing_training(tiny_sd1_dir,
                   "--log_with", "tensorboard")
 
     assert sampled.losses == plain.losses
-    a, b = (network.load_kohya_lora(tmp_path / d / "last.safetensors")[0] for d in ("plain", "sampled"))
+    a, b = (kohya_format.load_kohya_lora(tmp_path / d / "last.safetensors")[0] for d in ("plain", "sampled"))
     assert all(torch.equal(a[k], b[k]) for k in a)
 
     names = sorted(p.name for p in (tmp_path / "sampled" / "sample").iterdir())

@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from library.models import objective
-from library.training import trainer
+from library.training import loop
 from library.config import parse_config
-from library.models.family import load_sd_components, zero_terminal_snr
-from library.network.lora import read_metadata
+from library.models.loading import load_components
+from library.models.sd import zero_terminal_snr
+from library.network.kohya_format import read_metadata
 from library.models.tiny import save_tiny_sd1
 
 
@@ -21,11 +22,11 @@ pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
 
 
 def test_tiny_sd2_is_told_apart_from_sd1(tiny_sd2_dir, tiny_sd1_dir):
-    sd2 = load_sd_components(tiny_sd2_dir)
+    sd2 = load_components(tiny_sd2_dir)
     assert sd2.base_model_version == "sd_v2" and sd2.v_prediction
     assert isinstance(sd2.unet.down_blocks[0].attentions[0].proj_in, torch.nn.Linear)  # SD2's linear projections
     assert sd2.tokenizer.pad_token == "!"
-    assert load_sd_components(tiny_sd1_dir).base_model_version == "sd_v1"
+    assert load_components(tiny_sd1_dir).base_model_version == "sd_v1"
 
 
 def test_sd2_v_lora_trains_and_loads_in_diffusers(tiny_sd2_dir, sample_data_dir, tmp_path):
@@ -37,7 +38,7 @@ def test_sd2_v_lora_trains_and_loads_in_diffusers(tiny_sd2_dir, sample_data_dir,
         "--v_parameterization", "--train_batch_size", "2", "--max_train_steps", "3", "--learning_rate", "2e-2",
         "--network_train_unet_only", "--max_grad_norm", "0", "--seed", "4", "--metadata_title", "Tiny V",
         "--metadata_author", "me", "--metadata_tags", "tiny,v"])
-    result = trainer.run(config)
+    result = loop.run(config)
     metadata = read_metadata(result.output_file)
     assert metadata["ss_v2"] == "True" and metadata["ss_base_model_version"] == "sd_v2_v"
     assert metadata["modelspec.architecture"] == "stable-diffusion-v2-768-v/lora"
@@ -53,9 +54,9 @@ def test_sd2_v_lora_trains_and_loads_in_diffusers(tiny_sd2_dir, sample_data_dir,
     ours = result.model.eval()
     with torch.no_grad():
         torch.testing.assert_close(pipe.unet(latents, timesteps, hidden).sample,
-                                   ours.unet(latents, timesteps, hidden).sample, atol=1e-5, rtol=1e-4)
-        base = load_sd_components(tiny_sd2_dir).unet
-        changed = base(latents, timesteps, hidden).sample - ours.unet(latents, timesteps, hidden).sample
+                                   ours.denoiser(latents, timesteps, hidden).sample, atol=1e-5, rtol=1e-4)
+        base = load_components(tiny_sd2_dir).unet
+        changed = base(latents, timesteps, hidden).sample - ours.denoiser(latents, timesteps, hidden).sample
         assert changed.abs().max() > 1e-3
 
 
@@ -75,7 +76,7 @@ def test_v_target_by_hand():
 
 
 def test_zero_terminal_snr_ends_in_pure_noise_with_finite_weights(tiny_sd1_dir):
-    schedule = zero_terminal_snr(load_sd_components(tiny_sd1_dir).noise_scheduler)
+    schedule = zero_terminal_snr(load_components(tiny_sd1_dir).noise_scheduler)
     alphas_cumprod = schedule.alphas_cumprod
     assert alphas_cumprod[-1] < 1e-14 and alphas_cumprod[-1] > 0
     assert torch.all(alphas_cumprod[1:] < alphas_cumprod[:-1])

@@ -12,11 +12,12 @@ from accelerate.state import AcceleratorState
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from library.training import trainer
+from library.training import loop
 from library.config import ConfigError, UserError, parse_config
-from library.models.family import load_sd_components
-from library.models.single_file import (ARCHITECTURES, CLIP_PREFIX, CONFIG_ROOT, detect_architecture, ldm_state_dict,
-                                 load_single_file, load_tokenizer, main as convert_main, read_checkpoint)
+from library.models.loading import load_components
+from library.models.ldm_export import ldm_state_dict
+from library.models.single_file import (ARCHITECTURES, CLIP_PREFIX, CONFIG_ROOT, detect_architecture, load_single_file,
+                                 load_tokenizer, main as convert_main, read_checkpoint)
 from library.models.tiny import save_tiny_sd1_single_file
 
 
@@ -53,7 +54,7 @@ SDXL_KEYS = SD1_KEYS[:2] + ["conditioner.embedders.0.transformer.text_model.fina
 
 def test_single_file_loads_the_same_weights_as_the_folder(tiny_file, tiny_sd1_dir):
     loaded = load_single_file(tiny_file, model_config=tiny_sd1_dir)
-    reference = load_sd_components(tiny_sd1_dir)
+    reference = load_components(tiny_sd1_dir)
     assert loaded.architecture.name == "sd1"
     for name in ("unet", "vae", "text_encoder"):
         assert_same_weights(loaded.parts[name], getattr(reference, name))
@@ -63,7 +64,7 @@ def test_single_file_loads_the_same_weights_as_the_folder(tiny_file, tiny_sd1_di
 
 
 def test_components_from_a_file_keep_the_flags_and_dtypes(tiny_file, tiny_sd1_dir):
-    components = load_sd_components(tiny_file, v_parameterization=True, weight_dtype=torch.bfloat16,
+    components = load_components(tiny_file, v_parameterization=True, weight_dtype=torch.bfloat16,
                                     model_config=tiny_sd1_dir)
     assert components.v_prediction and components.base_model_version == "sd_v1"
     assert components.unet.dtype == torch.bfloat16 and components.text_encoder.dtype == torch.bfloat16
@@ -75,7 +76,7 @@ def test_open_clip_text_encoder_reads_as_sd2(tiny_sd2_file, tiny_sd1_dir, caplog
         loaded = load_single_file(tiny_sd2_file, model_config=tiny_sd1_dir, v2=True)
     assert loaded.architecture.name == "sd2"
     assert "v_parameterization" in caplog.text  # 512 base and 768-v cannot be told apart
-    reference = load_sd_components(tiny_sd1_dir)
+    reference = load_components(tiny_sd1_dir)
     for name in ("unet", "vae", "text_encoder"):  # q/k/v were joined into in_proj in the file
         assert_same_weights(loaded.parts[name], getattr(reference, name))
 
@@ -88,18 +89,19 @@ def test_sdxl_single_file_loads_the_same_weights_as_the_folder(tmp_path):
     parts = build_tiny_sdxl()
     path = save_checkpoint(ldm_state_dict(parts["unet"], parts["vae"], parts["text_encoder"],
                                           text_encoder_2=parts["text_encoder_2"]), tmp_path / "xl.safetensors")
-    components = load_sd_components(path, model_config=folder)
-    reference = load_sd_components(folder)
-    assert components.sdxl and components.base_model_version == "sdxl_base_v1-0"
+    components = load_components(path, model_config=folder)
+    reference = load_components(folder)
+    assert components.family.name == "sdxl" and components.base_model_version == "sdxl_base_v1-0"
     # The tiny encoders are equally wide, so only their key prefixes keep them apart.
-    for name in ("unet", "vae", "text_encoder", "text_encoder_2"):
-        assert_same_weights(getattr(components, name), getattr(reference, name))
-    assert components.tokenizer_2.pad_token == reference.tokenizer_2.pad_token == "!"
+    for ours, theirs in zip([components.unet, components.vae, *components.text_encoders],
+                            [reference.unet, reference.vae, *reference.text_encoders], strict=True):
+        assert_same_weights(ours, theirs)
+    assert components.tokenizers[1].pad_token == reference.tokenizers[1].pad_token == "!"
 
 
 def test_v2_flag_on_an_sd1_file_is_an_error(tiny_file, tiny_sd1_dir):
     with pytest.raises(UserError, match="v2 is set, but .* Stable Diffusion 1.x"):
-        load_sd_components(tiny_file, v2=True, model_config=tiny_sd1_dir)
+        load_components(tiny_file, v2=True, model_config=tiny_sd1_dir)
 
 
 def test_clip_saved_without_the_text_model_level_still_loads(tiny_file, tiny_sd1_dir, tmp_path):
@@ -108,13 +110,13 @@ def test_clip_saved_without_the_text_model_level_still_loads(tiny_file, tiny_sd1
     assert not any(k.startswith(CLIP_PREFIX + "text_model.") for k in old)
     save_file(old, tmp_path / "old.safetensors")
     loaded = load_single_file(tmp_path / "old.safetensors", model_config=tiny_sd1_dir)
-    assert_same_weights(loaded.parts["text_encoder"], load_sd_components(tiny_sd1_dir).text_encoder)
+    assert_same_weights(loaded.parts["text_encoder"], load_components(tiny_sd1_dir).text_encoder)
 
 
 def test_widths_that_do_not_fit_the_shipped_config_name_model_config(tiny_file):
     with pytest.raises(UserError, match=r"has shape \[128, 32\] in the file but \[1280, 320\] in the config.*"
                                         r"model_config"):
-        load_sd_components(tiny_file)
+        load_components(tiny_file)
 
 
 def test_a_file_missing_weights_is_a_user_error(tiny_file, tiny_sd1_dir, tmp_path):
@@ -122,13 +124,13 @@ def test_a_file_missing_weights_is_a_user_error(tiny_file, tiny_sd1_dir, tmp_pat
     del state["model.diffusion_model.out.2.bias"]  # the UNet's conv_out.bias
     save_file(state, tmp_path / "partial.safetensors")
     with pytest.raises(UserError, match=r"the unet weights in the file are incomplete .*some tensors are missing"):
-        load_sd_components(tmp_path / "partial.safetensors", model_config=tiny_sd1_dir)
+        load_components(tmp_path / "partial.safetensors", model_config=tiny_sd1_dir)
 
 
 def test_incomplete_model_config_names_what_is_missing(tiny_file, tiny_sd1_dir, tmp_path):
     with pytest.raises(UserError, match="missing unet/config.json, vae/config.json, text_encoder/config.json, "
                                         "tokenizer/, scheduler/scheduler_config.json"):
-        load_sd_components(tiny_file, model_config=tmp_path)
+        load_components(tiny_file, model_config=tmp_path)
 
 
 # --- the shipped configs are the real architectures ------------------------------------------------------------
@@ -240,7 +242,7 @@ def test_unrecognised_file_is_a_user_error_naming_its_keys(tmp_path):
     path = tmp_path / "mystery.safetensors"
     save_file({"net.layer1.weight": torch.zeros(2), "net.layer2.weight": torch.zeros(2)}, path)
     with pytest.raises(UserError, match=r"cannot tell the model family.*Found: net.layer1 \(1 key\), net.layer2"):
-        load_sd_components(path)
+        load_components(path)
 
 
 def test_a_family_the_caller_cannot_train_is_refused_before_loading_weights(tmp_path):
@@ -255,7 +257,7 @@ def test_corrupt_safetensors_is_a_user_error(tmp_path):
     path = tmp_path / "model.safetensors"
     path.write_bytes(b"not a safetensors file at all")
     with pytest.raises(UserError, match="not a readable safetensors file"):
-        load_sd_components(path)
+        load_components(path)
 
 
 # --- pickles -----------------------------------------------------------------------------------------------------
@@ -271,7 +273,7 @@ def tiny_ckpt(tiny_file, tmp_path_factory) -> Path:
 
 def test_pickle_checkpoint_is_refused_with_the_way_out(tiny_ckpt, tiny_sd1_dir):
     with pytest.raises(UserError) as refused:
-        load_sd_components(tiny_ckpt, model_config=tiny_sd1_dir)
+        load_components(tiny_ckpt, model_config=tiny_sd1_dir)
     message = str(refused.value)
     assert "arbitrary code" in message and "allow_pickle_checkpoints = true" in message
     assert "python -m library.models.single_file" in message and "tiny.safetensors" in message
@@ -279,9 +281,9 @@ def test_pickle_checkpoint_is_refused_with_the_way_out(tiny_ckpt, tiny_sd1_dir):
 
 def test_pickle_loads_when_allowed(tiny_ckpt, tiny_sd1_dir, caplog):
     with caplog.at_level(logging.WARNING, logger="library.models.single_file"):
-        components = load_sd_components(tiny_ckpt, model_config=tiny_sd1_dir, allow_pickle_checkpoints=True)
+        components = load_components(tiny_ckpt, model_config=tiny_sd1_dir, allow_pickle_checkpoints=True)
     assert "needs full unpickling" in caplog.text  # the Namespace is not a tensor: the safe loader refused it
-    reference = load_sd_components(tiny_sd1_dir)
+    reference = load_components(tiny_sd1_dir)
     for name in ("unet", "vae", "text_encoder"):
         assert_same_weights(getattr(components, name), getattr(reference, name))
 
@@ -328,11 +330,11 @@ def test_single_file_trains_identically_to_the_folder(tiny_file, tiny_sd1_dir, s
     common = ("--resolution", "64", "--caption_extension", ".txt", "--train_batch_size", "2", "--seed", "3",
               "--max_train_steps", "3", "--learning_rate", "1e-3", "--network_dim", "4")
     folder_config, _ = parse_config(config_args(tiny_sd1_dir, sample_data_dir, tmp_path / "folder", *common))
-    folder = trainer.run(folder_config)
+    folder = loop.run(folder_config)
     AcceleratorState._reset_state(reset_partial_state=True)
     file_config, _ = parse_config(config_args(tiny_file, sample_data_dir, tmp_path / "file", *common,
                                               "--model_config", str(tiny_sd1_dir)))
-    single = trainer.run(file_config)
+    single = loop.run(file_config)
 
     assert len(single.losses) == 3 and single.losses == folder.losses
     with safe_open(folder.output_file, "pt") as a, safe_open(single.output_file, "pt") as b:

@@ -8,8 +8,8 @@ import pytest
 import torch
 from accelerate.state import AcceleratorState
 
-from library.network import lora as network
-from library.training import trainer
+from library.network import kohya_format, lora
+from library.training import loop
 from library.config import UserError, parse_config
 from library.training.state import ADAPTER_FILE, STATE_FILE, TrainState, find_latest_state
 
@@ -37,11 +37,11 @@ def train(tiny_sd1_dir, data, output_dir, *extra):
         "--output_dir", str(output_dir), "--resolution", "64", "--caption_extension", ".txt",
         "--train_batch_size", "2", "--seed", "11", "--learning_rate", "2e-3", "--lr_scheduler", "cosine",
         "--lr_warmup_steps", "2", "--network_dropout", "0.2", *extra])
-    return trainer.run(config)
+    return loop.run(config)
 
 
 def tensors(path: Path) -> dict[str, torch.Tensor]:
-    return network.load_kohya_lora(path)[0]
+    return kohya_format.load_kohya_lora(path)[0]
 
 
 @pytest.mark.parametrize("accumulation, total, resume_at", [
@@ -80,8 +80,8 @@ def test_state_dir_holds_only_the_adapter_and_training_state(tiny_sd1_dir, small
     names = {p.name for p in state_dir.iterdir()}
     assert {ADAPTER_FILE, STATE_FILE, "optimizer.bin", "scheduler.bin"} <= names
     assert not any("model" in name for name in names), names
-    lora_bytes = sum(p.numel() * 4 for p in network.lora_parameters(result.model.unet)) + \
-        sum(p.numel() * 4 for p in network.lora_parameters(result.model.text_encoder))
+    lora_bytes = sum(p.numel() * 4 for p in lora.lora_parameters(result.model.denoiser)) + \
+        sum(p.numel() * 4 for p in lora.lora_parameters(result.model.text_encoders[0]))
     size = sum(p.stat().st_size for p in state_dir.iterdir())
     # adapter (1x) + AdamW moments (2x); the constant covers RNG states (~15 KB), JSON, and torch.save's few hundred
     # bytes per tensor record (about 500 tiny optimizer tensors here). The base UNet alone would be 4.3 MB.
@@ -150,7 +150,7 @@ def test_network_weights_start_from_a_file_and_dim_from_weights(tiny_sd1_dir, sm
                    "--network_weights", str(first.output_file), "--dim_from_weights")
     a, b = tensors(first.output_file), tensors(second.output_file)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert network.read_metadata(second.output_file)["ss_network_dim"] == "6"
+    assert kohya_format.read_metadata(second.output_file)["ss_network_dim"] == "6"
     with pytest.raises(UserError, match="rank differs"):
         train(tiny_sd1_dir, small_data, tmp_path / "c", "--max_train_steps", "1", "--network_weights",
               str(first.output_file), "--network_alpha", "3")
@@ -176,7 +176,7 @@ def test_saves_cut_short_by_a_kill_are_removed_by_the_next_run(tmp_path, monkeyp
     (out / ".tmp-lora-step00000004-state").mkdir()  # a state dir being written
     with monkeypatch.context() as m:
         m.setattr(atomic.os, "replace", lambda src, dst: None)  # killed after writing, before the rename
-        network.save_lora_file(out / "lora.safetensors", {"w": torch.zeros(2)})
+        kohya_format.save_lora_file(out / "lora.safetensors", {"w": torch.zeros(2)})
         chart.save_png(Image.new("RGB", (4, 4)), out / "lora_loss_by_timestep.png")
         prompt = sampling.SamplePrompt(index=0, prompt="p")
         sampling._write_png(Image.new("RGB", (4, 4)), out / "sample" / "lora_0.png", prompt, 1, "ddim")

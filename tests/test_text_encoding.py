@@ -7,17 +7,18 @@ import pytest
 import torch
 from accelerate.state import AcceleratorState
 
-from library.training import trainer
+from library.training import loop
 from library.config import UserError, parse_config
-from library.models.family import encode_prompt, load_sd_components, tokenize
-from library.network.lora import read_metadata
+from library.models.loading import load_components
+from library.models.clip_text import encode_prompt, tokenize
+from library.network.kohya_format import read_metadata
 
 LONG = ", ".join(["red shape on a blue square"] * 30)
 
 
 @pytest.fixture(scope="module")
 def parts(tiny_sd1_dir):
-    components = load_sd_components(tiny_sd1_dir)
+    components = load_components(tiny_sd1_dir)
     return components.tokenizer, components.text_encoder.eval()
 
 
@@ -76,7 +77,7 @@ def test_training_with_clip_skip_and_long_captions(tiny_sd1_dir, sample_data_dir
         "2", "--max_train_steps", "2", "--clip_skip", "2", "--max_token_length", "225", "--caption_prefix",
         LONG + ", "])
     try:
-        result = trainer.run(config)
+        result = loop.run(config)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
     metadata = read_metadata(result.output_file)

@@ -103,3 +103,21 @@ def test_sample_dataset(sample_data_dir: Path, repo_root: Path) -> None:
     from tools import make_sample_dataset
 
     assert make_sample_dataset.check(sample_data_dir) == [], "committed dataset differs from tools/make_sample_dataset.py"
+
+
+def test_command_line_builds_every_family(tmp_path: Path, capsys) -> None:
+    from library.models.loading import load_components
+    from library.models.tiny import main
+
+    for family, base_model_version in (("sd1", "sd_v1"), ("sd2", "sd_v2"), ("sdxl", "sdxl_base_v1-0")):
+        assert main([str(tmp_path / family), "--family", family]) == 0
+        components = load_components(tmp_path / family)
+        assert components.family.name == family and components.base_model_version == base_model_version
+        assert len(components.text_encoders) == (2 if family == "sdxl" else 1)
+    assert main([str(tmp_path / "sdxl"), "--family", "sdxl", "--overwrite"]) == 0
+    with pytest.raises(SystemExit) as refused:
+        main([str(tmp_path / "sdxl"), "--family", "sdxl"])  # exists, no --overwrite
+    assert refused.value.code == 2
+    with pytest.raises(SystemExit) as refused:
+        main([str(tmp_path / "other"), "--family", "sdxl", "--size", "small"])
+    assert refused.value.code == 2 and "one shape" in capsys.readouterr().err

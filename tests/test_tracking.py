@@ -10,8 +10,8 @@ import torch
 from accelerate.state import AcceleratorState
 from PIL import Image
 
-from library.network import lora as network
-from library.training import trainer
+from library.network import kohya_format
+from library.training import loop
 from library.config import UserError, parse_config
 from library.monitoring.tracking import TimestepLoss
 from library.data.dataset import split_validation
@@ -34,15 +34,15 @@ def make_config(tiny_sd1_dir: Path, data_dir: Path, output_dir: Path, *extra: st
 def record_training_losses(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(per-sample loss, timesteps) of every training forward; validation runs without grad and is left out."""
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
-    original = trainer.diffusion_loss
+    original = loop.diffusion_loss
 
-    def recording(model, latents, conditioning, noise, timesteps, obj, **options):
-        loss = original(model, latents, conditioning, noise, timesteps, obj, **options)
+    def recording(model, latents, text, conditioning, noise, timesteps, obj, **options):
+        loss = original(model, latents, text, conditioning, noise, timesteps, obj, **options)
         if torch.is_grad_enabled():
             seen.append((loss.detach().clone(), timesteps.clone()))
         return loss
 
-    monkeypatch.setattr(trainer, "diffusion_loss", recording)
+    monkeypatch.setattr(loop, "diffusion_loss", recording)
     return seen
 
 
@@ -63,7 +63,7 @@ def test_tensorboard_gets_every_metric_at_the_global_step(tiny_sd1_dir, sample_d
                          "--log_with", "tensorboard", "--logging_dir", str(tmp_path / "logs"),
                          "--loss_timestep_bins", "4", "--validation_split", "0.2", "--validate_every_n_steps", "2",
                          "--validation_timesteps", "100,600", "--network_dropout", "0.1")
-    result = trainer.run(config)
+    result = loop.run(config)
     scalars = tensorboard_scalars(tmp_path / "logs")
 
     assert [step for step, _ in scalars["loss/current"]] == [1, 2, 3, 4]
@@ -137,7 +137,7 @@ def test_wandb_offline_run_has_the_metrics_and_no_secret_anywhere(tiny_sd1_dir, 
                          "--log_with", "wandb", "--wandb_api_key", SECRET, "--wandb_run_name", "digits",
                          "--log_config", "--log_tracker_name", "proj", "--save_state",
                          "--log_tracker_config", str(tracker_config))
-    result = trainer.run(config)
+    result = loop.run(config)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
 
     (run_file,) = (tmp_path / "out" / "logs").rglob("offline-run-*/run-*.wandb")
@@ -181,7 +181,7 @@ def test_a_failing_tracker_is_reported_once_and_training_goes_on(tiny_sd1_dir, s
         raise RuntimeError("tracker backend down")
 
     monkeypatch.setattr(TensorBoardTracker, method, broken)
-    result = trainer.run(make_config(tiny_sd1_dir, sample_data_dir, tmp_path, "--max_train_steps", "3",
+    result = loop.run(make_config(tiny_sd1_dir, sample_data_dir, tmp_path, "--max_train_steps", "3",
                                      "--log_with", "tensorboard"))
     assert result.global_step == 3 and (tmp_path / "last.safetensors").is_file()
     reports = [r for r in caplog.records if "tracker backend down" in r.getMessage()]
@@ -193,16 +193,16 @@ def test_binned_loss_survives_resume_and_validation_leaves_the_training_path_alo
     common = ("--max_train_steps", "4", "--log_with", "tensorboard", "--loss_timestep_bins", "3",
               "--validation_split", "0.2", "--network_dropout", "0.2")
     # Validated after every step, saving a state at step 2.
-    straight = trainer.run(make_config(tiny_sd1_dir, sample_data_dir, tmp_path / "a", *common,
+    straight = loop.run(make_config(tiny_sd1_dir, sample_data_dir, tmp_path / "a", *common,
                                        "--validate_every_n_steps", "1", "--save_every_n_steps", "2",
                                        "--save_state", "--logging_dir", str(tmp_path / "logs_a")))
     AcceleratorState._reset_state(reset_partial_state=True)
     # Resumed at step 2 and validated only at the end.
-    resumed = trainer.run(make_config(tiny_sd1_dir, sample_data_dir, tmp_path / "b", *common,
+    resumed = loop.run(make_config(tiny_sd1_dir, sample_data_dir, tmp_path / "b", *common,
                                       "--resume", str(tmp_path / "a" / "last-step00000002-state"),
                                       "--validate_every_n_steps", "100", "--logging_dir", str(tmp_path / "logs_b")))
     assert resumed.losses == straight.losses[2:]
-    a, b = (network.load_kohya_lora(tmp_path / d / "last.safetensors")[0] for d in ("a", "b"))
+    a, b = (kohya_format.load_kohya_lora(tmp_path / d / "last.safetensors")[0] for d in ("a", "b"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert resumed.validation == straight.validation
 

@@ -9,11 +9,12 @@ from accelerate.state import AcceleratorState
 from safetensors import safe_open
 
 from library.training import model as model_module
-from library.network import lora as network
-from library.training import trainer
+from library.network import kohya_format, lora
+from library.training import loop
 from library.config import parse_config
-from library.models.family import load_sd_components
+from library.models.loading import load_components
 from library.training.optim import build_optimizer
+from library.models.objective import DiffusionObjective
 
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
@@ -30,11 +31,11 @@ def make_config(tiny_sd1_dir: Path, sample_data_dir: Path, output_dir: Path, *ex
 def test_loss_falls_when_overfitting_one_fixed_batch(tiny_sd1_dir, sample_data_dir, tmp_path):
     config = make_config(tiny_sd1_dir, sample_data_dir, tmp_path, "--learning_rate", "3e-3", "--network_dim", "8",
                          "--network_alpha", "8")
-    components = load_sd_components(tiny_sd1_dir)
+    components = load_components(tiny_sd1_dir)
     torch.manual_seed(0)
     model, groups = model_module.build_model(config, components, torch.device("cpu"))
     optimizer = build_optimizer("AdamW", groups, config.learning_rate, [])
-    obj = model_module.Objective(components.noise_scheduler.alphas_cumprod, False, 0, 1000, None, None)
+    obj = DiffusionObjective(components.noise_scheduler.alphas_cumprod, False, 0, 1000, None, None)
     g = torch.Generator().manual_seed(0)
     latents = torch.randn(4, 4, 8, 8, generator=g)
     noise = torch.randn(4, 4, 8, 8, generator=g)
@@ -43,7 +44,7 @@ def test_loss_falls_when_overfitting_one_fixed_batch(tiny_sd1_dir, sample_data_d
                                                   return_tensors="pt").input_ids[0]] * 4)
     losses = []
     for _ in range(40):
-        loss = model_module.diffusion_loss(model, latents, input_ids, noise, timesteps, obj).mean()
+        loss = model_module.diffusion_loss(model, latents, {"input_ids": input_ids}, {}, noise, timesteps, obj).mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -68,12 +69,12 @@ def record_grad_norms(monkeypatch) -> list[float]:
 def test_max_grad_norm_clips_the_update(tiny_sd1_dir, sample_data_dir, tmp_path, monkeypatch):
     norms = record_grad_norms(monkeypatch)
     common = ("--max_train_steps", "3", "--learning_rate", "1e-3")
-    unclipped = trainer.run(make_config(tiny_sd1_dir, sample_data_dir, tmp_path / "a", *common,
+    unclipped = loop.run(make_config(tiny_sd1_dir, sample_data_dir, tmp_path / "a", *common,
                                         "--max_grad_norm", "0"))
     unclipped_norms = list(norms)
     norms.clear()
     AcceleratorState._reset_state(reset_partial_state=True)
-    clipped = trainer.run(make_config(tiny_sd1_dir, sample_data_dir, tmp_path / "b", *common,
+    clipped = loop.run(make_config(tiny_sd1_dir, sample_data_dir, tmp_path / "b", *common,
                                       "--max_grad_norm", "1e-4"))
     assert len(unclipped_norms) == len(norms) == 3
     assert min(unclipped_norms) > 1e-3  # so a limit of 1e-4 must act
@@ -89,7 +90,7 @@ def test_saved_lora_loads_in_diffusers_and_matches_our_model(tiny_sd1_dir, sampl
     config = make_config(tiny_sd1_dir, sample_data_dir, tmp_path, "--max_train_steps", "4", "--learning_rate",
                          "2e-2", "--network_dim", str(dim), "--network_alpha", str(alpha),
                          "--max_grad_norm", "0")
-    result = trainer.run(config)
+    result = loop.run(config)
     ours = result.model.eval()
     pipe = StableDiffusionPipeline.from_pretrained(tiny_sd1_dir, local_files_only=True, safety_checker=None)
     pipe.load_lora_weights(str(result.output_file))
@@ -100,13 +101,13 @@ def test_saved_lora_loads_in_diffusers_and_matches_our_model(tiny_sd1_dir, sampl
     input_ids = pipe.tokenizer(["sks shape, a red circle", "a blue ring"], padding="max_length", max_length=77,
                                return_tensors="pt").input_ids
     with torch.no_grad():
-        hidden_ours = ours.text_encoder(input_ids)[0]
+        hidden_ours = ours.text_encoders[0](input_ids)[0]
         hidden_diffusers = pipe.text_encoder(input_ids)[0]
-        base = load_sd_components(tiny_sd1_dir)
+        base = load_components(tiny_sd1_dir)
         hidden_base = base.text_encoder(input_ids)[0]
         torch.testing.assert_close(hidden_diffusers, hidden_ours, atol=1e-5, rtol=1e-4)
         assert (hidden_ours - hidden_base).abs().max() > 1e-3  # the text encoder LoRA really did something
-        unet_ours = ours.unet(latents, timesteps, hidden_ours).sample
+        unet_ours = ours.denoiser(latents, timesteps, hidden_ours).sample
         unet_diffusers = pipe.unet(latents, timesteps, hidden_ours).sample
         torch.testing.assert_close(unet_diffusers, unet_ours, atol=1e-5, rtol=1e-4)
         assert (unet_ours - base.unet(latents, timesteps, hidden_ours).sample).abs().max() > 1e-3
@@ -122,9 +123,9 @@ def test_saved_lora_loads_in_diffusers_and_matches_our_model(tiny_sd1_dir, sampl
 @pytest.mark.parametrize("extra", [("--mixed_precision", "bf16"), ("--gradient_checkpointing",),
                                    ("--gradient_accumulation_steps", "2", "--network_dropout", "0.1")])
 def test_training_options_run_and_change_the_lora(tiny_sd1_dir, sample_data_dir, tmp_path, extra):
-    result = trainer.run(make_config(tiny_sd1_dir, sample_data_dir, tmp_path, "--max_train_steps", "2",
+    result = loop.run(make_config(tiny_sd1_dir, sample_data_dir, tmp_path, "--max_train_steps", "2",
                                      "--learning_rate", "1e-2", *extra))
-    state_dict = network.load_kohya_lora(result.output_file)[0]
+    state_dict = kohya_format.load_kohya_lora(result.output_file)[0]
     ups = [v for k, v in state_dict.items() if k.endswith("lora_up.weight")]
     assert ups and all(v.dtype == torch.float32 for v in ups)
     assert all(v.abs().max() > 0 for v in ups)  # every LoRA layer received gradient
@@ -134,10 +135,10 @@ def test_training_options_run_and_change_the_lora(tiny_sd1_dir, sample_data_dir,
 def test_full_bf16_trains_bf16_lora_weights(tiny_sd1_dir, sample_data_dir, tmp_path):
     config = make_config(tiny_sd1_dir, sample_data_dir, tmp_path, "--max_train_steps", "2", "--learning_rate",
                          "1e-2", "--mixed_precision", "bf16", "--full_bf16")
-    result = trainer.run(config)
-    params = network.lora_parameters(result.model.unet)
+    result = loop.run(config)
+    params = lora.lora_parameters(result.model.denoiser)
     assert params and all(p.dtype == torch.bfloat16 for p in params)
-    state_dict = network.load_kohya_lora(result.output_file)[0]
+    state_dict = kohya_format.load_kohya_lora(result.output_file)[0]
     ups = [v for k, v in state_dict.items() if k.endswith("lora_up.weight")]
     assert ups and all(v.dtype == torch.bfloat16 and v.abs().max() > 0 for v in ups)
 
@@ -146,7 +147,7 @@ def test_unet_only_and_text_encoder_only(tiny_sd1_dir, sample_data_dir, tmp_path
     for flag, prefix in (("--network_train_unet_only", "lora_unet_"), ("--network_train_text_encoder_only",
                                                                         "lora_te_")):
         AcceleratorState._reset_state(reset_partial_state=True)
-        result = trainer.run(make_config(tiny_sd1_dir, sample_data_dir, tmp_path / flag, "--max_train_steps", "1",
+        result = loop.run(make_config(tiny_sd1_dir, sample_data_dir, tmp_path / flag, "--max_train_steps", "1",
                                          flag))
-        keys = network.load_kohya_lora(result.output_file)[0].keys()
+        keys = kohya_format.load_kohya_lora(result.output_file)[0].keys()
         assert keys and all(k.startswith(prefix) for k in keys)

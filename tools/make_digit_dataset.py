@@ -8,7 +8,7 @@ regularisation images, all from scikit-learn's bundled digits (no download).
     data/digits/reg/1_digits/     20 images of each other digit, captioned "a photo of <word>"
 
 The images are the first ones of each digit in scikit-learn's order, upscaled to 32x32 as for the base model
-(library/digits.py). Deterministic, so the committed files can always be rebuilt.
+(library.digits). Deterministic, so the committed files can always be rebuilt.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
     python tools/pretrain_base.py [--out models/digits-base] [--overwrite] [--seed 0] [--threads 1]
 
-Every part is built from a config here and trained from scratch on the digits of library/digits.py (8x8 upscaled
+Every part is built from a config here and trained from scratch on the digits of library.digits (8x8 upscaled
 to 32x32), with the held-out digit left out of every stage:
 
 1. tokenizer: CLIP-format, byte tokens plus BPE merges learned from the captions ("a photo of three", ...);
@@ -13,7 +13,7 @@ to 32x32), with the held-out digit left out of every stage:
    exponential moving average of the weights, which is what is saved.
 
 Then the folder is written (diffusers StableDiffusionPipeline layout, safetensors), loaded back the way users load
-it, and judged: `--eval_n` images per trained digit from fixed seeds, classified by library/judge.py. The model
+it, and judged: `--eval_n` images per trained digit from fixed seeds, classified by library/digits/judge.py. The model
 card (README.md in the folder) records the recipe, seed, times and the judged accuracy. All randomness comes from
 the seed and the thread count is fixed, so a re-run on the same software reproduces the weights.
 """
@@ -305,7 +305,7 @@ judging ({times['cpu']:.0f} s of CPU time).
 
 ## Metrics
 
-Judged by `library/judge.py` (an SVM fitted on the real digits; accuracy on real digits it was not fitted on:
+Judged by `library/digits/judge.py` (an SVM fitted on the real digits; accuracy on real digits it was not fitted on:
 {np.mean(list(judge_accuracy.values())):.1%}). {settings['n']} images per prompt from seed {settings['seed']},
 sampler {settings['sampler']}, {settings['steps']} steps, guidance scale {settings['scale']:g}:
 

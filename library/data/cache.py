@@ -27,8 +27,9 @@ import torch
 from library.core.atomic import write_atomically
 from library.config import UserError
 from library.data.captions import process_caption
-from library.data.dataset import ImageRecord, TrainingData
+from library.data.dataset import TrainingData
 from library.data.images import prepare_image
+from library.data.scan import ImageRecord
 
 logger = logging.getLogger(__name__)
 
@@ -356,10 +357,10 @@ def fixed_caption(record: ImageRecord) -> str:
 
 
 def cache_text_encoder_outputs(data: TrainingData, encode: Callable[[Any], Any], batch_size: int = 16) -> int:
-    """Encode every caption the dataset can produce once (in memory); items then carry encoder_hidden_states.
+    """Encode every caption the dataset can produce once (in memory); items then carry the encoded text.
 
-    `encode` maps token ids (B, L) to hidden states (B, L, D) with the frozen text encoder; for SDXL, a dict of
-    ids to a dict of outputs (encoder_hidden_states, pooled), cached per caption the same way. Whole-caption dropout
+    `encode` maps a dict of batched token ids to the family's dict of outputs with the frozen text encoders
+    (encoder_hidden_states, and for SDXL pooled), cached per caption. Whole-caption dropout
     works (the empty caption is cached too); shuffled or tag-dropped captions cannot be cached. Returns the number
     of distinct captions encoded.
     """
@@ -381,13 +382,9 @@ def cache_text_encoder_outputs(data: TrainingData, encode: Callable[[Any], Any],
         for start in range(0, len(ordered), batch_size):
             chunk = ordered[start:start + batch_size]
             tokens = [tokenize(c) for c in chunk]
-            if isinstance(tokens[0], dict):
-                encoded = encode({key: torch.stack([t[key] for t in tokens]) for key in tokens[0]})
-                for i, caption in enumerate(chunk):
-                    outputs[caption] = {key: value[i].detach().cpu().clone() for key, value in encoded.items()}
-            else:
-                for caption, states in zip(chunk, encode(torch.stack(tokens))):
-                    outputs[caption] = states.detach().cpu().clone()
+            encoded = encode({key: torch.stack([t[key] for t in tokens]) for key in tokens[0]})
+            for i, caption in enumerate(chunk):
+                outputs[caption] = {key: value[i].detach().cpu().clone() for key, value in encoded.items()}
     data.dataset.text_encoder_outputs = outputs
     logger.info("text encoder outputs cached for %d distinct captions", len(outputs))
     return len(outputs)

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from library.config import Config, ConfigError
-from library.data.dataset import collect_training_data, listing
+from library.data.dataset import collect_training_data
+from library.data.scan import listing
 
 logger = logging.getLogger(__name__)
 

@@ -1,242 +1,31 @@
-"""What is on disk and how it is fed: images, captions, aspect-ratio buckets, the dataset, a resumable seeded sampler.
+"""How the scanned images are fed: the dataset, collate, a resumable seeded bucket sampler, and building them.
 
-Every image is decoded and every caption read once before training, and every problem is collected: the run stops
-with all of them listed (status 2), or, with skip_bad_images, leaves the unusable files out and logs them. Random
-choices per item (flip, random crop, caption shuffle / dropout) come from generators seeded by (seed, epoch, index),
-so they do not depend on worker processes, the global random stream or resuming.
+Every image is decoded and every caption read once before training (library.data.scan), and every problem is
+collected: the run stops with all of them listed (status 2), or, with skip_bad_images, leaves the unusable files out
+and logs them. Random choices per item (flip, random crop, caption shuffle / dropout) come from generators seeded by
+(seed, epoch, index), so they do not depend on worker processes, the global random stream or resuming.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 import math
-import os
 import random
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
-from library.data.captions import process_caption, read_caption
+from library.data.captions import process_caption
 from library.config import Config, UserError
-from library.data.dataset_config import DatasetSpec, SubsetSpec, resolve_datasets
-from library.data.images import (FORMATS_BY_EXTENSION, IMAGE_EXTENSIONS, Bucketer, ImageProblem, center_crop, inspect_image,
-                            prepare_image, prepare_mask, read_mask)
+from library.data.dataset_config import DatasetSpec, resolve_datasets
+from library.data.images import prepare_image, prepare_mask
+from library.data.scan import ImageRecord, SubsetReport, balance_regularisation, scan_datasets
 from library.core.seeds import derive_seed
 
 logger = logging.getLogger(__name__)
-
-_SHOWN = 5  # paths listed per warning before "... and N more"
-
-
-
-
-def list_images(directory: Path) -> list[Path]:
-    """Image files by extension (any case); hidden files such as macOS `._x.png` are not images."""
-    return sorted(p for p in directory.iterdir()
-                  if p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".") and p.is_file())
-
-
-# ------------------------------------------------------------------------------------------------------ records
-
-@dataclass
-class ImageRecord:
-    """One usable image of one subset."""
-    path: Path
-    dataset_index: int
-    subset_index: int  # within its dataset
-    subset: SubsetSpec
-    caption: str  # before per-use processing; the class tokens when there is no caption file
-    caption_from_file: bool
-    size: tuple[int, int]  # original (width, height), upright
-    bucket: tuple[int, int]
-    resized: tuple[int, int]
-    repeats: int  # per epoch; for regularisation images after balancing against the training images
-    is_reg: bool
-    alpha: bool = False
-
-    @property
-    def crop(self) -> tuple[int, int]:
-        return center_crop(self.resized, self.bucket)
-
-    @property
-    def upscaled(self) -> bool:
-        return self.resized[0] > self.size[0] or self.resized[1] > self.size[1]
-
-
-@dataclass
-class SubsetReport:
-    dataset_index: int
-    subset_index: int
-    spec: SubsetSpec
-    images: int = 0
-    captions_from_file: int = 0
-    left_out: int = 0
-    used: bool = True
-
-
-@dataclass
-class Scan:
-    records: list[ImageRecord] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    subsets: list[SubsetReport] = field(default_factory=list)
-
-
-def listing(paths: Sequence[Any]) -> str:
-    shown = ", ".join(str(p) for p in paths[:_SHOWN])
-    return shown + (f" ... and {len(paths) - _SHOWN} more" if len(paths) > _SHOWN else "")
-
-
-def _check_image(path: Path, subset: SubsetSpec,
-                 bucketer: Bucketer) -> tuple[dict[str, Any] | None, list[str], list[str]]:
-    """(record fields or None, problems, notes) for one image file; runs in a worker thread."""
-    problems: list[str] = []
-    notes: list[str] = []
-    facts = None
-    try:
-        facts = inspect_image(path)
-    except ImageProblem as e:
-        problems.append(f"{path}: {e}")
-    caption = read_caption(path, subset.caption_extension)
-    if caption.problem:
-        problems.append(caption.problem)
-    elif caption.text is None and subset.class_tokens is None:
-        problems.append(f"{path}: no caption file ({subset.caption_extension}"
-                        f"{', .txt' if subset.caption_extension != '.txt' else ''}) and the subset has no class "
-                        "tokens; it would train with an empty caption")
-    if facts is None or problems:
-        return None, problems, notes
-    if subset.conditioning_data_dir is not None:
-        mask_path = subset.conditioning_data_dir / path.name
-        try:
-            mask_size = read_mask(mask_path, alpha=False).size if mask_path.is_file() else None
-        except ImageProblem as e:
-            return None, [f"{mask_path}: {e}"], notes
-        if mask_size is None:
-            return None, [f"{path}: no mask {mask_path} (masked_loss reads the mask with the image's file name "
-                          "from conditioning_data_dir)"], notes
-        if mask_size != facts.size:
-            return None, [f"{mask_path}: the mask is {mask_size[0]}x{mask_size[1]}, its image "
-                          f"{facts.size[0]}x{facts.size[1]}; they must be the same size"], notes
-    expected = FORMATS_BY_EXTENSION.get(path.suffix.lower(), ())
-    if facts.format not in expected:
-        notes.append(f"wrong-extension:{path} is {facts.format} data with a {path.suffix} extension; decoded as "
-                     f"{facts.format}")
-    placement = bucketer.place(*facts.size)
-    if placement.problem:
-        return None, [f"{path}: {placement.problem}"], notes
-    fields_ = {"path": path, "caption": caption.text if caption.text is not None else subset.class_tokens,
-               "caption_from_file": caption.text is not None, "size": facts.size, "bucket": placement.bucket,
-               "resized": placement.resized, "alpha": facts.alpha}
-    return fields_, problems, notes
-
-
-def scan_datasets(specs: Sequence[DatasetSpec], threads: int | None = None) -> Scan:
-    """Read every image and caption of every subset; collect usable records, problems and warnings."""
-    scan = Scan()
-    jobs: list[tuple[SubsetReport, Path, Bucketer]] = []
-    for d, spec in enumerate(specs):
-        bucketer = Bucketer(spec)
-        seen: set[Path] = set()
-        for s, subset in enumerate(spec.subsets):
-            report = SubsetReport(d, s, subset)
-            scan.subsets.append(report)
-            directory = subset.image_dir
-            if directory.resolve() in seen:
-                scan.warnings.append(f"{directory}: the same folder is already a subset of dataset {d}; "
-                                     "this one is ignored (kohya does the same)")
-                report.used = False
-                continue
-            seen.add(directory.resolve())
-            if subset.num_repeats == 0:
-                scan.warnings.append(f"{directory}: num_repeats is 0; the subset is not used")
-                report.used = False
-                continue
-            if not directory.exists():
-                scan.problems.append(f"{directory}: image folder not found")
-                report.used = False
-                continue
-            if not directory.is_dir():
-                scan.problems.append(f"{directory}: not a folder")
-                report.used = False
-                continue
-            images = list_images(directory)
-            if not images:
-                scan.problems.append(f"{directory}: no images (extensions {', '.join(IMAGE_EXTENSIONS)})")
-                report.used = False
-                continue
-            report.images = len(images)
-            jobs.extend((report, path, bucketer) for path in images)
-
-    workers = threads or min(8, os.cpu_count() or 1)
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        results = list(pool.map(lambda job: _check_image(job[1], job[0].spec, job[2]), jobs))
-
-    notes: dict[str, list[str]] = {}
-    class_token_users: dict[int, list[Path]] = {}
-    for (report, path, _), (fields_, problems, image_notes) in zip(jobs, results):
-        scan.problems.extend(problems)
-        for note in image_notes:
-            kind, text = note.split(":", 1)
-            notes.setdefault(kind, []).append(text)
-        if fields_ is None:
-            report.left_out += 1
-            continue
-        record = ImageRecord(dataset_index=report.dataset_index, subset_index=report.subset_index,
-                             subset=report.spec, repeats=report.spec.num_repeats, is_reg=report.spec.is_reg,
-                             **fields_)
-        scan.records.append(record)
-        if record.caption_from_file:
-            report.captions_from_file += 1
-        else:
-            class_token_users.setdefault(id(report), []).append(path)
-        if record.upscaled:
-            notes.setdefault("upscaled", []).append(
-                f"{path} ({record.size[0]}x{record.size[1]} -> bucket {record.bucket[0]}x{record.bucket[1]})")
-        if record.alpha:
-            notes.setdefault("alpha", []).append(str(path))
-
-    for report in scan.subsets:
-        users = class_token_users.get(id(report), [])
-        if users:
-            scan.warnings.append(
-                f"{report.spec.image_dir}: {len(users)} of {report.images} images have no caption file "
-                f"({report.spec.caption_extension}); they use the class tokens {report.spec.class_tokens!r}: "
-                + listing(users))
-    if "wrong-extension" in notes:
-        scan.warnings.append(f"{len(notes['wrong-extension'])} images have an extension that does not match "
-                             "their content (decoded by content): " + listing(notes["wrong-extension"]))
-    if "upscaled" in notes:
-        scan.warnings.append(f"{len(notes['upscaled'])} images are smaller than their bucket and are enlarged "
-                             "(set bucket_no_upscale to keep them small): " + listing(notes["upscaled"]))
-    if "alpha" in notes:
-        scan.warnings.append(f"{len(notes['alpha'])} images have transparency; it is composited on white: "
-                             + listing(notes["alpha"]))
-    return scan
-
-
-def balance_regularisation(records: list[ImageRecord]) -> None:
-    """kohya: regularisation images are repeated (round-robin) until they match the training images per epoch;
-    when there are more, the ones past that count are not used."""
-    num_train = sum(r.repeats for r in records if not r.is_reg)
-    reg = [r for r in records if r.is_reg]
-    for r in reg:
-        r.repeats = 0
-    if not reg:
-        return
-    total, first_pass = 0, True
-    while total < num_train:
-        for r in reg:
-            added = r.subset.num_repeats if first_pass else 1
-            r.repeats += added
-            total += added
-            if total >= num_train:
-                break
-        first_pass = False
 
 
 # ------------------------------------------------------------------------------------------------------ dataset
@@ -306,22 +95,23 @@ class TrainingDataset(torch.utils.data.Dataset):
                                              flipped, alpha=True)
         caption = process_caption(record.caption, subset, epoch, item_rng(self.seed, "caption", epoch, index))
         item["caption"] = caption
-        # Tensors for SD1.x/SD2.x; dicts for SDXL (input_ids + input_ids_2, encoder_hidden_states + pooled).
+        # The family's token ids, or its cached text-encoder outputs: a dict of tensors either way.
         if self.text_encoder_outputs is not None:
-            cached = self.text_encoder_outputs[caption]
-            item.update(cached if isinstance(cached, dict) else {"encoder_hidden_states": cached})
+            item["text"] = self.text_encoder_outputs[caption]
         elif self.tokenize is not None:
-            tokens = self.tokenize(caption)
-            item.update(tokens if isinstance(tokens, dict) else {"input_ids": tokens})
+            item["text"] = self.tokenize(caption)
         return item
 
 
-_STACKED = ("pixels", "latent_mean", "latent_logvar", "input_ids", "input_ids_2", "encoder_hidden_states", "pooled")
+_STACKED = ("pixels", "latent_mean", "latent_logvar")
 
 
 def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
-    """Stack tensors; per-item sizes as (B, 2) long tensors in (height, width) / (top, left) order."""
+    """Stack tensors (and each tensor of the `text` dicts); per-item sizes as (B, 2) long tensors in
+    (height, width) / (top, left) order."""
     batch: dict[str, Any] = {key: torch.stack([item[key] for item in items]) for key in _STACKED if key in items[0]}
+    if "text" in items[0]:
+        batch["text"] = {key: torch.stack([item["text"][key] for item in items]) for key in items[0]["text"]}
     batch["loss_weight"] = torch.tensor([item["loss_weight"] for item in items], dtype=torch.float32)
     if any("loss_mask" in item for item in items):
         # (B, 1, H, W); as in kohya, an image of a subset without masks counts everywhere.

@@ -269,3 +269,55 @@ def per_sample_loss(prediction: torch.Tensor, target: torch.Tensor, loss_type: s
         return loss.mean(dim=dims)
     weights = resize_mask(mask, loss.shape[2:]).to(device=loss.device, dtype=loss.dtype).expand_as(loss)
     return (loss * weights).sum(dim=dims) / weights.sum(dim=dims).clamp_min(torch.finfo(loss.dtype).tiny)
+
+
+@dataclass(frozen=True)
+class DiffusionObjective:
+    """Noise (epsilon) or v prediction on a DDPM noise schedule, with kohya's noise and loss options.
+
+    The loop asks an objective for noise, timesteps, the noisy input and the per-sample loss; a family returns the
+    objective it is trained with, so another one (flow matching) plugs in beside this.
+    """
+    alphas_cumprod: torch.Tensor
+    v_prediction: bool
+    min_timestep: int
+    max_timestep: int
+    noise_offset: float | None
+    min_snr_gamma: float | None
+    noise: NoiseOptions = NoiseOptions()
+    loss: LossOptions = LossOptions()
+
+    def problems(self) -> list[str]:
+        # Whether the model predicts v is known only here: v_parameterization may come from its scheduler config.
+        return self.loss.problems(self.v_prediction)
+
+    @property
+    def num_train_timesteps(self) -> int:
+        return self.alphas_cumprod.shape[0]
+
+    def sample_noise(self, latents: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        return sample_noise(latents, generator, self.noise_offset, self.noise)
+
+    def sample_timesteps(self, batch_size: int, generator: torch.Generator,
+                         device: torch.device | str) -> torch.Tensor:
+        return sample_timesteps(batch_size, generator, self.min_timestep, self.max_timestep, device)
+
+    def input_noise(self, noise: torch.Tensor, generator: torch.Generator) -> torch.Tensor | None:
+        """The noise the input is made with when it differs from the target's (ip_noise_gamma), else None."""
+        return perturb_noise(noise, generator, self.noise) if self.noise.ip_noise_gamma else None
+
+    def noisy_latents(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        return add_noise(latents, noise, timesteps, self.alphas_cumprod)
+
+    def per_sample_loss(self, prediction: torch.Tensor, latents: torch.Tensor, noise: torch.Tensor,
+                        timesteps: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        target = prediction_target(latents, noise, timesteps, self.alphas_cumprod, self.v_prediction)
+        huber_c = huber_threshold(timesteps, self.alphas_cumprod, self.loss)
+        loss = per_sample_loss(prediction, target, self.loss.loss_type, huber_c, mask)
+        weight = timestep_weight(timesteps, self.alphas_cumprod, self.v_prediction, self.min_snr_gamma, self.loss)
+        return loss if weight is None else loss * weight
+
+    @classmethod
+    def from_config(cls, alphas_cumprod: torch.Tensor, v_prediction: bool, config: Any) -> DiffusionObjective:
+        return cls(alphas_cumprod, v_prediction, config.min_timestep, config.max_timestep, config.noise_offset,
+                   config.min_snr_gamma, NoiseOptions.from_config(config), LossOptions.from_config(config))

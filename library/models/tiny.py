@@ -4,8 +4,8 @@ Used by the quickstart, the tests and the benchmarks, so that nothing is ever fe
 The layout mirrors SD1.x (cross-attention transformer blocks with 1x1-conv proj_in/proj_out, an 8x VAE,
 a CLIP text model, SD's DDPM schedule) so key names and code paths match the real models; only widths shrink.
 
-    python -m library.models.tiny OUTPUT_DIR [--family sd1|sd2] [--size tiny|small] [--seed N]
-                                      [--prediction-type epsilon|v_prediction]
+    python -m library.models.tiny OUTPUT_DIR [--family sd1|sd2|sdxl] [--size tiny|small] [--seed N]
+                                             [--prediction-type epsilon|v_prediction] [--overwrite]
 """
 
 from __future__ import annotations
@@ -241,15 +241,19 @@ def build_tiny_sd1(size: str = "tiny", seed: int = 0, prediction_type: str = "ep
 def save_pipeline(components: dict[str, Any], target: Path, corpus: str = _BPE_CORPUS) -> None:
     """Write `components` as a StableDiffusionPipeline folder at `target`, replacing any old one atomically.
 
-    The folder is written beside `target` and renamed over it, so a crash leaves the old folder or the new one.
     `corpus` is what the tokenizer's merges were learned from; vocab.json and merges.txt are written from it.
     """
     from diffusers import StableDiffusionPipeline
 
-    from library.core.atomic import replace_dir
-
     pipe = StableDiffusionPipeline(**components, safety_checker=None, feature_extractor=None,
                                    requires_safety_checker=False)
+    _write_pipeline(pipe, target, ("tokenizer",), corpus)
+
+
+def _write_pipeline(pipe: Any, target: Path, tokenizers: tuple[str, ...], corpus: str = _BPE_CORPUS) -> None:
+    """The folder is written beside `target` and renamed over it, so a crash leaves the old folder or the new one."""
+    from library.core.atomic import replace_dir
+
     target.parent.mkdir(parents=True, exist_ok=True)
     # os.mkdir rather than mkdtemp: mkdtemp's 0700 mode would survive the rename.
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -258,10 +262,18 @@ def save_pipeline(components: dict[str, Any], target: Path, corpus: str = _BPE_C
         pipe.save_pretrained(tmp, safe_serialization=True)
         # transformers 5 saves only tokenizer.json; older transformers (slow CLIPTokenizer, as in kohya's
         # scripts) need vocab.json + merges.txt beside it.
-        _write_bpe_files(tmp / "tokenizer", corpus)
+        for name in tokenizers:
+            _write_bpe_files(tmp / name, corpus)
         replace_dir(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _check_target(target: Path, overwrite: bool) -> None:
+    if target.exists() and not target.is_dir():
+        raise FileExistsError(f"{target} exists and is not a directory")
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        raise FileExistsError(f"{target} exists and is not empty (use --overwrite / overwrite=True)")
 
 
 def save_tiny_sd1(
@@ -278,12 +290,7 @@ def save_tiny_sd1(
     """
     _check_args(size, prediction_type, family)
     target = Path(path).absolute()
-    if target.exists() and not target.is_dir():
-        raise FileExistsError(f"{target} exists and is not a directory")
-    if target.is_dir() and any(target.iterdir()) and not overwrite:
-        raise FileExistsError(f"{target} exists and is not empty (use --overwrite / overwrite=True)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-
+    _check_target(target, overwrite)
     save_pipeline(build_tiny_sd1(size=size, seed=seed, prediction_type=prediction_type, family=family), target)
     logger.info("wrote tiny %s model (size=%s, seed=%d, %s) to %s", family, size, seed, prediction_type, target)
     return target
@@ -297,7 +304,8 @@ def save_tiny_sd1_single_file(path: str | os.PathLike[str], size: str = "tiny", 
     so loading it needs that folder as `model_config`. `open_clip` writes the text encoder in SD2's OpenCLIP
     layout (cond_stage_model.model.), which makes the file read as an SD2.x checkpoint.
     """
-    from library.models.single_file import ldm_state_dict, save_checkpoint
+    from library.models.ldm_export import ldm_state_dict
+    from library.models.single_file import save_checkpoint
 
     _check_args(size, "epsilon")
     parts = build_tiny_sd1(size=size, seed=seed)
@@ -354,15 +362,14 @@ def build_tiny_sdxl(seed: int = 0) -> dict[str, Any]:
             "tokenizer": tokenizer, "tokenizer_2": tokenizer_2, "scheduler": scheduler}
 
 
-def save_tiny_sdxl(path: str | os.PathLike[str], seed: int = 0) -> Path:
-    """Write a tiny StableDiffusionXLPipeline folder at `path` and return it."""
+def save_tiny_sdxl(path: str | os.PathLike[str], seed: int = 0, overwrite: bool = False) -> Path:
+    """Write a tiny StableDiffusionXLPipeline folder at `path` (atomically) and return it."""
     from diffusers import StableDiffusionXLPipeline
 
     target = Path(path).absolute()
+    _check_target(target, overwrite)
     pipe = StableDiffusionXLPipeline(**build_tiny_sdxl(seed), force_zeros_for_empty_prompt=True)
-    pipe.save_pretrained(target, safe_serialization=True)
-    for name in ("tokenizer", "tokenizer_2"):
-        _write_bpe_files(target / name)
+    _write_pipeline(pipe, target, ("tokenizer", "tokenizer_2"))
     return target
 
 
@@ -370,20 +377,27 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry: write a tiny model folder."""
     parser = argparse.ArgumentParser(prog="python -m library.models.tiny", description=__doc__.splitlines()[0])
     parser.add_argument("output_dir", help="folder to write the diffusers pipeline into")
-    parser.add_argument("--size", choices=SIZES, default="tiny")
+    parser.add_argument("--family", choices=(*FAMILIES, "sdxl"), default="sd1")
+    parser.add_argument("--size", choices=SIZES, default=None, help="tiny (default) or small; sd1 and sd2 only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prediction-type", choices=PREDICTION_TYPES, default=None,
-                        help="default: epsilon for sd1, v_prediction for sd2")
-    parser.add_argument("--family", choices=FAMILIES, default="sd1")
+                        help="default: epsilon for sd1, v_prediction for sd2; sd1 and sd2 only")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing non-empty folder")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
+        if args.family == "sdxl":
+            if args.size is not None or args.prediction_type is not None:
+                parser.error("--size and --prediction-type apply to sd1 and sd2; the tiny SDXL has one shape")
+            out = save_tiny_sdxl(args.output_dir, args.seed, args.overwrite)
+            print(f"wrote tiny sdxl model (seed {args.seed}) to {out}")
+            return 0
+        size = args.size or "tiny"
         prediction_type = args.prediction_type or ("v_prediction" if args.family == "sd2" else "epsilon")
-        out = save_tiny_sd1(args.output_dir, args.size, args.seed, prediction_type, args.overwrite, args.family)
+        out = save_tiny_sd1(args.output_dir, size, args.seed, prediction_type, args.overwrite, args.family)
     except FileExistsError as e:
         parser.exit(2, f"error: {e}\n")
-    print(f"wrote tiny {args.family} model ({args.size}, seed {args.seed}, {prediction_type}) to {out}")
+    print(f"wrote tiny {args.family} model ({size}, seed {args.seed}, {prediction_type}) to {out}")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Sample images during training: kohya's prompt files, samplers by kohya name, and a sampling round.
 
-A round renders each prompt with diffusers' StableDiffusionPipeline built around the trainer's own modules (LoRA
+A round renders each prompt with the family's diffusers pipeline built around the trainer's own modules (LoRA
 attached), writes `<output_dir>/sample/<output_name>_<step or e<epoch>>_<index>_<seed>.png`, and leaves the
 training state exactly as it found it: train/eval flags, grad mode, autocast and every global random stream.
 """
@@ -56,18 +56,23 @@ class SamplePrompt:
 
 @dataclass(frozen=True)
 class SamplingModels:
-    """The modules a round samples with (unwrapped, already on their device) and the training noise schedule."""
-    unet: torch.nn.Module
-    text_encoder: torch.nn.Module
+    """The modules a round samples with (unwrapped, already on their device), the training noise schedule, and the
+    model family, which builds the pipeline (`family.pipeline(...)`) and turns encoded prompts into its arguments
+    (`family.prompt_embeds(positive, negative)`)."""
+    denoiser: torch.nn.Module
+    text_encoders: Sequence[torch.nn.Module]
     vae: torch.nn.Module
-    tokenizer: Any
+    tokenizers: Sequence[Any]
     scheduler_config: Mapping[str, Any]
+    family: Any
     prediction_type: str | None = None  # None: the schedule's; "v_prediction" for v_parameterization
-    # text -> hidden states (1, tokens, width) as training encodes it (clip_skip, max_token_length); None: the
+    # text -> the family's encoded prompt, as training encodes it (clip_skip, max_token_length); None: the
     # pipeline's own encoding
-    encode_text: Callable[[str], Any] | None = None  # for SDXL: a dict with encoder_hidden_states and pooled
-    text_encoder_2: torch.nn.Module | None = None  # SDXL
-    tokenizer_2: Any = None
+    encode_text: Callable[[str], Mapping[str, torch.Tensor]] | None = None
+
+    @property
+    def modules(self) -> list[torch.nn.Module]:
+        return [self.denoiser, *self.text_encoders, self.vae]
 
 
 class Sample(NamedTuple):
@@ -261,28 +266,13 @@ def prompt_seed(prompt: SamplePrompt, base_seed: int) -> int:
 @torch.no_grad()
 def generate_image(prompt: SamplePrompt, models: SamplingModels, seed: int, sampler: str = "ddim") -> Any:
     """Render one prompt to a PIL image. Call inside `sampling_mode`; the modules must be on their device."""
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
-
     scheduler = build_scheduler(prompt.sampler or sampler, models.scheduler_config, models.prediction_type)
-    if models.text_encoder_2 is not None:
-        pipe = StableDiffusionXLPipeline(
-            vae=models.vae, text_encoder=models.text_encoder, text_encoder_2=models.text_encoder_2,
-            tokenizer=models.tokenizer, tokenizer_2=models.tokenizer_2, unet=models.unet, scheduler=scheduler)
-    else:
-        pipe = StableDiffusionPipeline(
-            vae=models.vae, text_encoder=models.text_encoder, tokenizer=models.tokenizer, unet=models.unet,
-            scheduler=scheduler, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe = models.family.pipeline(models.denoiser, models.vae, models.text_encoders, models.tokenizers, scheduler)
     pipe.set_progress_bar_config(disable=True)
     # Noise drawn on CPU: the same seed gives the same starting latents on any device.
     generator = torch.Generator(device="cpu").manual_seed(seed)
     if models.encode_text is not None:
-        positive, negative = models.encode_text(prompt.prompt), models.encode_text(prompt.negative_prompt)
-        if isinstance(positive, dict):
-            text = {"prompt_embeds": positive["encoder_hidden_states"], "pooled_prompt_embeds": positive["pooled"],
-                    "negative_prompt_embeds": negative["encoder_hidden_states"],
-                    "negative_pooled_prompt_embeds": negative["pooled"]}
-        else:
-            text = {"prompt_embeds": positive, "negative_prompt_embeds": negative}
+        text = models.family.prompt_embeds(models.encode_text(prompt.prompt), models.encode_text(prompt.negative_prompt))
     else:
         text = {"prompt": prompt.prompt, "negative_prompt": prompt.negative_prompt or None}
     latents = pipe(**text, width=prompt.width, height=prompt.height, num_inference_steps=prompt.steps,
@@ -363,9 +353,8 @@ def sample_images(prompts: Sequence[SamplePrompt], models: SamplingModels, out_d
         raise ValueError("sample_images needs a step or an epoch")
     default_sampler = canonical_sampler(default_sampler)
     rendered: list[tuple[int, int, Any]] = []
-    device = device if device is not None else next(models.unet.parameters()).device
-    modules = [models.unet, models.text_encoder, models.vae] + [m for m in (models.text_encoder_2,) if m is not None]
-    with sampling_mode(modules, device, autocast_dtype):
+    device = device if device is not None else next(models.denoiser.parameters()).device
+    with sampling_mode(models.modules, device, autocast_dtype):
         for i, prompt in enumerate(prompts):
             if i % num_processes == process_index:
                 seed = prompt_seed(prompt, base_seed)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from library.network import blocks
-from library.network import lora as network
+from library.network import lora
 from library.config import UserError
 from library.config.network_args import NetworkArgs
 
@@ -18,16 +18,16 @@ def attach_network(model: nn.Module, part: str, rank: int, alpha: float, dropout
     weights set (or drop, at 0) each UNet block's rank and alpha."""
     overrides: dict[str, tuple[int, float]] = {}
     if part == "unet":
-        targets = network.unet_target_modules(model)
+        targets = lora.unet_target_modules(model)
         plan = unet_block_plan(model, rank, alpha, net)
         conv_rank_alpha = net.conv_rank_alpha
         if conv_rank_alpha is not None or (plan is not None and plan.conv_dims is not None):
-            linear, conv = network.unet_conv_target_modules(model)
+            linear, conv = lora.unet_conv_target_modules(model)
             targets += linear + conv
             overrides.update({name: conv_rank_alpha for name in conv if conv_rank_alpha is not None})
         if plan is not None:
             sdxl = is_sdxl_unet(model)
-            conv_names = set(network.unet_conv_target_modules(model)[1])
+            conv_names = set(lora.unet_conv_target_modules(model)[1])
             for name in targets:
                 index = blocks.block_index(name, sdxl)
                 if index < 0:
@@ -43,9 +43,9 @@ def attach_network(model: nn.Module, part: str, rank: int, alpha: float, dropout
             if not targets:
                 raise UserError("network_args: block_dims / the block lr weights leave no UNet module to train")
     else:
-        targets = network.text_encoder_target_modules(model)
+        targets = lora.text_encoder_target_modules(model)
     lycoris_dropout = net.variant != "lora"
-    params = network.attach_lora(
+    params = lora.attach_lora(
         model, targets, rank, alpha, dropout, overrides=overrides, algo=net.variant, use_dora=net.dora_wd,
         rank_dropout=(net.rank_dropout or 0.0) if lycoris_dropout else 0.0,
         module_dropout=(net.module_dropout or 0.0) if lycoris_dropout else 0.0, factor=net.factor,
@@ -111,6 +111,6 @@ def add_kohya_dropout(model: nn.Module, rank_dropout: float, module_dropout: flo
                       adapter_name: str = "default") -> None:
     """kohya's rank_dropout / module_dropout on every peft LoRA layer of `model` (a hook on each lora_A)."""
     hook = KohyaDropout(rank_dropout, module_dropout)
-    for _, layer in network.lora_layers(model, adapter_name):
-        if "lora_down.weight" in network.layer_parameters(layer, adapter_name):
+    for _, layer in lora.lora_layers(model, adapter_name):
+        if "lora_down.weight" in lora.layer_parameters(layer, adapter_name):
             layer.lora_A[adapter_name].register_forward_hook(hook)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from library.network import lora as network
+from library.network import kohya_format, lora
 from library.network.blocks import BlockLR
 from library.config import UserError
 
@@ -32,24 +32,24 @@ def optimizer_groups(models: Iterable[nn.Module], lr: float, name: str, loraplus
     if block_lr is not None:
         by_block: dict[int, list[nn.Module]] = {}
         for model in models:
-            for module_name, layer in network.lora_layers(model, adapter_name):
+            for module_name, layer in lora.lora_layers(model, adapter_name):
                 by_block.setdefault(block_lr.index(module_name), []).append(layer)
         groups = []
         for index, layers in by_block.items():
             weight = block_lr.weights[index] if index >= 0 else 1.0
             groups += _groups(layers, lr * weight, f"{name}_block{index}", loraplus_ratio, adapter_name)
         return groups
-    layers = [layer for model in models for _, layer in network.lora_layers(model, adapter_name)]
+    layers = [layer for model in models for _, layer in lora.lora_layers(model, adapter_name)]
     return _groups(layers, lr, name, loraplus_ratio, adapter_name)
 
 
 def _groups(layers: list[nn.Module], lr: float, name: str, loraplus_ratio: float | None,
             adapter_name: str) -> list[dict[str, Any]]:
-    params = [(layer, param) for layer in layers for param in network.layer_parameters(layer, adapter_name).values()]
+    params = [(layer, param) for layer in layers for param in lora.layer_parameters(layer, adapter_name).values()]
     if loraplus_ratio is None:
         return [{"params": [param for _, param in params], "lr": lr, "name": name}]
-    plus = [param for layer, param in params if network.is_up_weight(layer, param, adapter_name)]
-    rest = [param for layer, param in params if not network.is_up_weight(layer, param, adapter_name)]
+    plus = [param for layer, param in params if lora.is_up_weight(layer, param, adapter_name)]
+    rest = [param for layer, param in params if not lora.is_up_weight(layer, param, adapter_name)]
     return [{"params": rest, "lr": lr, "name": name},
             {"params": plus, "lr": lr * loraplus_ratio, "name": f"{_KOHYA_GROUP.get(name, name)} plus"}]
 
@@ -66,8 +66,8 @@ def apply_max_norm(models: Iterable[nn.Module], max_norm: float,
     norms: list[float] = []
     keys_scaled = 0
     for model in models:
-        for _, layer in network.lora_layers(model, adapter_name):
-            params = network.layer_parameters(layer, adapter_name)
+        for _, layer in lora.lora_layers(model, adapter_name):
+            params = lora.layer_parameters(layer, adapter_name)
             if "lora_down.weight" not in params:
                 continue  # LoHa / LoKr: no up/down pair (the config refuses the combination)
             down, up = params["lora_down.weight"], params["lora_up.weight"]
@@ -112,8 +112,8 @@ class AdapterEMA:
         self.decay = decay
         self.params: dict[str, nn.Parameter] = {
             f"{name}.{role}": param
-            for name, (_, layer) in network.kohya_layer_names(modules, adapter_name).items()
-            for role, param in network.layer_parameters(layer, adapter_name).items()}
+            for name, (_, layer) in kohya_format.kohya_layer_names(modules, adapter_name).items()
+            for role, param in lora.layer_parameters(layer, adapter_name).items()}
         self.shadow: dict[str, torch.Tensor] = {}
         self.reset()
 
@@ -158,7 +158,7 @@ class AdapterEMA:
 
 def ema_writer(ema: AdapterEMA) -> Callable[[Path], None]:
     def write(path: Path) -> None:
-        network.save_lora_file(path, ema.state_dict(), {"ema_decay": str(ema.decay)}, add_hashes=False)
+        kohya_format.save_lora_file(path, ema.state_dict(), {"ema_decay": str(ema.decay)}, add_hashes=False)
     return write
 
 
@@ -170,7 +170,7 @@ def ema_reader(ema: AdapterEMA) -> Callable[[Path], None]:
             ema.reset()
             return
         try:
-            ema.load_state_dict(network.load_kohya_lora(path)[0])
+            ema.load_state_dict(kohya_format.load_kohya_lora(path)[0])
         except ValueError as e:
             raise UserError(f"{path}: {e}") from None
     return read

@@ -1,21 +1,20 @@
-"""The trained model: the text encoder and UNet as one module with LoRA attached, its loss, and LoRA files."""
+"""The trained model: the text encoders and the denoiser as one module with LoRA attached, its loss, LoRA files."""
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
-from library.training import adapters as adapter_training
-from library.network import lora as network
-from library.network import targets as network_setup
-from library.models import objective
-from library.data.cache import check_finite_latents, sample_cached_latents
 from library.config import Config, UserError
-from library.models.family import Components, encode_prompt, encode_sdxl, sdxl_time_ids
 from library.config.network_args import network_args_of
+from library.data.cache import check_finite_latents, sample_cached_latents
+from library.models.family import Components, Family
+from library.network import kohya_format
+from library.network import targets as network_setup
+from library.training import adapters as adapter_training
 
 logger = logging.getLogger(__name__)
 
@@ -24,87 +23,41 @@ SAVE_DTYPES = {None: None, "float": torch.float32, "fp16": torch.float16, "bf16"
 
 
 class DiffusionModel(torch.nn.Module):
-    """The text encoder(s) and UNet as one module, so DDP and DeepSpeed see every LoRA parameter in one place."""
+    """The text encoders and the denoiser as one module, so DDP and DeepSpeed see every LoRA parameter in one
+    place. The family says how text is encoded and how the denoiser is called."""
 
-    def __init__(self, unet: torch.nn.Module, text_encoder: torch.nn.Module, train_text_encoder: bool,
-                 clip_skip: int | None = None, text_encoder_2: torch.nn.Module | None = None):
+    def __init__(self, family: Family, denoiser: torch.nn.Module, text_encoders: list[torch.nn.Module],
+                 train_text_encoder: bool, clip_skip: int | None = None):
         super().__init__()
-        self.unet = unet
-        self.text_encoder = text_encoder
-        self.text_encoder_2 = text_encoder_2  # SDXL
+        self.family = family
+        self.denoiser = denoiser
+        self.text_encoders = torch.nn.ModuleList(text_encoders)
         self.train_text_encoder = train_text_encoder
         self.clip_skip = clip_skip
 
-    def forward(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
-                conditioning: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
-        """`conditioning`: token ids, or text-encoder hidden states when they were cached (float); for SDXL a dict
-        (see `batch_conditioning`)."""
-        if isinstance(conditioning, dict):
-            return self._forward_sdxl(noisy_latents, timesteps, conditioning)
-        if conditioning.is_floating_point():
-            hidden_states = conditioning
-        else:
-            with torch.set_grad_enabled(self.train_text_encoder and torch.is_grad_enabled()):
-                hidden_states = encode_prompt(self.text_encoder, conditioning, self.clip_skip)
-        return self.unet(noisy_latents, timesteps, hidden_states, return_dict=False)[0]
+    def encode_text(self, text: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """Token ids -> the encoders' outputs; outputs cached before training pass through."""
+        if self.family.is_encoded(text):
+            return text
+        with torch.set_grad_enabled(self.train_text_encoder and torch.is_grad_enabled()):
+            return self.family.encode_text(list(self.text_encoders), text, self.clip_skip)
 
-    def _forward_sdxl(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
-                      conditioning: dict[str, torch.Tensor]) -> torch.Tensor:
-        if "encoder_hidden_states" in conditioning:
-            text = conditioning
-        else:
-            with torch.set_grad_enabled(self.train_text_encoder and torch.is_grad_enabled()):
-                text = encode_sdxl(self.text_encoder, self.text_encoder_2, conditioning["input_ids"],
-                                   conditioning["input_ids_2"])
-        dtype = noisy_latents.dtype
-        added = {"text_embeds": text["pooled"].to(dtype), "time_ids": conditioning["time_ids"].to(dtype)}
-        return self.unet(noisy_latents, timesteps, text["encoder_hidden_states"].to(dtype),
-                         added_cond_kwargs=added, return_dict=False)[0]
+    def forward(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, text: Mapping[str, torch.Tensor],
+                conditioning: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return self.family.denoise(self.denoiser, noisy_latents, timesteps, self.encode_text(text), conditioning)
 
 
-def batch_conditioning(batch: dict[str, Any]) -> torch.Tensor | dict[str, torch.Tensor]:
-    """What the model is conditioned on: token ids or cached hidden states; for SDXL (a batch with input_ids_2 or
-    pooled outputs) both encoders' ids or outputs plus the size conditioning."""
-    if "input_ids_2" not in batch and "pooled" not in batch:
-        return batch.get("encoder_hidden_states", batch.get("input_ids"))
-    keys = ("encoder_hidden_states", "pooled") if "pooled" in batch else ("input_ids", "input_ids_2")
-    return {**{key: batch[key] for key in keys}, "time_ids": sdxl_time_ids(batch)}
-
-
-@dataclass(frozen=True)
-class Objective:
-    """What the loss needs from the model family and the config."""
-    alphas_cumprod: torch.Tensor
-    v_prediction: bool
-    min_timestep: int
-    max_timestep: int
-    noise_offset: float | None
-    min_snr_gamma: float | None
-    noise: objective.NoiseOptions = objective.NoiseOptions()
-    loss: objective.LossOptions = objective.LossOptions()
-
-    def __post_init__(self) -> None:
-        # Whether the model predicts v is known only here: v_parameterization may come from its scheduler config.
-        problems = self.loss.problems(self.v_prediction)
-        if problems:
-            raise UserError(problems)
-
-
-def diffusion_loss(model: torch.nn.Module, latents: torch.Tensor, input_ids: torch.Tensor, noise: torch.Tensor,
-                   timesteps: torch.Tensor, obj: Objective, input_noise: torch.Tensor | None = None,
-                   mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-sample loss of the noise (or v) prediction at the given noise and timesteps.
+def diffusion_loss(model: torch.nn.Module, latents: torch.Tensor, text: Mapping[str, torch.Tensor],
+                   conditioning: Mapping[str, torch.Tensor], noise: torch.Tensor, timesteps: torch.Tensor, obj: Any,
+                   input_noise: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-sample loss of the model's prediction at the given noise and timesteps, as the objective defines it.
 
     `input_noise` (ip_noise_gamma) replaces `noise` in the noisy latents only; the target is built from `noise`.
     `mask` (batch, 1, H, W) in [0, 1] weights the loss per pixel (alpha_mask, masked_loss).
     """
-    noisy = objective.add_noise(latents, noise if input_noise is None else input_noise, timesteps, obj.alphas_cumprod)
-    prediction = model(noisy, timesteps, input_ids)
-    target = objective.prediction_target(latents, noise, timesteps, obj.alphas_cumprod, obj.v_prediction)
-    huber_c = objective.huber_threshold(timesteps, obj.alphas_cumprod, obj.loss)
-    loss = objective.per_sample_loss(prediction, target, obj.loss.loss_type, huber_c, mask)
-    weight = objective.timestep_weight(timesteps, obj.alphas_cumprod, obj.v_prediction, obj.min_snr_gamma, obj.loss)
-    return loss if weight is None else loss * weight
+    noisy = obj.noisy_latents(latents, noise if input_noise is None else input_noise, timesteps)
+    prediction = model(noisy, timesteps, text, conditioning)
+    return obj.per_sample_loss(prediction, latents, noise, timesteps, mask)
 
 
 @torch.no_grad()
@@ -143,8 +96,8 @@ def network_spec(config: Config) -> NetworkSpec:
     if config.network_weights is None:
         return NetworkSpec(config.network_dim, config.network_alpha)
     try:
-        state_dict, _ = network.load_kohya_lora(config.network_weights)
-        dim, alpha = network.dims_from_state_dict(state_dict)
+        state_dict, _ = kohya_format.load_kohya_lora(config.network_weights)
+        dim, alpha = kohya_format.dims_from_state_dict(state_dict)
     except (OSError, ValueError) as e:
         raise UserError(f"network_weights {config.network_weights}: {e}") from None
     if config.dim_from_weights:
@@ -164,7 +117,7 @@ def build_model(config: Config, components: Components, device: torch.device,
     full_bf16); return the model and optimizer groups."""
     spec = spec or NetworkSpec(config.network_dim, config.network_alpha)
     train_unet, train_text_encoder = trained_parts(config)
-    unet, text_encoders = components.unet, components.text_encoders
+    unet, text_encoders = components.denoiser, components.text_encoders
     for module in (unet, *text_encoders, components.vae):
         module.requires_grad_(False)
     components.vae.to(device).eval()
@@ -199,23 +152,15 @@ def build_model(config: Config, components: Components, device: torch.device,
     unet.train(train_unet)
     for text_encoder in text_encoders:
         text_encoder.train(train_text_encoder)
-    model = DiffusionModel(unet, components.text_encoder, train_text_encoder, config.clip_skip,
-                           components.text_encoder_2)
+    model = DiffusionModel(components.family, unet, text_encoders, train_text_encoder, config.clip_skip)
     if spec.initial_weights is not None:
         load_adapter(config, model, spec.initial_weights, strict=False, source=str(config.network_weights))
     return model, groups
 
 
 def lora_modules(model: DiffusionModel, config: Config) -> dict[str, torch.nn.Module]:
-    train_unet, train_text_encoder = trained_parts(config)
-    modules: dict[str, torch.nn.Module] = {}
-    if train_unet:
-        modules["lora_unet"] = model.unet
-    if train_text_encoder and model.text_encoder_2 is not None:
-        modules["lora_te1"], modules["lora_te2"] = model.text_encoder, model.text_encoder_2
-    elif train_text_encoder:
-        modules["lora_te"] = model.text_encoder
-    return modules
+    """kohya key prefix -> module, for the parts this run trains."""
+    return model.family.lora_prefixes(*trained_parts(config), model.denoiser, list(model.text_encoders))
 
 
 def load_adapter(config: Config, model: DiffusionModel, state_dict: dict[str, torch.Tensor], strict: bool,
@@ -225,7 +170,7 @@ def load_adapter(config: Config, model: DiffusionModel, state_dict: dict[str, to
     if not strict:
         state_dict = {k: v for k, v in state_dict.items() if k.startswith(tuple(f"{p}_" for p in modules))}
     try:
-        report = network.apply_kohya_state_dict(modules, state_dict, strict=strict)
+        report = kohya_format.apply_kohya_state_dict(modules, state_dict, strict=strict)
     except ValueError as e:
         raise UserError(f"{source}: {e}") from None
     if report.missing:
@@ -242,5 +187,5 @@ def save_lora(config: Config, model: DiffusionModel, spec: NetworkSpec, path: Pa
     # the rest.
     uniform = net.conv_dim is None and net.block_alphas is None and net.conv_block_dims is None
     alpha = spec.alpha if uniform and net.variant != "lokr" else None
-    state_dict = network.kohya_state_dict(lora_modules(model, config), alpha, dtype)
-    network.save_lora_file(path, state_dict, {} if config.no_metadata else metadata)
+    state_dict = kohya_format.kohya_state_dict(lora_modules(model, config), alpha, dtype)
+    kohya_format.save_lora_file(path, state_dict, {} if config.no_metadata else metadata)

@@ -9,18 +9,18 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from library.training import model
-from library.network import lora as network
-from library.training import trainer
+from library.network import kohya_format
+from library.training import loop
 from library.config import parse_config
 
 
 def main() -> None:
     config, _ = parse_config(sys.argv[1:])
-    result = trainer.run(config)
+    result = loop.run(config)
     rank = int(os.environ.get("RANK", "0"))
     out = Path(config.output_dir)
     modules = model.lora_modules(result.model, config)
-    save_file(network.kohya_state_dict(modules), str(out / f"rank{rank}.safetensors"))
+    save_file(kohya_format.kohya_state_dict(modules), str(out / f"rank{rank}.safetensors"))
     (out / f"rank{rank}.json").write_text(json.dumps({"losses": result.losses, "steps": result.global_step,
                                                               "validation": result.validation}))
     sys.stdout.flush()

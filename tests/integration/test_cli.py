@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from library.config import parse_config
-from library.network.lora import read_metadata
+from library.network.kohya_format import read_metadata
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from library.network.lora import load_kohya_lora, read_metadata
+from library.network.kohya_format import load_kohya_lora, read_metadata
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 10

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from library.network.lora import read_metadata
+from library.network.kohya_format import read_metadata
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,0 +1,269 @@
+"""Range and cross-option checks on converted option values; every problem is collected, none is raised."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from library.config.network_args import network_option_problems
+
+# Single-file checkpoints: safetensors is read as data; these suffixes are pickles, which can run code when read.
+PICKLE_CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
+
+
+def checkpoint_file_problem(path: Path, allow_pickle: bool) -> str | None:
+    """Why a model file cannot be read as a single-file checkpoint, or None when it can."""
+    suffix = path.suffix.lower()
+    if suffix == ".safetensors":
+        return None
+    if suffix in PICKLE_CHECKPOINT_SUFFIXES:
+        if allow_pickle:
+            return None
+        return (f"{path} is a pickle checkpoint ({suffix}); loading a pickle can run arbitrary code hidden in the "
+                f"file, so it is refused. Convert it to safetensors without running its code (in this repository's "
+                f"folder): python -m library.models.single_file {path} {path.with_suffix('.safetensors')}; or, only for a "
+                "file you trust, set allow_pickle_checkpoints = true")
+    return (f"{path}: not a model folder or a known checkpoint file; give a diffusers model folder or a "
+            f".safetensors checkpoint (pickles {', '.join(PICKLE_CHECKPOINT_SUFFIXES)} need "
+            "allow_pickle_checkpoints)")
+
+
+def check_values(v: dict[str, Any]) -> list[str]:
+    """Cross-option and range checks on converted values."""
+    problems: list[str] = []
+
+    def need(condition: bool, message: str) -> None:
+        if not condition:
+            problems.append(message)
+
+    writing_config_only = v["output_config"] is not None
+    if not writing_config_only:
+        model = v["pretrained_model_name_or_path"]
+        if model is None:
+            problems.append("pretrained_model_name_or_path is required: a local diffusers model folder or "
+                            ".safetensors checkpoint")
+        elif not Path(model).exists():
+            problems.append(f"pretrained_model_name_or_path: {model} does not exist "
+                            "(models are read from local files only)")
+        elif Path(model).is_file():
+            problem = checkpoint_file_problem(Path(model), v["allow_pickle_checkpoints"])
+            if problem:
+                problems.append(f"pretrained_model_name_or_path: {problem}")
+        elif v["model_config"] is not None:
+            problems.append("model_config describes a single-file checkpoint; pretrained_model_name_or_path is a "
+                            "folder, which has its own configs: remove model_config")
+        if v["model_config"] is not None and not Path(v["model_config"]).is_dir():
+            problems.append(f"model_config: {v['model_config']} is not a folder")
+        data, dataset_config = v["train_data_dir"], v["dataset_config"]
+        if dataset_config is not None:
+            if not Path(dataset_config).is_file():
+                problems.append(f"dataset_config: {dataset_config} is not a file")
+            for name in ("train_data_dir", "reg_data_dir"):
+                need(v[name] is None, f"{name} cannot be combined with dataset_config, whose subsets name the image "
+                                      "folders (kohya ignores it there); remove one of them")
+        elif data is None:
+            problems.append("train_data_dir is required: a folder of kohya-style image folders "
+                            "(or give dataset_config)")
+        elif not Path(data).is_dir():
+            problems.append(f"train_data_dir: {data} is not a folder")
+        if dataset_config is None and v["reg_data_dir"] is not None and not Path(v["reg_data_dir"]).is_dir():
+            problems.append(f"reg_data_dir: {v['reg_data_dir']} is not a folder")
+        if v["output_dir"] is None:
+            problems.append("output_dir is required: where the LoRA file is written")
+        elif Path(v["output_dir"]).exists() and not Path(v["output_dir"]).is_dir():
+            problems.append(f"output_dir: {v['output_dir']} exists and is not a folder")
+
+    for name in ("network_dim", "train_batch_size", "gradient_accumulation_steps", "max_train_steps",
+                 "lr_scheduler_num_cycles"):
+        need(v[name] >= 1, f"{name} must be at least 1 (got {v[name]})")
+    need(v["max_train_epochs"] is None or v["max_train_epochs"] >= 1,
+         f"max_train_epochs must be at least 1 (got {v['max_train_epochs']})")
+    need(v["max_data_loader_n_workers"] >= 0, "max_data_loader_n_workers must be 0 or more")
+    # Dataset options. With dataset_config they are only fallbacks; library.data.dataset_config checks each
+    # dataset's resolved values the same way.
+    need(v["prior_loss_weight"] >= 0, f"prior_loss_weight must not be negative (got {v['prior_loss_weight']})")
+    need(v["vae_batch_size"] >= 1, f"vae_batch_size must be at least 1 (got {v['vae_batch_size']})")
+    need(v["bucket_reso_steps"] >= 8 and v["bucket_reso_steps"] % 8 == 0,
+         f"bucket_reso_steps must be a positive multiple of 8 (got {v['bucket_reso_steps']})")
+    need(1 <= v["min_bucket_reso"] <= v["max_bucket_reso"],
+         f"need 1 <= min_bucket_reso <= max_bucket_reso (got {v['min_bucket_reso']}, {v['max_bucket_reso']})")
+    need(v["keep_tokens"] >= 0, f"keep_tokens must not be negative (got {v['keep_tokens']})")
+    need(v["caption_dropout_every_n_epochs"] >= 0,
+         f"caption_dropout_every_n_epochs must not be negative (got {v['caption_dropout_every_n_epochs']})")
+    for name in ("caption_dropout_rate", "caption_tag_dropout_rate"):
+        need(0 <= v[name] <= 1, f"{name} must be in [0, 1] (got {v[name]})")
+    need(v["caption_separator"] != "", "caption_separator must not be empty")
+    need(not v["cache_text_encoder_outputs"] or v["network_train_unet_only"],
+         "cache_text_encoder_outputs needs a frozen text encoder: set network_train_unet_only")
+    if v["dataset_config"] is None:
+        width, height = v["resolution"]
+        if v["enable_bucket"]:
+            need(v["min_bucket_reso"] <= min(width, height),
+                 f"min_bucket_reso {v['min_bucket_reso']} is larger than the resolution's shorter side "
+                 f"{min(width, height)}")
+            need(v["max_bucket_reso"] >= max(width, height),
+                 f"max_bucket_reso {v['max_bucket_reso']} is smaller than the resolution's longer side "
+                 f"{max(width, height)}")
+        else:
+            need(width % 8 == 0 and height % 8 == 0,
+                 f"resolution {width}x{height}: sides must be multiples of 8 (the VAE downsamples 8x)")
+        need(not (v["random_crop"] and (v["cache_latents"] or v["cache_latents_to_disk"])),
+             "random_crop draws a new crop each time and cannot use cached latents; turn off random_crop or "
+             "cache_latents / cache_latents_to_disk")
+        need(not (v["cache_text_encoder_outputs"] and (v["shuffle_caption"] or v["caption_tag_dropout_rate"] > 0)),
+             "shuffle_caption and caption_tag_dropout_rate change the caption each time and cannot use "
+             "cache_text_encoder_outputs; turn off one")
+    need(v["network_alpha"] > 0, f"network_alpha must be positive (got {v['network_alpha']})")
+    need(0 <= v["network_dropout"] < 1, f"network_dropout must be in [0, 1) (got {v['network_dropout']})")
+    for name in ("learning_rate", "unet_lr", "text_encoder_lr"):
+        need(v[name] is None or v[name] >= 0, f"{name} must not be negative (got {v[name]})")
+    need(v["max_grad_norm"] >= 0, f"max_grad_norm must not be negative (got {v['max_grad_norm']})")
+    need(v["lr_warmup_steps"] >= 0, f"lr_warmup_steps must not be negative (got {v['lr_warmup_steps']})")
+    need(v["lr_warmup_steps"] < 1 or float(v["lr_warmup_steps"]).is_integer(),
+         f"lr_warmup_steps must be a whole number of steps or a fraction below 1 (got {v['lr_warmup_steps']})")
+    need(v["min_snr_gamma"] is None or v["min_snr_gamma"] > 0, "min_snr_gamma must be positive")
+    need(v["noise_offset"] is None or v["noise_offset"] >= 0, "noise_offset must not be negative")
+    need(0 <= v["min_timestep"] < v["max_timestep"] <= 1000,
+         f"need 0 <= min_timestep < max_timestep <= 1000 (got {v['min_timestep']}, {v['max_timestep']})")
+    problems += _check_objective(v)
+    need(not (v["network_train_unet_only"] and v["network_train_text_encoder_only"]),
+         "network_train_unet_only and network_train_text_encoder_only cannot both be set")
+    need(not v["full_fp16"] or v["mixed_precision"] == "fp16",
+         f"full_fp16 needs mixed_precision = \"fp16\" (got {v['mixed_precision']!r})")
+    need(not v["full_bf16"] or v["mixed_precision"] == "bf16",
+         f"full_bf16 needs mixed_precision = \"bf16\" (got {v['mixed_precision']!r})")
+    need(not v["fp16_master_weights_and_gradients"] or v["mixed_precision"] == "fp16",
+         "fp16_master_weights_and_gradients needs mixed_precision = \"fp16\" "
+         f"(got {v['mixed_precision']!r})")
+    problems += _check_logging(v)
+    problems += _check_sampling(v)
+    need(v["clip_skip"] is None or v["clip_skip"] >= 1, f"clip_skip must be at least 1 (got {v['clip_skip']})")
+    need(v["max_token_length"] in (None, 75, 150, 225),
+         f"max_token_length must be 75, 150 or 225 (got {v['max_token_length']})")
+    need(v["zero_stage"] in (0, 1, 2, 3), f"zero_stage must be 0, 1, 2 or 3 (got {v['zero_stage']})")
+    need(v["ddp_timeout"] is None or v["ddp_timeout"] > 0, "ddp_timeout must be a positive number of minutes")
+    for name in ("save_every_n_steps", "save_every_n_epochs", "save_last_n_steps", "save_last_n_epochs",
+                 "save_last_n_steps_state", "save_last_n_epochs_state"):
+        need(v[name] is None or v[name] >= 1, f"{name} must be at least 1 (got {v[name]})")
+    need(not v["dim_from_weights"] or v["network_weights"] is not None,
+         "dim_from_weights needs network_weights (the LoRA file to read dim and alpha from)")
+    need(v["network_weights"] is None or Path(v["network_weights"]).is_file(),
+         f"network_weights: {v['network_weights']} is not a file")
+    for arg in v["optimizer_args"]:
+        need("=" in arg, f"{arg!r}: optimizer_args entries must look like key=value")
+    problems += network_option_problems(v)
+    # Optimizer and schedule; checks that need the optimizer class or the step count run in library.training.optim.
+    for arg in v["lr_scheduler_args"]:
+        need("=" in arg, f"{arg!r}: lr_scheduler_args entries must look like key=value")
+    need(not (v["use_8bit_adam"] and v["use_lion_optimizer"]),
+         "use_8bit_adam and use_lion_optimizer cannot both be set")
+    for flag, meant in (("use_8bit_adam", "AdamW8bit"), ("use_lion_optimizer", "Lion")):
+        need(not v[flag] or v["optimizer_type"] in ("AdamW", meant),
+             f"{flag} means optimizer_type {meant} and cannot be combined with optimizer_type {v['optimizer_type']}")
+    need(v["lr_decay_steps"] >= 0 and (v["lr_decay_steps"] < 1 or float(v["lr_decay_steps"]).is_integer()),
+         f"lr_decay_steps must be a whole number of steps or a fraction below 1 (got {v['lr_decay_steps']})")
+    need(v["lr_scheduler_min_lr_ratio"] is None or 0 <= v["lr_scheduler_min_lr_ratio"] <= 1,
+         f"lr_scheduler_min_lr_ratio must be in [0, 1] (got {v['lr_scheduler_min_lr_ratio']})")
+    need(v["lr_scheduler_timescale"] is None or v["lr_scheduler_timescale"] >= 1,
+         f"lr_scheduler_timescale must be at least 1 (got {v['lr_scheduler_timescale']})")
+    need(not v["lr_scheduler_type"] or v["lr_warmup_steps"] == 0,
+         f"lr_warmup_steps applies to lr_scheduler, not to lr_scheduler_type {v['lr_scheduler_type']}; remove it "
+         "(give the class its own arguments in lr_scheduler_args)")
+    need(v["lr_scheduler"] != "cosine_with_min_lr" or bool(v["lr_scheduler_type"])
+         or v["lr_scheduler_min_lr_ratio"] is not None
+         or any(arg.partition("=")[0].strip() == "min_lr" for arg in v["lr_scheduler_args"]),
+         "lr_scheduler cosine_with_min_lr needs lr_scheduler_min_lr_ratio (the final learning rate as a fraction "
+         "of the initial one) or min_lr=... in lr_scheduler_args")
+    return problems
+
+
+def _check_objective(v: dict[str, Any]) -> list[str]:
+    """kohya's noise and loss options: ranges, and the combinations kohya refuses or that would do nothing. Whether
+    the model predicts v is known only once it is loaded; model.Objective checks what depends on that."""
+    problems: list[str] = []
+
+    def need(condition: bool, message: str) -> None:
+        if not condition:
+            problems.append(message)
+
+    need(v["adaptive_noise_scale"] is None or v["noise_offset"] is not None,
+         "adaptive_noise_scale needs noise_offset (it is added to noise_offset, as in kohya)")
+    need(not v["noise_offset_random_strength"] or bool(v["noise_offset"]),
+         "noise_offset_random_strength needs noise_offset (the upper end of the random strength)")
+    need(v["multires_noise_iterations"] is None or v["multires_noise_iterations"] >= 1,
+         f"multires_noise_iterations must be at least 1 (got {v['multires_noise_iterations']})")
+    need(v["multires_noise_discount"] > 0,
+         f"multires_noise_discount must be positive (got {v['multires_noise_discount']})")
+    need(v["ip_noise_gamma"] is None or v["ip_noise_gamma"] >= 0,
+         f"ip_noise_gamma must not be negative (got {v['ip_noise_gamma']})")
+    need(not v["ip_noise_gamma_random_strength"] or bool(v["ip_noise_gamma"]),
+         "ip_noise_gamma_random_strength needs ip_noise_gamma (the upper end of the random strength)")
+    if v["loss_type"] in ("huber", "smooth_l1"):
+        for name in ("huber_c", "huber_scale"):
+            need(v[name] > 0, f"{name} must be positive with loss_type {v['loss_type']} (got {v[name]})")
+    need(v["v_pred_like_loss"] is None or v["v_pred_like_loss"] >= 0,
+         f"v_pred_like_loss must not be negative (got {v['v_pred_like_loss']})")
+    need(not (v["v_pred_like_loss"] and v["v_parameterization"]),
+         "v_pred_like_loss cannot be combined with v_parameterization: it adds a v-prediction-like loss to a "
+         "noise-prediction model (kohya refuses it too); remove one of them")
+    need(not v["masked_loss"] or v["alpha_mask"] or v["dataset_config"] is not None,
+         "masked_loss needs masks: alpha_mask = true (the images' alpha channel), or a dataset_config whose "
+         "subsets set conditioning_data_dir or alpha_mask")
+    return problems
+
+
+def read_toml(path: str | os.PathLike) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+def _check_logging(v: dict[str, Any]) -> list[str]:
+    problems: list[str] = []
+    trackers = {"all": ("tensorboard", "wandb")}.get(v["log_with"], (v["log_with"],))
+    if "wandb" in trackers and importlib.util.find_spec("wandb") is None:
+        problems.append("log_with = \"%s\" needs wandb: pip install wandb" % v["log_with"])
+    if "tensorboard" in trackers and importlib.util.find_spec("tensorboard") is None:
+        problems.append("log_with = \"%s\" needs tensorboard: pip install tensorboard" % v["log_with"])
+    path = v["log_tracker_config"]
+    if path is not None:
+        try:
+            tables = read_toml(path)
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            problems.append(f"log_tracker_config: cannot read {path}: {e}")
+        else:
+            for name, table in tables.items():
+                if name not in ("tensorboard", "wandb") or not isinstance(table, dict):
+                    problems.append(f"log_tracker_config {path}: [{name}] is not a tracker table; use [wandb] or "
+                                    "[tensorboard] tables of init arguments")
+    if not 1 <= v["loss_timestep_bins"] <= v["max_timestep"] - v["min_timestep"]:
+        problems.append(f"loss_timestep_bins must be between 1 and the number of trained timesteps "
+                        f"(got {v['loss_timestep_bins']})")
+    if not 0 <= v["validation_split"] < 1:
+        problems.append(f"validation_split must be in [0, 1) (got {v['validation_split']})")
+    for name in ("validate_every_n_steps", "validate_every_n_epochs"):
+        if v[name] is not None and v[name] < 1:
+            problems.append(f"{name} must be at least 1 (got {v[name]})")
+    bad = [t for t in v["validation_timesteps"] if not 0 <= t < 1000]
+    if bad or not v["validation_timesteps"]:
+        problems.append(f"validation_timesteps must be timesteps in [0, 1000) (got {v['validation_timesteps']})")
+    return problems
+
+
+def _check_sampling(v: dict[str, Any]) -> list[str]:
+    # Imported here, not at the top: both import library.config.parse, which imports this module.
+    from library.config.parse import UserError
+    from library.config.samplers import canonical_sampler
+
+    problems: list[str] = []
+    try:
+        canonical_sampler(v["sample_sampler"])
+    except UserError as e:
+        problems += [f"sample_sampler: {p}" for p in e.problems]
+    for name in ("sample_every_n_steps", "sample_every_n_epochs"):
+        if v[name] is not None and v[name] < 1:
+            problems.append(f"{name} must be at least 1 (got {v[name]})")
+    if v["sample_prompts"] is not None and not Path(v["sample_prompts"]).is_file():
+        problems.append(f"sample_prompts: {v['sample_prompts']} is not a file")
+    return problems

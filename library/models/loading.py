@@ -1,0 +1,90 @@
+"""Loading a base model from a local diffusers folder or a single-file checkpoint, and telling its family."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from library.config import UserError
+from library.models.family import Components, Family
+from library.models.sd import SD1, SD2
+from library.models.sdxl import SDXL
+from library.models.single_file import load_single_file
+
+logger = logging.getLogger(__name__)
+
+FAMILIES: dict[str, Family] = {family.name: family for family in (SD1, SD2, SDXL)}
+SD_COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
+
+
+def _check_diffusers_folder(path: Path) -> None:
+    missing = [name for name in SD_COMPONENTS if not (path / name).is_dir()]
+    if missing:
+        raise UserError(f"{path}: not a Stable Diffusion diffusers folder; missing {', '.join(missing)}/")
+
+
+def _load_diffusers_folder(path: Path, weight_dtype: torch.dtype, vae_dtype: torch.dtype) -> dict[str, Any]:
+    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+    _check_diffusers_folder(path)
+    try:
+        sdxl = {}
+        if (path / SDXL.text_encoder_folders[1]).is_dir():  # SDXL is told by its second text encoder
+            sdxl = {"text_encoder_2": CLIPTextModelWithProjection.from_pretrained(
+                        path, subfolder="text_encoder_2", local_files_only=True, dtype=weight_dtype),
+                    "tokenizer_2": CLIPTokenizer.from_pretrained(path, subfolder="tokenizer_2", local_files_only=True)}
+        return sdxl | {
+            "unet": UNet2DConditionModel.from_pretrained(path, subfolder="unet", local_files_only=True,
+                                                         torch_dtype=weight_dtype),
+            "vae": AutoencoderKL.from_pretrained(path, subfolder="vae", local_files_only=True, torch_dtype=vae_dtype),
+            "text_encoder": CLIPTextModel.from_pretrained(path, subfolder="text_encoder", local_files_only=True,
+                                                          dtype=weight_dtype),
+            "tokenizer": CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", local_files_only=True),
+            "scheduler": DDPMScheduler.from_pretrained(path, subfolder="scheduler", local_files_only=True),
+        }
+    except (OSError, ValueError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: cannot load the model: {e}") from None
+
+
+def load_components(model_path: str | Path, v2: bool = False, v_parameterization: bool = False,
+                    weight_dtype: torch.dtype = torch.float32,
+                    vae_dtype: torch.dtype = torch.float32, model_config: str | Path | None = None,
+                    allow_pickle_checkpoints: bool = False) -> Components:
+    """Load the denoiser, VAE, text encoders, tokenizers and noise schedule from a local diffusers folder or a
+    single-file checkpoint (see library.models.single_file; `model_config` and `allow_pickle_checkpoints` apply
+    there), and tell the family.
+
+    Weights are loaded straight into their training dtype (casting afterwards makes diffusers warn and doubles
+    the peak memory of the load).
+    """
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    path = Path(model_path)
+    if path.is_file():
+        parts = load_single_file(path, v2=v2, v_parameterization=v_parameterization, weight_dtype=weight_dtype,
+                                 vae_dtype=vae_dtype, model_config=model_config,
+                                 allow_pickle=allow_pickle_checkpoints, architectures=tuple(FAMILIES)).parts
+    else:
+        parts = _load_diffusers_folder(path, weight_dtype, vae_dtype)
+    family = _family_of(parts, v2)
+    noise_scheduler = parts["scheduler"]
+    scheduled_v = noise_scheduler.config.get("prediction_type") == "v_prediction"
+    if scheduled_v and not v_parameterization:
+        logger.info("the model's scheduler uses v-prediction; training with v_parameterization")
+    return Components(denoiser=parts["unet"], vae=parts["vae"],
+                      text_encoders=[parts[name] for name in family.text_encoder_folders],
+                      tokenizers=[parts[name] for name in family.tokenizer_folders],
+                      noise_scheduler=noise_scheduler, v_prediction=v_parameterization or scheduled_v, family=family)
+
+
+def _family_of(parts: dict[str, Any], v2: bool) -> Family:
+    if "text_encoder_2" in parts:
+        return SDXL
+    # SD2's OpenCLIP encoder: 1024 wide with plain gelu (SD1's CLIP uses quick_gelu).
+    text_config = parts["text_encoder"].config
+    return SD2 if v2 or text_config.hidden_size == 1024 or text_config.hidden_act == "gelu" else SD1

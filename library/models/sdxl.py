@@ -1,0 +1,79 @@
+"""SDXL: two CLIP text encoders (penultimate states joined, the second's pooled output) and size conditioning."""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from library.models.clip_text import join_chunks, tokenize
+from library.models.family import Components, Family, Tokenizer
+from library.models.objective import DiffusionObjective
+from library.models.sd import ddpm_objective
+
+
+class StableDiffusionXL(Family):
+    name = "sdxl"
+    base_model_version = "sdxl_base_v1-0"
+    text_encoder_folders = ("text_encoder", "text_encoder_2")
+    tokenizer_folders = ("tokenizer", "tokenizer_2")
+    lora_text_prefixes = ("lora_te1", "lora_te2")
+
+    def tokenizer(self, components: Components, max_token_length: int | None) -> Tokenizer:
+        first, second = components.tokenizers
+
+        def tokens(caption: str) -> dict[str, torch.Tensor]:
+            return {"input_ids": tokenize(first, caption, max_token_length),
+                    "input_ids_2": tokenize(second, caption, max_token_length)}
+        return tokens
+
+    def encode_text(self, text_encoders: Sequence[torch.nn.Module], tokens: Mapping[str, torch.Tensor],
+                    clip_skip: int | None) -> dict[str, torch.Tensor]:
+        """Both encoders' penultimate hidden states (without the final layer norm), concatenated, and the second
+        encoder's projected pooled output (of the first chunk for long captions). clip_skip does not apply."""
+        states = []
+        out = None
+        for encoder, ids in zip(text_encoders, (tokens["input_ids"], tokens["input_ids_2"]), strict=True):
+            out = encoder(ids.reshape(-1, ids.shape[-1]), output_hidden_states=True, return_dict=True)
+            hidden = out.hidden_states[-2]
+            states.append(join_chunks(hidden, ids) if ids.dim() == 3 else hidden)
+        ids_2 = tokens["input_ids_2"]
+        pooled = out.text_embeds.reshape(ids_2.shape[0], -1, out.text_embeds.shape[-1])[:, 0]
+        return {"encoder_hidden_states": torch.cat(states, dim=-1), "pooled": pooled}
+
+    def batch_conditioning(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        return {"time_ids": time_ids(batch)}
+
+    def denoise(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
+                text: Mapping[str, torch.Tensor], conditioning: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        dtype = noisy.dtype
+        added = {"text_embeds": text["pooled"].to(dtype), "time_ids": conditioning["time_ids"].to(dtype)}
+        return denoiser(noisy, timesteps, text["encoder_hidden_states"].to(dtype), added_cond_kwargs=added,
+                        return_dict=False)[0]
+
+    def objective(self, components: Components, config: Any, device: torch.device) -> DiffusionObjective:
+        return ddpm_objective(components, config, device)
+
+    def metadata_flags(self, v_prediction: bool) -> dict[str, bool]:
+        return {"v2": False, "v_parameterization": v_prediction, "sdxl": True}
+
+    def pipeline(self, denoiser: Any, vae: Any, text_encoders: Sequence[Any], tokenizers: Sequence[Any],
+                 scheduler: Any) -> Any:
+        from diffusers import StableDiffusionXLPipeline
+
+        return StableDiffusionXLPipeline(vae=vae, text_encoder=text_encoders[0], text_encoder_2=text_encoders[1],
+                                         tokenizer=tokenizers[0], tokenizer_2=tokenizers[1], unet=denoiser,
+                                         scheduler=scheduler)
+
+    def prompt_embeds(self, positive: Mapping[str, torch.Tensor],
+                      negative: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"prompt_embeds": positive["encoder_hidden_states"], "pooled_prompt_embeds": positive["pooled"],
+                "negative_prompt_embeds": negative["encoder_hidden_states"],
+                "negative_pooled_prompt_embeds": negative["pooled"]}
+
+
+def time_ids(batch: Mapping[str, Any]) -> torch.Tensor:
+    """SDXL's size conditioning per image: original (h, w), crop top-left (top, left), target (h, w)."""
+    return torch.cat([batch["original_size"], batch["crop_top_left"], batch["target_size"]], dim=1)
+
+
+SDXL = StableDiffusionXL()

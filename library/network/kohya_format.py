@@ -1,0 +1,308 @@
+"""The kohya-format LoRA file that ComfyUI, AUTOMATIC1111 and diffusers read: key names, export, save, load.
+
+Converts between peft's layers (library.network.lora) and kohya's flat file:
+
+    lora_unet_<module path, "." -> "_">.lora_down.weight   [r, in] or [r, in, 1, 1]
+    lora_unet_<module path, "." -> "_">.lora_up.weight     [out, r] or [out, r, 1, 1]
+    lora_unet_<module path, "." -> "_">.alpha              0-dim; scale = alpha / r
+
+Conv LoRA (kohya's conv_dim, LyCORIS' LoCon) on 3x3 convs has the same keys with lora_down [r, in, 3, 3] and
+lora_up [out, r, 1, 1]. DoRA adds `.dora_scale` [out, 1] or [out, 1, 1, 1]: the magnitude per output channel
+(LyCORIS wd_on_output), which ComfyUI recognises by its first dimension matching the weight's. LoHa and LoKr
+keys are written by library.network.lycoris.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import safetensors
+import safetensors.torch
+import torch
+from torch import nn
+
+from library.core.atomic import write_atomically
+from library.network import lycoris
+from library.network.lora import (_DORA, _DOWN, _MAX_LISTED, _UP, _has_dora, _is_lora, dora_scale_of, layer_parameters,
+                                  lora_layers)
+
+PREFIX_UNET = "lora_unet"
+PREFIX_TE = "lora_te"  # SD1.x / SD2.x text encoder
+PREFIX_TE1 = "lora_te1"  # SDXL text encoders
+PREFIX_TE2 = "lora_te2"
+
+_ALPHA = "alpha"
+
+
+# --------------------------------------------------------------------------------------------- kohya keys
+
+
+def kohya_lora_name(prefix: str, module_name: str) -> str:
+    """kohya's name for one LoRA module: `<prefix>_<module path with "." -> "_">`.
+
+    Text-encoder paths are written from `text_model.` on, as kohya, ComfyUI and AUTOMATIC1111 expect, even
+    though transformers >= 5 flattened CLIPTextModel (its modules now start at `encoder.`).
+    """
+    if prefix.startswith(PREFIX_TE) and not module_name.startswith("text_model."):
+        module_name = "text_model." + module_name
+    return f"{prefix}_{module_name.replace('.', '_')}"
+
+
+def kohya_layer_names(modules: Mapping[str, nn.Module],
+                      adapter_name: str = "default") -> dict[str, tuple[str, nn.Module]]:
+    """kohya module name -> (module path, peft layer) over every model in `modules` (keyed by kohya prefix)."""
+    names: dict[str, tuple[str, nn.Module]] = {}
+    for prefix, model in modules.items():
+        layers = lora_layers(model, adapter_name)
+        if not layers:
+            raise ValueError(f"{prefix}: {type(model).__name__} has no LoRA layers for adapter {adapter_name!r}")
+        for module_name, layer in layers:
+            name = kohya_lora_name(prefix, module_name)
+            if name in names:
+                # "." -> "_" is not injective ("a_b.c" vs "a.b_c"); a clash would silently merge two layers.
+                raise ValueError(f"kohya name {name} is produced by two modules: {names[name][0]} and {module_name}")
+            names[name] = (module_name, layer)
+    return names
+
+
+def kohya_state_dict(
+    modules: Mapping[str, nn.Module],
+    alpha: float | None = None,
+    dtype: torch.dtype | None = None,
+    adapter_name: str = "default",
+) -> dict[str, torch.Tensor]:
+    """Export the peft LoRA weights of each model as one kohya-format state dict.
+
+    `modules` maps a kohya prefix ("lora_unet", "lora_te", "lora_te1", "lora_te2") to a model with LoRA
+    attached. `alpha`, when given, must equal the alpha the layers were built with (guards a file whose scale
+    differs from training). Weights are cast to `dtype` (save precision); `.alpha` stays fp32 so that
+    alpha / rank is exact in every reader. LoHa / LoKr layers are written with LyCORIS keys, DoRA magnitudes as
+    `.dora_scale`.
+    """
+    state_dict: dict[str, torch.Tensor] = {}
+    for name, (module_name, layer) in kohya_layer_names(modules, adapter_name).items():
+        if not _is_lora(layer):
+            for role, tensor in lycoris.export(layer, adapter_name, dtype).items():
+                state_dict[f"{name}.{role}"] = tensor
+            continue
+        rank = layer.r[adapter_name]
+        layer_alpha = float(layer.lora_alpha[adapter_name])
+        if alpha is not None and not math.isclose(layer_alpha, alpha, rel_tol=1e-6):
+            raise ValueError(f"{module_name}: LoRA built with alpha {layer_alpha}, export asked for alpha {alpha}")
+        if not math.isclose(layer.scaling[adapter_name], layer_alpha / rank, rel_tol=1e-6):
+            # e.g. diffusers' scale_lora_layers changed the live scale; the file would not reproduce it.
+            raise ValueError(
+                f"{module_name}: peft scaling {layer.scaling[adapter_name]} != alpha / rank = {layer_alpha / rank}"
+            )
+        for key, weight in ((_DOWN, layer.lora_A[adapter_name].weight), (_UP, layer.lora_B[adapter_name].weight)):
+            tensor = weight.detach().to(device="cpu", dtype=dtype or weight.dtype)
+            # clone: never alias a live parameter that the optimizer keeps updating
+            state_dict[f"{name}.{key}"] = tensor.clone().contiguous()
+        state_dict[f"{name}.{_ALPHA}"] = torch.tensor(layer_alpha, dtype=torch.float32)
+        if _has_dora(layer, adapter_name):
+            state_dict[f"{name}.{_DORA}"] = dora_scale_of(layer, adapter_name, dtype)
+    return state_dict
+
+
+# --------------------------------------------------------------------------------------------- file
+
+
+def safetensors_hashes(state_dict: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> tuple[str, str]:
+    """(sshs_model_hash, sshs_legacy_hash) as kohya precomputes them for sd-webui-additional-networks.
+
+    Both hash the file as it would be written with only the `ss_*` metadata (other metadata may change
+    later): the model hash is sha256 of everything after the header, the legacy hash the first 8 hex digits
+    of sha256 of the 64 KiB at offset 1 MiB (sha256 of nothing for files under 1 MiB, as kohya).
+    """
+    training_metadata = {k: v for k, v in metadata.items() if k.startswith("ss_")}
+    blob = safetensors.torch.save(dict(state_dict), training_metadata)
+    header_len = int.from_bytes(blob[:8], "little")
+    model_hash = hashlib.sha256(blob[8 + header_len :]).hexdigest()
+    legacy_hash = hashlib.sha256(blob[0x100000 : 0x100000 + 0x10000]).hexdigest()[:8]
+    return model_hash, legacy_hash
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def save_lora_file(
+    path: str | os.PathLike,
+    state_dict: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+    add_hashes: bool = True,
+) -> None:
+    """Write a safetensors LoRA file atomically (temp file beside it, fsync, os.replace).
+
+    Metadata values must be strings. With `add_hashes`, sshs_model_hash / sshs_legacy_hash are added as
+    kohya's save_weights does.
+    """
+    metadata = dict(metadata or {})
+    bad = sorted(k for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str))
+    if bad:
+        raise TypeError(f"safetensors metadata keys and values must be str; not so for: {bad}")
+    if add_hashes:
+        metadata["sshs_model_hash"], metadata["sshs_legacy_hash"] = safetensors_hashes(state_dict, metadata)
+
+    def write(tmp: Path) -> None:
+        safetensors.torch.save_file(dict(state_dict), str(tmp), metadata=metadata or None)
+        # safetensors creates the file owner-only; a LoRA is meant to be read by other programs and users.
+        os.chmod(tmp, 0o666 & ~_umask())
+
+    write_atomically(Path(path).absolute(), write)
+
+
+def load_kohya_lora(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Read a kohya-format safetensors LoRA: (state dict on CPU, metadata)."""
+    with safetensors.safe_open(os.fspath(path), framework="pt", device="cpu") as f:
+        metadata = dict(f.metadata() or {})
+        state_dict = {key: f.get_tensor(key) for key in f.keys()}
+    return state_dict, metadata
+
+
+def _split_key(key: str) -> tuple[str, str]:
+    # kohya names contain no "."; everything after the first one is the tensor role
+    name, _, role = key.partition(".")
+    return name, role
+
+
+# kohya names of the 3x3 convs that conv_dim trains (diffusers and LDM spellings); their rank is conv_dim's.
+_CONV_3X3_NAME = re.compile(r"_(resnets_\d+_conv[12]|(down|up)samplers_\d+_conv|in_layers_2|out_layers_3|op)$")
+
+
+def dims_from_state_dict(state_dict: Mapping[str, torch.Tensor]) -> tuple[int, float]:
+    """(rank, alpha) of a kohya LoRA (or LyCORIS LoHa / LoKr); alpha defaults to the rank where `.alpha` is
+    absent, as in kohya. 3x3 conv modules (conv_dim's) and whole-matrix LoKr modules are not counted."""
+    ranks: dict[str, int] = {}
+    alphas: dict[str, float] = {}
+    for key, tensor in state_dict.items():
+        name, role = _split_key(key)
+        if _CONV_3X3_NAME.search(name) or (role == _DOWN and tensor.dim() == 4 and tuple(tensor.shape[2:]) != (1, 1)):
+            continue
+        if role in (_DOWN, "hada_w1_b", "lokr_w1_b", "lokr_w2_b"):
+            ranks[name] = int(tensor.shape[0])
+        elif role == _ALPHA:
+            alphas[name] = float(tensor.item())
+    if not ranks:
+        raise ValueError("no '.lora_down.weight' (or LoHa / LoKr) keys: not a kohya-format LoRA")
+    per_module = {name: (rank, alphas.get(name, float(rank))) for name, rank in ranks.items()}
+    distinct = sorted(set(per_module.values()))
+    if len(distinct) > 1:
+        raise ValueError(f"LoRA modules have different (rank, alpha): {distinct[:_MAX_LISTED]}; expected one")
+    rank, alpha = distinct[0]
+    return rank, alpha
+
+
+@dataclass
+class LoadReport:
+    """Result of apply_kohya_state_dict: kohya module names loaded, and keys that did not fit."""
+
+    loaded: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # keys the model expects but the file lacks
+    unexpected: list[str] = field(default_factory=list)  # keys in the file that no LoRA layer takes
+
+
+def _listing(what: str, items: list[str]) -> str:
+    more = f" (and {len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else ""
+    return f"{len(items)} {what}: {', '.join(items[:_MAX_LISTED])}{more}"
+
+
+def _fit_shape(tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
+    if tensor.shape == shape:
+        return tensor
+    # [out, r] vs [out, r, 1, 1]: tools differ on how they store LoRA for 1x1 convs
+    if tensor.numel() == math.prod(shape) and [d for d in tensor.shape if d != 1] == [d for d in shape if d != 1]:
+        return tensor.reshape(shape)
+    return None
+
+
+def apply_kohya_state_dict(
+    modules: Mapping[str, nn.Module],
+    state_dict: Mapping[str, torch.Tensor],
+    adapter_name: str = "default",
+    strict: bool = True,
+) -> LoadReport:
+    """Load a kohya-format state dict into peft LoRA layers attached with attach_lora (inverse of export).
+
+    Shape or alpha mismatches always raise (a different alpha would silently change the scale, so it asks for
+    network_alpha / dim_from_weights to match the file). Missing or unexpected keys raise when `strict`,
+    otherwise they are only reported. Nothing is written unless every check passes.
+    """
+    expected = kohya_layer_names(modules, adapter_name)
+    report = LoadReport()
+    problems: list[str] = []
+    alpha_mismatch: list[str] = []
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    params_of = {name: layer_parameters(layer, adapter_name) for name, (_, layer) in expected.items()}
+    in_file: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in state_dict.items():
+        name, role = _split_key(key)
+        if name in expected and (role == _ALPHA or role in params_of[name]):
+            in_file.setdefault(name, {})[role] = tensor
+        else:
+            report.unexpected.append(key)
+
+    for name, (module_name, layer) in expected.items():
+        found = in_file.get(name, {})
+        params = params_of[name]
+        absent = [f"{name}.{role}" for role in params if role not in found]
+        if absent:
+            report.missing.extend(absent)
+            continue
+        fitted = []
+        for role, param in params.items():
+            value = _fit_shape(found[role], param.shape)
+            if value is None:
+                problems.append(
+                    f"{name}.{role}: shape {tuple(found[role].shape)} in file, {tuple(param.shape)} in model"
+                )
+            else:
+                fitted.append((param, value))
+        if len(fitted) != len(params):
+            continue
+        file_rank = int(found[_DOWN].shape[0]) if _is_lora(layer) else lycoris.file_rank(found)
+        file_alpha = float(found[_ALPHA].item()) if _ALPHA in found else float(file_rank or 0)
+        model_alpha = float(layer.lora_alpha[adapter_name] if _is_lora(layer) else layer.alpha[adapter_name])
+        # A LoKr with both factors whole is applied unscaled by every reader: its alpha means nothing.
+        if file_rank is not None and not math.isclose(file_alpha, model_alpha, rel_tol=1e-3, abs_tol=1e-6):
+            alpha_mismatch.append(f"{name} (file {file_alpha:g}, model {model_alpha:g})")
+            continue
+        pending.extend(fitted)
+        report.loaded.append(name)
+
+    if problems:
+        problems.append(
+            "the rank differs between file and model: set network_dim (and conv_dim, algo) to the file's or use "
+            "dim_from_weights"
+        )
+    if alpha_mismatch:
+        problems.append(
+            _listing("modules with a different alpha", alpha_mismatch)
+            + "; set network_alpha to the file's alpha or use dim_from_weights"
+        )
+    if strict and report.missing:
+        problems.append(_listing("missing keys", report.missing))
+    if strict and report.unexpected:
+        problems.append(_listing("unexpected keys", report.unexpected))
+    if problems:
+        raise ValueError("cannot load LoRA weights:\n  " + "\n  ".join(problems))
+
+    with torch.no_grad():
+        for param, value in pending:
+            param.copy_(value.to(device=param.device, dtype=param.dtype))
+    return report
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """Only the metadata of a safetensors file (cheap: reads the header)."""
+    with safetensors.safe_open(os.fspath(path), framework="pt", device="cpu") as f:
+        return dict(f.metadata() or {})

@@ -1,0 +1,287 @@
+"""Everything a run builds before its first step: seed, data, model, caches, optimizer, accelerator state, resume."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, broadcast_object_list, send_to_device, set_seed
+
+from library.config import Config, UserError
+from library.data.cache import cache_latents, cache_text_encoder_outputs
+from library.data.dataset import TrainingData, build_training_data
+from library.models.family import Components
+from library.models.loading import load_components
+from library.monitoring.sampling import SamplePrompt, load_prompts
+from library.monitoring.tracking import StepMetrics, TimestepLoss, lr_names
+from library.network import kohya_format, lora
+from library.network.metadata import lora_metadata, model_file_hashes
+from library.training import adapters as adapter_training
+from library.training.model import (SAVE_DTYPES, WEIGHT_DTYPES, DiffusionModel, NetworkSpec, build_model,
+                                    load_adapter, lora_modules, network_spec, save_lora, trained_parts)
+from library.training.optim import build_lr_scheduler, build_optimizer, warmup_steps
+from library.training.state import (Checkpointer, TrainState, incompatibilities, library_versions, path_changes,
+                                    remove_stale_temporaries, resolve_resume)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Derived counts; kept out of the read-only config."""
+    batches_per_epoch: int  # per process
+    steps_per_epoch: int
+    total_steps: int
+    num_epochs: int
+
+
+def make_plan(config: Config, batches_per_epoch: int) -> Plan:
+    steps_per_epoch = math.ceil(batches_per_epoch / config.gradient_accumulation_steps)
+    if config.max_train_epochs:
+        total_steps = steps_per_epoch * config.max_train_epochs
+    else:
+        total_steps = config.max_train_steps
+    return Plan(batches_per_epoch, steps_per_epoch, total_steps, math.ceil(total_steps / steps_per_epoch))
+
+
+@dataclass
+class Session:
+    """The parts of a run, built by `build_session` and used by the loop."""
+    config: Config
+    accelerator: Accelerator
+    output_dir: Path
+    seed: int
+    started_at: float
+    weight_dtype: torch.dtype
+    vae_dtype: torch.dtype
+    spec: NetworkSpec
+    prompts: list[SamplePrompt]
+    data: TrainingData
+    components: Components
+    objective: Any
+    model: Any  # the prepared (wrapped) model
+    unwrapped: DiffusionModel
+    trainable: list[torch.nn.Parameter]
+    group_names: list[str]
+    optimizer: Any
+    lr_scheduler: Any
+    dataloader: Any
+    plan: Plan
+    state: TrainState
+    metrics: StepMetrics
+    ema: adapter_training.AdapterEMA | None
+    checkpointer: Checkpointer
+
+    @property
+    def save_dtype(self) -> torch.dtype | None:
+        return SAVE_DTYPES[self.config.save_precision]
+
+    def metadata(self) -> dict[str, str]:
+        return training_metadata(self)
+
+
+def build_session(config: Config, accelerator: Accelerator, started_at: float) -> Session:
+    """Build every part in the order that fixes the run's random draws (LoRA initialisation follows set_seed)."""
+    output_dir = Path(config.output_dir)
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(output_dir, "sample")
+    accelerator.wait_for_everyone()
+    resume_dir = resolve_resume(config.resume, output_dir)
+    resumed = TrainState.read(resume_dir) if resume_dir else None
+    seed = resolve_seed(config, accelerator, resumed)
+    set_seed(seed)  # LoRA initialisation; the training path itself uses step generators
+    weight_dtype = WEIGHT_DTYPES[config.mixed_precision]
+    vae_dtype = torch.float32 if config.no_half_vae else weight_dtype
+    spec = network_spec(config)
+
+    prompts = sample_prompts(config)
+    # The images are checked before the model is loaded, so data problems surface in seconds.
+    data = build_training_data(config, None, seed, accelerator.num_processes)
+    components = load_components(config.pretrained_model_name_or_path, config.v2, config.v_parameterization,
+                                 weight_dtype, vae_dtype, config.model_config, config.allow_pickle_checkpoints)
+    family = components.family
+    data.set_tokenizer(family.tokenizer(components, config.max_token_length))
+    objective = family.objective(components, config, accelerator.device)
+
+    model, groups = build_model(config, components, accelerator.device, spec)
+    trainable = [p for group in groups for p in group["params"]]
+    cache_inputs(config, data, components, accelerator, vae_dtype)
+    dataloader = data.dataloader(config.max_data_loader_n_workers, config.persistent_data_loader_workers)
+    optimizer = build_optimizer(config.optimizer_type, groups, config.learning_rate, config.optimizer_args,
+                                use_8bit_adam=config.use_8bit_adam, use_lion_optimizer=config.use_lion_optimizer)
+    state = TrainState(seed=seed, world_size=accelerator.num_processes,
+                       fingerprint=run_fingerprint(config, spec, components, model),
+                       path_settings=path_settings(config, seed, data), versions=library_versions())
+
+    # Batches are dealt round-robin to the processes; the scheduler must exist before prepare so that DeepSpeed
+    # owns and checkpoints it.
+    plan = make_plan(config, math.ceil(len(data.sampler) / accelerator.num_processes))
+    lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, plan.total_steps, config.lr_warmup_steps,
+                                      config.lr_scheduler_num_cycles, config.lr_scheduler_power,
+                                      lr_decay_steps=config.lr_decay_steps,
+                                      min_lr_ratio=config.lr_scheduler_min_lr_ratio,
+                                      timescale=config.lr_scheduler_timescale,
+                                      scheduler_type=config.lr_scheduler_type,
+                                      scheduler_args=config.lr_scheduler_args)
+    model, optimizer, dataloader, lr_scheduler = accelerator.prepare(model, optimizer, dataloader, lr_scheduler)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        # DeepSpeed may swap in its own optimizer (CPU Adam for offload) and replaces its param groups when a state
+        # is loaded; the schedule must set the learning rate of the optimizer that actually steps.
+        lr_scheduler.scheduler.optimizer = optimizer.optimizer
+    if len(dataloader) != plan.batches_per_epoch:
+        raise RuntimeError(f"planned {plan.batches_per_epoch} batches per process, the loader has {len(dataloader)}")
+
+    unwrapped = accelerator.unwrap_model(model)
+    ema = (adapter_training.AdapterEMA(lora_modules(unwrapped, config), config.ema_decay)
+           if config.ema_decay is not None else None)
+    checkpointer = Checkpointer(
+        accelerator,
+        write_adapter=lambda path: save_lora(config, unwrapped, spec, path, {}, None),
+        read_adapter=lambda path: load_adapter(config, unwrapped, kohya_format.load_kohya_lora(path)[0], strict=True,
+                                               source=str(path)),
+        write_ema=adapter_training.ema_writer(ema) if ema else None,
+        read_ema=adapter_training.ema_reader(ema) if ema else None)
+    metrics = StepMetrics(TimestepLoss(config.min_timestep, config.max_timestep, config.loss_timestep_bins),
+                          plan.steps_per_epoch)
+    if resumed is not None:
+        resume(resume_dir, resumed, state, checkpointer, metrics)
+    return Session(config, accelerator, output_dir, seed, started_at, weight_dtype, vae_dtype, spec, prompts, data,
+                   components, objective, model, unwrapped, trainable, lr_names(groups), optimizer, lr_scheduler,
+                   dataloader, plan, state, metrics, ema, checkpointer)
+
+
+def resume(resume_dir: Path, resumed: TrainState, state: TrainState, checkpointer: Checkpointer,
+           metrics: StepMetrics) -> None:
+    problems = incompatibilities(resumed, state)
+    if problems:
+        raise UserError([f"cannot resume from {resume_dir}: it was saved by an incompatible run"] + problems)
+    for change in path_changes(resumed, state):
+        logger.warning("resuming with a changed setting; the run will not follow the original path: %s", change)
+    checkpointer.load(resume_dir)
+    state.epoch, state.global_step, state.batch_in_epoch = resumed.epoch, resumed.global_step, resumed.batch_in_epoch
+    metrics.load_state_dict(resumed.metrics)
+    logger.info("resumed from %s at step %d (epoch %d, batch %d)", resume_dir, state.global_step, state.epoch + 1,
+                state.batch_in_epoch)
+
+
+def cache_inputs(config: Config, data: TrainingData, components: Components, accelerator: Accelerator,
+                 vae_dtype: torch.dtype) -> None:
+    """Encode latents and text-encoder outputs once, before training, when asked."""
+    if config.cache_latents or config.cache_latents_to_disk:
+        cache_latents(data, components.vae, accelerator.device, vae_dtype, config.vae_batch_size,
+                      config.cache_latents_to_disk, process_index=accelerator.process_index,
+                      num_processes=accelerator.num_processes, wait_for_everyone=accelerator.wait_for_everyone,
+                      skip_bad_images=config.skip_bad_images)
+    if config.cache_text_encoder_outputs:
+        @torch.no_grad()
+        def encode(tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            encoded = components.family.encode_text(components.text_encoders,
+                                                    send_to_device(tokens, accelerator.device), config.clip_skip)
+            return send_to_device(encoded, "cpu")
+
+        cache_text_encoder_outputs(data, encode)
+
+
+def resolve_seed(config: Config, accelerator: Accelerator, resumed: TrainState | None) -> int:
+    """The resumed run's seed, the configured one, or one random seed shared by every process."""
+    if resumed is not None and config.seed is None:
+        return resumed.seed
+    seed = config.seed if config.seed is not None else secrets.randbelow(2**31)
+    if accelerator.num_processes > 1 and config.seed is None:
+        seed = broadcast_object_list([seed])[0]
+    return seed
+
+
+def sample_prompts(config: Config) -> list[SamplePrompt]:
+    if config.sample_prompts is None:
+        if config.sample_every_n_steps or config.sample_every_n_epochs or config.sample_at_first:
+            logger.warning("sample_every_n_steps / sample_every_n_epochs / sample_at_first do nothing without "
+                           "sample_prompts")
+        return []
+    prompts = load_prompts(config.sample_prompts, config.resolution)
+    if not (config.sample_every_n_steps or config.sample_every_n_epochs or config.sample_at_first):
+        logger.warning("sample_prompts is set but no sample_every_n_steps, sample_every_n_epochs or "
+                       "sample_at_first: no samples will be made")
+    return prompts
+
+
+# --- what a state must share with this run ----------------------------------------------------------------------
+
+def run_fingerprint(config: Config, spec: NetworkSpec, components: Components,
+                    model: DiffusionModel) -> dict[str, Any]:
+    """What a state must share with this run to be resumed: the adapter's shape and the base architecture."""
+    train_unet, train_text_encoder = trained_parts(config)
+    return {
+        "network_module": config.network_module, "network_dim": spec.dim, "network_alpha": spec.alpha,
+        "network_args": list(config.network_args), "train_unet": train_unet,
+        "train_text_encoder": train_text_encoder, "optimizer_type": config.optimizer_type.lower(),
+        "lora_modules": _digest(sorted(name for prefix, module in lora_modules(model, config).items()
+                                       for name, _ in lora.lora_layers(module))),
+        "base_model_version": components.base_model_version,
+        "unet_config": _digest(_architecture(components.denoiser.config)),
+        "text_encoder_config": _digest(_architecture(components.text_encoder.config.to_dict())),
+    }
+
+
+def _architecture(config: Any) -> dict[str, Any]:
+    return {k: v for k, v in dict(config).items() if not k.startswith("_") and k not in ("dtype", "torch_dtype")}
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+PATH_OPTIONS = ("seed", "train_batch_size", "gradient_accumulation_steps", "resolution", "train_data_dir",
+                "learning_rate", "unet_lr", "text_encoder_lr", "lr_scheduler", "lr_warmup_steps", "mixed_precision",
+                "max_grad_norm", "min_snr_gamma", "noise_offset", "min_timestep", "max_timestep", "network_dropout",
+                "optimizer_args", "v_parameterization", "full_fp16", "full_bf16", "clip_skip",
+                "max_token_length", "noise_offset_random_strength", "adaptive_noise_scale",
+                "multires_noise_iterations", "multires_noise_discount", "ip_noise_gamma",
+                "ip_noise_gamma_random_strength", "loss_type", "huber_schedule", "huber_c", "huber_scale",
+                "debiased_estimation_loss", "scale_v_pred_loss_like_noise_pred", "v_pred_like_loss",
+                "zero_terminal_snr", "masked_loss", "alpha_mask", "loraplus_lr_ratio", "loraplus_unet_lr_ratio",
+                "loraplus_text_encoder_lr_ratio", "scale_weight_norms", "ema_decay")
+
+
+def path_settings(config: Config, seed: int, data: TrainingData) -> dict[str, Any]:
+    values = {name: getattr(config, name) for name in PATH_OPTIONS}
+    values["seed"] = seed
+    values["dataset"] = data.fingerprint()
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+
+
+def training_metadata(session: Session) -> dict[str, str]:
+    config, plan, data, state = session.config, session.plan, session.data, session.state
+    model = Path(config.pretrained_model_name_or_path)
+    # A folder has no single file to hash; kohya writes "IsADirectory" there, which helps nobody.
+    model_hashes = model_file_hashes(str(model.resolve())) if model.is_file() else {}
+    return lora_metadata(
+        network_dim=session.spec.dim, network_alpha=session.spec.alpha,
+        **session.components.family.metadata_flags(session.components.v_prediction),
+        network_module=config.network_module, network_dropout=config.network_dropout,
+        network_args=dict(arg.split("=", 1) for arg in config.network_args),
+        learning_rate=config.learning_rate, unet_lr=config.unet_lr, text_encoder_lr=config.text_encoder_lr,
+        max_train_steps=plan.total_steps, steps=state.global_step, epoch=state.epoch, num_epochs=plan.num_epochs,
+        seed=session.seed, resolution=config.resolution, training_started_at=session.started_at,
+        training_finished_at=time.time(), num_train_images=data.num_train_images,
+        num_reg_images=data.num_reg_images, num_batches_per_epoch=plan.batches_per_epoch,
+        batch_size=config.train_batch_size, output_name=config.output_name, sd_model_name=model.name,
+        mixed_precision=config.mixed_precision, full_fp16=config.full_fp16, lr_scheduler=config.lr_scheduler,
+        lr_warmup_steps=warmup_steps(config.lr_warmup_steps, plan.total_steps), optimizer=config.optimizer_type,
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        gradient_checkpointing=config.gradient_checkpointing, max_grad_norm=config.max_grad_norm,
+        min_snr_gamma=config.min_snr_gamma, noise_offset=config.noise_offset, clip_skip=config.clip_skip,
+        max_token_length=config.max_token_length,
+        training_comment=config.training_comment, title=config.metadata_title, author=config.metadata_author,
+        description=config.metadata_description, license=config.metadata_license, tags=config.metadata_tags,
+        extra={**data.kohya_metadata(), **model_hashes},
+    )
