@@ -7,7 +7,8 @@
 same bucket batches, and only `vae.encode(batch).latent_dist` (mean and log-variance read back to the CPU) is timed.
 "cache" is `library.data.cache.cache_latents` from scratch: decoding, resizing and cropping every image (in line on a
 CPU device, in threads ahead of the VAE otherwise), the VAE encode, and for the disk variant the content hashes,
-the VAE fingerprint, the atomic writes and the key check of every entry. "reuse" is a second disk run that finds every entry valid (no VAE).
+the VAE fingerprint, the atomic writes and the key check of every entry. "reuse" is a second disk run that finds
+every entry valid (no VAE).
 Throughput is (image, flip) variants per second; the runs alternate (vae, cache-memory, cache-disk, ...) so that a
 noisy machine hits all of them, and the table shows medians. Target: cache / vae >= 0.9.
 

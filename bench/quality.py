@@ -34,9 +34,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from library import digits
-from library.digits import judge  # noqa: E402
+from library import digits  # noqa: E402
 from library.config import parse_config  # noqa: E402
+from library.digits import judge  # noqa: E402
 
 DEFAULT_CONFIGS = [REPO_ROOT / "configs" / "digits_lora.toml"]
 TARGET_BEFORE = 0.10

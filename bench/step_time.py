@@ -110,8 +110,8 @@ def run_ours(args: argparse.Namespace) -> dict:
     import torch
     from safetensors import safe_open
 
-    from library.training import loop
     from library.config import parse_config
+    from library.training import loop
 
     torch.set_num_threads(args.threads)
     out_dir = Path(args.work_dir) / "out"

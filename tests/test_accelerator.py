@@ -8,8 +8,8 @@ import pytest
 import torch
 from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
-from library.training.accelerator import accelerator_kwargs, allow_fp16_gradients
 from library.config import UserError, parse_config
+from library.training.accelerator import accelerator_kwargs, allow_fp16_gradients
 
 
 def config_with(tmp_path, *extra: str):

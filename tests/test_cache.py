@@ -10,9 +10,15 @@ import pytest
 import torch
 from PIL import Image
 
-from library.data.cache import (LATENT_SUFFIX, cache_latents, cache_text_encoder_outputs, check_finite_latents,
-                           latent_cache_path, sample_cached_latents)
 from library.config import UserError, parse_config
+from library.data.cache import (
+    LATENT_SUFFIX,
+    cache_latents,
+    cache_text_encoder_outputs,
+    check_finite_latents,
+    latent_cache_path,
+    sample_cached_latents,
+)
 from library.data.dataset import build_training_data
 from library.data.images import prepare_image
 

@@ -1,10 +1,10 @@
 """The option schema: TOML loading, command-line overrides, validation that names every problem."""
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from library.config import ConfigError, parse_config, write_config
 from library.config.options import OPTIONS

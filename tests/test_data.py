@@ -12,8 +12,8 @@ from PIL import Image
 from library.config import parse_config
 from library.data.captions import process_caption
 from library.data.dataset import BucketBatchSampler, SampleKey, build_training_data
-from library.data.images import Bucketer, make_bucket_resolutions, prepare_image
 from library.data.dataset_config import DatasetSpec, SubsetSpec
+from library.data.images import Bucketer, make_bucket_resolutions, prepare_image
 
 
 def gradient_image(path: Path, size: tuple[int, int], seed: int = 0) -> Path:
@@ -274,7 +274,7 @@ def test_items_do_not_depend_on_worker_processes(tmp_path):
     torch.manual_seed(123)  # the global stream must not matter either
     workers = list(data.dataloader(num_workers=2))
     assert [b["caption"] for b in single] == [b["caption"] for b in workers]
-    assert all(torch.equal(a["pixels"], b["pixels"]) for a, b in zip(single, workers))
+    assert all(torch.equal(a["pixels"], b["pixels"]) for a, b in zip(single, workers, strict=True))
     assert len({c for b in single for c in b["caption"]}) > 1
 
 

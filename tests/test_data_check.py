@@ -10,8 +10,8 @@ import torch
 from PIL import Image
 
 from library.config import UserError, parse_config
-from library.data.dataset import build_training_data
 from library.data.check import dataset_report
+from library.data.dataset import build_training_data
 from library.data.images import open_image
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from library.config import UserError
-from library.models.loading import load_components
 from library.models.clip_text import tokenize
+from library.models.loading import load_components
 from library.models.tiny import save_tiny_sd1
 
 

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate.state import AcceleratorState
+from test_trainer import make_config
 from torch import nn
 
-from library.network import kohya_format, lora
-from library.network import targets as network_setup
 from library.config import ConfigError, parse_config
 from library.config.network_args import NetworkArgs, parse_network_args
-from test_trainer import make_config
+from library.network import kohya_format, lora
+from library.network import targets as network_setup
 
 RANK = 4
 
@@ -214,7 +214,7 @@ def test_conv_lora_round_trip_and_mismatch(tiny):
     fresh_u, fresh_t = attached(tiny, net, seed=7)
     report = kohya_format.apply_kohya_state_dict({"lora_unet": fresh_u, "lora_te": fresh_t}, sd)
     assert len(report.loaded) == len(lora.lora_layers(unet)) + len(lora.lora_layers(te))
-    for a, b in zip(lora.lora_parameters(unet), lora.lora_parameters(fresh_u)):
+    for a, b in zip(lora.lora_parameters(unet), lora.lora_parameters(fresh_u), strict=True):
         assert torch.equal(a, b)
     other_u, other_t = attached(tiny, NetworkArgs(conv_dim=4, conv_alpha=0.5))
     with pytest.raises(ValueError, match="conv_dim"):
@@ -352,7 +352,7 @@ def test_dora_round_trip(tiny):
     fresh_u, fresh_t = attached(tiny, net, seed=5)
     kohya_format.apply_kohya_state_dict({"lora_unet": fresh_u, "lora_te": fresh_t}, sd)
     for a, b in zip(lora.lora_parameters(unet) + lora.lora_parameters(te),
-                    lora.lora_parameters(fresh_u) + lora.lora_parameters(fresh_t)):
+                    lora.lora_parameters(fresh_u) + lora.lora_parameters(fresh_t), strict=True):
         assert torch.equal(a, b)
     plain_u, plain_t = attached(tiny, NetworkArgs())
     with pytest.raises(ValueError, match="dora_scale"):
@@ -404,7 +404,7 @@ def test_lycoris_round_trip_and_training_parameters(tiny, algo):
     fresh_u, fresh_t = attached(tiny, net, rank=2, seed=9)
     kohya_format.apply_kohya_state_dict({"lora_unet": fresh_u, "lora_te": fresh_t}, sd)
     ours = lora.lora_parameters(unet) + lora.lora_parameters(te)
-    for a, b in zip(ours, lora.lora_parameters(fresh_u) + lora.lora_parameters(fresh_t)):
+    for a, b in zip(ours, lora.lora_parameters(fresh_u) + lora.lora_parameters(fresh_t), strict=True):
         assert torch.equal(a, b)
     assert all(p.dtype == torch.float32 and p.requires_grad for p in ours)
     trainable = {id(p) for p in ours}
@@ -421,7 +421,7 @@ def test_lycoris_fresh_adapter_changes_nothing(tiny):
         unet, te = copy.deepcopy(tiny["unet"]), copy.deepcopy(tiny["text_encoder"])
         network_setup.attach_network(unet, "unet", 2, 1.0, 0.0, NetworkArgs(algo=algo, conv_dim=2))
         network_setup.attach_network(te, "text_encoder", 2, 1.0, 0.0, NetworkArgs(algo=algo))
-        for ours, theirs in zip(outputs(unet, te, x), base):
+        for ours, theirs in zip(outputs(unet, te, x), base, strict=True):
             torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
 
 
@@ -500,7 +500,7 @@ def test_max_norm_matches_kohya(tiny):
     assert logs["max_norm/keys_scaled"] == keys_scaled
     assert logs["max_norm/average_key_norm"] == pytest.approx(mean, rel=1e-5)
     assert logs["max_norm/max_key_norm"] == pytest.approx(largest, rel=1e-5) and largest <= 1.0 + 1e-5
-    for (_, layer), (down, up) in zip(layers, scaled):
+    for (_, layer), (down, up) in zip(layers, scaled, strict=True):
         torch.testing.assert_close(layer.lora_A["default"].weight, down)
         torch.testing.assert_close(layer.lora_B["default"].weight, up)
 
@@ -733,8 +733,8 @@ def test_block_lengths_are_checked(tiny):
 
 
 def test_sdxl_block_dims_attach_on_the_tiny_sdxl_unet():
-    from library.network.blocks import block_index
     from library.models.tiny import build_tiny_sdxl
+    from library.network.blocks import block_index
 
     unet = build_tiny_sdxl(seed=0)["unet"].requires_grad_(False)
     assert network_setup.is_sdxl_unet(unet)
@@ -768,10 +768,10 @@ def test_ema_follows_the_weights_and_swaps_back_exactly(tiny):
     ema.update()
     trained = kohya_format.kohya_state_dict(modules)
     with ema.swapped():
-        for p, s in zip(params, start):
+        for p, s in zip(params, start, strict=True):
             torch.testing.assert_close(p, s + 0.1)  # 0.9 * start + 0.1 * (start + 1)
         averaged = kohya_format.kohya_state_dict(modules)
-    assert all(torch.equal(p, s + 1.0) for p, s in zip(params, start))
+    assert all(torch.equal(p, s + 1.0) for p, s in zip(params, start, strict=True))
     assert averaged.keys() == trained.keys()
     restored = AdapterEMA(modules, 0.9)
     restored.load_state_dict(ema.state_dict())

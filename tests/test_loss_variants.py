@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from library.core import seeds
-
-from library.models import objective
 from library.config import ConfigError, UserError, parse_config
+from library.core import seeds
+from library.models import objective
 from library.models.objective import DiffusionObjective as Objective
-from library.training.model import diffusion_loss
 from library.models.objective import LossOptions, NoiseOptions
+from library.training.model import diffusion_loss
 
 # SNR a / (1 - a): 1999 (capped to 1000 where kohya caps it), 4, 1, 0.25.
 ALPHAS = torch.tensor([0.9995, 0.8, 0.5, 0.2])

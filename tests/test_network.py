@@ -336,9 +336,9 @@ def test_round_trip_through_file(tiny, tmp_path):
     assert not report.missing and not report.unexpected and len(report.loaded) == len(sd) // 3
     for a, b in ((unet, fresh_u), (te, fresh_t)):
         pa, pb = lora.lora_parameters(a), lora.lora_parameters(b)
-        assert len(pa) == len(pb) and all(torch.equal(x, y) for x, y in zip(pa, pb))
+        assert len(pa) == len(pb) and all(torch.equal(x, y) for x, y in zip(pa, pb, strict=True))
     x = fixed_inputs()
-    for o, f in zip(outputs(unet, te, x), outputs(fresh_u, fresh_t, x)):
+    for o, f in zip(outputs(unet, te, x), outputs(fresh_u, fresh_t, x), strict=True):
         torch.testing.assert_close(o, f, atol=0, rtol=0)
 
 
@@ -368,7 +368,7 @@ def test_apply_reports_missing_unexpected_and_mismatches(tiny):
         kohya_format.apply_kohya_state_dict(modules, partial)
     assert dropped in str(err.value) and "lora_unet_conv_in.lora_down.weight" in str(err.value)
     # a failed load writes nothing
-    assert all(torch.equal(a, b) for a, b in zip(before, lora.lora_parameters(fresh_u)))
+    assert all(torch.equal(a, b) for a, b in zip(before, lora.lora_parameters(fresh_u), strict=True))
 
     report = kohya_format.apply_kohya_state_dict(modules, partial, strict=False)
     assert report.missing == [f"{dropped}.lora_down.weight", f"{dropped}.lora_up.weight"]

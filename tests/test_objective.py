@@ -8,7 +8,6 @@ import torch
 from diffusers import DDPMScheduler
 
 from library.core import seeds
-
 from library.models import objective
 
 

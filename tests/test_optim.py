@@ -11,11 +11,11 @@ import torch
 from accelerate.state import AcceleratorState
 from safetensors.torch import load_file
 
-from library.network import kohya_format
-from library.training import optim
-from library.training.model import lora_modules
 from library.config import Config, ConfigError, UserError, parse_config
 from library.config.options import OPTIMIZER_TYPES
+from library.network import kohya_format
+from library.training import optim, schedules
+from library.training.model import lora_modules
 
 pytestmark = pytest.mark.filterwarnings("ignore:Paged optimizers are not supported")
 
@@ -74,7 +74,7 @@ def build(config: Config, model: torch.nn.Module, total_steps: int = 20):
     optimizer = optim.build_optimizer(config.optimizer_type, groups, config.learning_rate, config.optimizer_args,
                                       use_8bit_adam=config.use_8bit_adam,
                                       use_lion_optimizer=config.use_lion_optimizer)
-    scheduler = optim.build_lr_scheduler(
+    scheduler = schedules.build_lr_scheduler(
         config.lr_scheduler, optimizer, total_steps, config.lr_warmup_steps, config.lr_scheduler_num_cycles,
         config.lr_scheduler_power, lr_decay_steps=config.lr_decay_steps,
         min_lr_ratio=config.lr_scheduler_min_lr_ratio, timescale=config.lr_scheduler_timescale,
@@ -218,7 +218,7 @@ def test_adafactor_relative_step_forces_the_adafactor_schedule(make_config):
     before = model.weight.detach().clone()
     optimizer, scheduler = build(config, model)
     assert optimizer.defaults["lr"] is None and optimizer.defaults["relative_step"] is True
-    assert isinstance(scheduler, optim.AdafactorLR)
+    assert isinstance(scheduler, schedules.AdafactorLR)
     assert scheduler.get_last_lr() == [1e-3]  # learning_rate is reported until the first step, as in kohya
     train(model, optimizer, scheduler, 1)
     assert not torch.equal(model.weight, before)
@@ -366,7 +366,7 @@ def test_scheduler_class_mistakes_are_user_errors(make_config):
 
 
 def test_settings_a_schedule_does_not_read_are_named_in_a_warning(make_config, caplog):
-    with caplog.at_level(logging.WARNING, logger="library.training.optim"):
+    with caplog.at_level(logging.WARNING, logger="library.training.schedules"):
         build(make_config('lr_scheduler = "cosine"\nlr_decay_steps = 5'), linear())
     assert "lr_decay_steps is ignored by lr_scheduler cosine" in caplog.text
 
@@ -393,5 +393,5 @@ def test_key_values_read_python_literals_and_toml_style_booleans():
 
 
 def test_fractions_of_the_total_steps():
-    assert optim.warmup_steps(0.05, 1000) == 50 and optim.warmup_steps(100, 1000) == 100
-    assert optim.steps_of(0.25, 20) == 5 and optim.steps_of(0, 20) == 0
+    assert schedules.warmup_steps(0.05, 1000) == 50 and schedules.warmup_steps(100, 1000) == 100
+    assert schedules.steps_of(0.25, 20) == 5 and schedules.steps_of(0, 20) == 0

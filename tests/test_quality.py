@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from library import digits
-from library.digits import judge
 from library.config import parse_config
+from library.digits import judge
 from tools import make_digit_dataset, pretrain_base
 
 REPO = Path(__file__).resolve().parent.parent

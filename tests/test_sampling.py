@@ -13,11 +13,11 @@ import pytest
 import torch
 from PIL import Image
 
-from library.network import lora
-from library.monitoring import sampling
 from library.config import UserError
 from library.models.loading import load_components
+from library.monitoring import sampling
 from library.monitoring.sampling import SamplePrompt
+from library.network import lora
 
 # diffusers' KDPM2 schedulers run numpy on torch tensors element by element: thousands of numpy 2 deprecation
 # warnings per image that say nothing about this code.
@@ -146,7 +146,7 @@ def test_every_problem_in_a_file_at_once(tmp_path):
     expected = [("line 2", "--w 'abc'"), ("line 3", "--s '0'"), ("line 4", "--ss 'eulr'"), ("line 4", "--l 'lots'"),
                 ("line 5", "no prompt"), ("line 6", "--d '-1'"), ("line 6", "--s '5000'")]
     assert len(problems) == len(expected)
-    for (where, what), problem in zip(expected, problems):
+    for (where, what), problem in zip(expected, problems, strict=True):
         assert where in problem and what in problem, problem
     assert "did you mean 'euler'" in problems[2]
 
@@ -240,7 +240,7 @@ def test_samples_follow_the_live_lora_weights(models):
                 p.mul_(-3.0)
             changed = pixels(sampling.generate_image(prompt, models, seed=4))
         finally:
-            for p, value in zip(lora_up, saved):
+            for p, value in zip(lora_up, saved, strict=True):
                 p.copy_(value)
         restored = pixels(sampling.generate_image(prompt, models, seed=4))
     assert lora_up and not np.array_equal(before, changed)
@@ -282,7 +282,7 @@ def test_round_writes_named_sized_repeatable_images(models, tmp_path):
     assert not np.array_equal(pixels(first[0].image), pixels(first[2].image))
     again = sampling.sample_images(prompts, models, out, "lora", base_seed=5, step=9, epoch=1)
     assert [s.path.name for s in again] == [n.replace("000007", "e000001") for n in names]
-    for a, b in zip(first, again):
+    for a, b in zip(first, again, strict=True):
         assert np.array_equal(pixels(a.image), pixels(b.image))
 
 
@@ -305,7 +305,7 @@ def test_prompts_are_dealt_to_processes_and_only_the_main_one_writes(models, tmp
                                   num_processes=2, gather=lambda items: from_rank1 + items)
     assert [s.path.name for s in main] == [s.path.name for s in single]
     assert sorted(p.name for p in out.iterdir()) == sorted(s.path.name for s in single)
-    for a, b in zip(main, single):
+    for a, b in zip(main, single, strict=True):
         assert np.array_equal(pixels(a.image), pixels(b.image))
 
 

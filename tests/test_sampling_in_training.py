@@ -9,10 +9,9 @@ import torch
 from accelerate.state import AcceleratorState
 from PIL import Image
 
+from library.config import UserError, parse_config
 from library.network import kohya_format
 from library.training import loop
-from library.config import UserError, parse_config
-
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from library.models import objective
-from library.training import loop
 from library.config import parse_config
+from library.models import objective
 from library.models.loading import load_components
 from library.models.sd import zero_terminal_snr
-from library.network.kohya_format import read_metadata
 from library.models.tiny import save_tiny_sd1
+from library.network.kohya_format import read_metadata
+from library.training import loop
 
 
 @pytest.fixture(scope="module")

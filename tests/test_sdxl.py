@@ -6,13 +6,13 @@ import torch
 from accelerate.state import AcceleratorState
 from PIL import Image
 
-from library.training import loop
 from library.config import parse_config
 from library.data.dataset import build_training_data, collate
 from library.models.loading import load_components
 from library.models.sdxl import time_ids as sdxl_time_ids
-from library.network.kohya_format import read_metadata
 from library.models.tiny import save_tiny_sdxl
+from library.network.kohya_format import read_metadata
+from library.training import loop
 
 
 @pytest.fixture(scope="module")

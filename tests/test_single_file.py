@@ -12,13 +12,21 @@ from accelerate.state import AcceleratorState
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from library.training import loop
 from library.config import ConfigError, UserError, parse_config
-from library.models.loading import load_components
 from library.models.ldm_export import ldm_state_dict
-from library.models.single_file import (ARCHITECTURES, CLIP_PREFIX, CONFIG_ROOT, detect_architecture, load_single_file,
-                                 load_tokenizer, main as convert_main, read_checkpoint)
+from library.models.loading import load_components
+from library.models.single_file import (
+    ARCHITECTURES,
+    CLIP_PREFIX,
+    CONFIG_ROOT,
+    detect_architecture,
+    load_single_file,
+    load_tokenizer,
+    read_checkpoint,
+)
+from library.models.single_file import main as convert_main
 from library.models.tiny import save_tiny_sd1_single_file
+from library.training import loop
 
 
 @pytest.fixture(scope="module")
@@ -141,8 +149,12 @@ def test_shipped_config_matches_the_full_size_ldm_layout(name, open_clip):
     converts it (meta tensors: no memory), and the parameter counts are those of the released models."""
     from accelerate import init_empty_weights
     from diffusers import AutoencoderKL, UNet2DConditionModel
-    from diffusers.loaders.single_file_utils import (convert_ldm_clip_checkpoint, convert_ldm_unet_checkpoint,
-                                                     convert_ldm_vae_checkpoint, convert_open_clip_checkpoint)
+    from diffusers.loaders.single_file_utils import (
+        convert_ldm_clip_checkpoint,
+        convert_ldm_unet_checkpoint,
+        convert_ldm_vae_checkpoint,
+        convert_open_clip_checkpoint,
+    )
     from transformers import CLIPTextConfig, CLIPTextModel
 
     folder = CONFIG_ROOT / name
@@ -175,8 +187,11 @@ def test_shipped_config_matches_the_full_size_ldm_layout(name, open_clip):
 def test_shipped_sdxl_config_matches_the_full_size_ldm_layout():
     from accelerate import init_empty_weights
     from diffusers import AutoencoderKL, UNet2DConditionModel
-    from diffusers.loaders.single_file_utils import (convert_ldm_clip_checkpoint, convert_ldm_unet_checkpoint,
-                                                     convert_open_clip_checkpoint)
+    from diffusers.loaders.single_file_utils import (
+        convert_ldm_clip_checkpoint,
+        convert_ldm_unet_checkpoint,
+        convert_open_clip_checkpoint,
+    )
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     folder = CONFIG_ROOT / "sdxl"

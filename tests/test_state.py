@@ -8,11 +8,10 @@ import pytest
 import torch
 from accelerate.state import AcceleratorState
 
+from library.config import UserError, parse_config
 from library.network import kohya_format, lora
 from library.training import loop
-from library.config import UserError, parse_config
 from library.training.state import ADAPTER_FILE, STATE_FILE, TrainState, find_latest_state
-
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
 
@@ -162,8 +161,7 @@ def test_saves_cut_short_by_a_kill_are_removed_by_the_next_run(tmp_path, monkeyp
     from PIL import Image
 
     from library.core import atomic
-    from library.monitoring import chart
-    from library.monitoring import sampling
+    from library.monitoring import chart, sampling
     from library.training.state import remove_stale_temporaries
 
     out = tmp_path / "out"

@@ -7,11 +7,11 @@ import pytest
 import torch
 from accelerate.state import AcceleratorState
 
-from library.training import loop
 from library.config import UserError, parse_config
-from library.models.loading import load_components
 from library.models.clip_text import encode_prompt, tokenize
+from library.models.loading import load_components
 from library.network.kohya_format import read_metadata
+from library.training import loop
 
 LONG = ", ".join(["red shape on a blue square"] * 30)
 

@@ -102,7 +102,8 @@ def test_sample_dataset(sample_data_dir: Path, repo_root: Path) -> None:
 
     from tools import make_sample_dataset
 
-    assert make_sample_dataset.check(sample_data_dir) == [], "committed dataset differs from tools/make_sample_dataset.py"
+    assert make_sample_dataset.check(sample_data_dir) == [], \
+        "committed dataset differs from tools/make_sample_dataset.py"
 
 
 def test_command_line_builds_every_family(tmp_path: Path, capsys) -> None:

@@ -10,12 +10,12 @@ import torch
 from accelerate.state import AcceleratorState
 from PIL import Image
 
+from library.config import UserError, parse_config
+from library.data.dataset import split_validation
+from library.monitoring.tracking import TimestepLoss
+from library.monitoring.validation import should_validate
 from library.network import kohya_format
 from library.training import loop
-from library.config import UserError, parse_config
-from library.monitoring.tracking import TimestepLoss
-from library.data.dataset import split_validation
-from library.monitoring.validation import should_validate
 
 SECRET = "wandb-key-4f1c9a7e0b2d83c6a5e1f0d9b8c7a6e5f4d3c2b1"
 
@@ -72,7 +72,7 @@ def test_tensorboard_gets_every_metric_at_the_global_step(tiny_sd1_dir, sample_d
     assert all(v == pytest.approx(1e-2) for _, v in scalars["lr/unet"] + scalars["lr/textencoder"])
     assert {"throughput/samples_per_s", "throughput/s_per_step", "memory/peak_rss_gib"} <= scalars.keys()
     assert all(v == pytest.approx(2 / s) for (_, v), (_, s) in zip(scalars["throughput/samples_per_s"],
-                                                                     scalars["throughput/s_per_step"]))
+                                                                     scalars["throughput/s_per_step"], strict=True))
 
     # The bins, recomputed from the losses the training forward returned.
     assert len(seen) == 4
@@ -159,8 +159,8 @@ def test_wandb_offline_run_has_the_metrics_and_no_secret_anywhere(tiny_sd1_dir, 
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     assert run.display_name == "digits" and run.project == "proj"
     assert list(run.tags) == ["lora", "tiny"] and run.notes == "from log_tracker_config"
-    sent = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for r in records if r.WhichOneof("record_type") == "config"
-            for item in r.config.update}
+    updates = [item for r in records if r.WhichOneof("record_type") == "config" for item in r.config.update]
+    sent = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in updates}
     assert sent["learning_rate"] == pytest.approx(1e-2) and sent["network_dim"] == 4
     assert "wandb_api_key" not in sent
     assert sent["pretrained_model_name_or_path"] == tiny_sd1_dir.name  # no absolute paths

@@ -8,14 +8,13 @@ import torch
 from accelerate.state import AcceleratorState
 from safetensors import safe_open
 
-from library.training import model as model_module
-from library.network import kohya_format, lora
-from library.training import loop
 from library.config import parse_config
 from library.models.loading import load_components
-from library.training.optim import build_optimizer
 from library.models.objective import DiffusionObjective
-
+from library.network import kohya_format, lora
+from library.training import loop
+from library.training import model as model_module
+from library.training.optim import build_optimizer
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
 

@@ -38,7 +38,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from library import digits
+from library import digits  # noqa: E402
 from library.digits import judge  # noqa: E402
 from library.models.tiny import MODEL_MAX_LENGTH, build_tiny_tokenizer, save_pipeline  # noqa: E402
 
@@ -212,7 +212,7 @@ def train_denoiser(unet: Any, text_encoder: Any, tokenizer: Any, scheduler: Any,
             torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - decay)
         _log_every(step, recipe.steps, loss.item(), started, "unet")
     with torch.no_grad():
-        for param, average in zip(params, ema):
+        for param, average in zip(params, ema, strict=True):
             param.copy_(average)
     unet.eval().requires_grad_(False)
     text_encoder.eval().requires_grad_(False)

@@ -8,9 +8,20 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from library.config.option_types import (OPTIMIZER_TYPES, Option, _to_bool, _to_float, _to_int, _to_int_list,
-                                         _to_lr, _to_optimizer_type, _to_resolution, _to_str, _to_str_list,
-                                         canonical_optimizer_type)
+from library.config.option_types import (
+    OPTIMIZER_TYPES,
+    Option,
+    _to_bool,
+    _to_float,
+    _to_int,
+    _to_int_list,
+    _to_lr,
+    _to_optimizer_type,
+    _to_resolution,
+    _to_str,
+    _to_str_list,
+    canonical_optimizer_type,
+)
 
 # The optimizer names are imported from here by library.training.optim and the tests.
 __all__ = ["ALIASES", "GROUPS", "OPTIMIZER_TYPES", "OPTIONS", "Option", "canonical_optimizer_type"]

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import tomllib
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Sequence
+
+import tomllib
 
 from library.config.checks import check_values
 from library.config.dump import config_toml

@@ -153,7 +153,8 @@ def grid(rows: Mapping[str, np.ndarray], columns: int = 10, zoom: int = 2) -> An
     for r, (label, images) in enumerate(rows.items()):
         draw.text((6, r * cell + cell // 2), label, fill=0, font=font, anchor="lm")
         for c, image in enumerate(images[:columns]):
-            tile = Image.fromarray(np.asarray(image, dtype=np.uint8), "L").resize((cell, cell), Image.Resampling.NEAREST)
+            tile = Image.fromarray(np.asarray(image, dtype=np.uint8), "L")
+            tile = tile.resize((cell, cell), Image.Resampling.NEAREST)
             canvas.paste(tile, (label_width + c * cell, r * cell))
     return canvas
 

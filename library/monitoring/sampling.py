@@ -14,7 +14,6 @@ import logging
 import math
 import os
 import random
-import tomllib
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,11 +21,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
+import tomllib
 import torch
 
-from library.core.atomic import write_atomically
 from library.config import UserError
 from library.config.samplers import SAMPLERS, canonical_sampler
+from library.core.atomic import write_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -272,7 +272,8 @@ def generate_image(prompt: SamplePrompt, models: SamplingModels, seed: int, samp
     # Noise drawn on CPU: the same seed gives the same starting latents on any device.
     generator = torch.Generator(device="cpu").manual_seed(seed)
     if models.encode_text is not None:
-        text = models.family.prompt_embeds(models.encode_text(prompt.prompt), models.encode_text(prompt.negative_prompt))
+        positive, negative = models.encode_text(prompt.prompt), models.encode_text(prompt.negative_prompt)
+        text = models.family.prompt_embeds(positive, negative)
     else:
         text = {"prompt": prompt.prompt, "negative_prompt": prompt.negative_prompt or None}
     latents = pipe(**text, width=prompt.width, height=prompt.height, num_inference_steps=prompt.steps,

@@ -123,7 +123,7 @@ class TimestepLoss:
 
     @property
     def names(self) -> list[str]:
-        return [f"loss/timestep/{lo}-{hi - 1}" for lo, hi in zip(self.edges, self.edges[1:])]
+        return [f"loss/timestep/{lo}-{hi - 1}" for lo, hi in zip(self.edges, self.edges[1:], strict=False)]
 
     def totals(self, losses: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
         """This process's (sum, count) per bin for per-sample `losses` at `timesteps`, to be summed over ranks."""
@@ -135,17 +135,17 @@ class TimestepLoss:
 
     def add(self, totals: torch.Tensor) -> None:
         n = len(self.sums)
-        for i, (s, c) in enumerate(zip(totals[:n].tolist(), totals[n:].tolist())):
+        for i, (s, c) in enumerate(zip(totals[:n].tolist(), totals[n:].tolist(), strict=True)):
             self.sums[i] += s
             self.counts[i] += round(c)
 
     def means(self) -> dict[str, float]:
-        return {name: s / c for name, s, c in zip(self.names, self.sums, self.counts) if c}
+        return {name: s / c for name, s, c in zip(self.names, self.sums, self.counts, strict=True) if c}
 
     def bins(self) -> list[tuple[int, int, float]]:
         """(first, last timestep, mean) of the bins that have samples."""
-        return [(lo, hi - 1, s / c) for lo, hi, s, c in zip(self.edges, self.edges[1:], self.sums, self.counts)
-                if c]
+        spans = zip(self.edges, self.edges[1:], strict=False)
+        return [(lo, hi - 1, s / c) for (lo, hi), s, c in zip(spans, self.sums, self.counts, strict=True) if c]
 
     def state_dict(self) -> dict[str, Any]:
         return {"edges": self.edges, "sums": self.sums, "counts": self.counts}

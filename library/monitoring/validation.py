@@ -9,7 +9,6 @@ train/eval modes are restored afterwards.
 from __future__ import annotations
 
 import contextlib
-import random
 from typing import Any, Callable, Iterator, Sequence
 
 import torch

@@ -29,8 +29,17 @@ from torch import nn
 
 from library.core.atomic import write_atomically
 from library.network import lycoris
-from library.network.lora import (_DORA, _DOWN, _MAX_LISTED, _UP, _has_dora, _is_lora, dora_scale_of, layer_parameters,
-                                  lora_layers)
+from library.network.lora import (
+    _DORA,
+    _DOWN,
+    _MAX_LISTED,
+    _UP,
+    _has_dora,
+    _is_lora,
+    dora_scale_of,
+    layer_parameters,
+    lora_layers,
+)
 
 PREFIX_UNET = "lora_unet"
 PREFIX_TE = "lora_te"  # SD1.x / SD2.x text encoder
@@ -251,7 +260,7 @@ def apply_kohya_state_dict(
         else:
             report.unexpected.append(key)
 
-    for name, (module_name, layer) in expected.items():
+    for name, (_, layer) in expected.items():
         found = in_file.get(name, {})
         params = params_of[name]
         absent = [f"{name}.{role}" for role in params if role not in found]

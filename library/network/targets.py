@@ -5,10 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from library.network import blocks
-from library.network import lora
 from library.config import UserError
 from library.config.network_args import NetworkArgs
+from library.network import blocks, lora
 
 
 def attach_network(model: nn.Module, part: str, rank: int, alpha: float, dropout: float,

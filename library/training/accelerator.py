@@ -9,8 +9,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import (DeepSpeedPlugin, DistributedDataParallelKwargs, DistributedType,
-                               InitProcessGroupKwargs)
+from accelerate.utils import DeepSpeedPlugin, DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
 
 from library.config import Config, UserError
 from library.training.optim import parse_key_values, resolve_optimizer_type

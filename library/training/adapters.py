@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from library.config import UserError
 from library.network import kohya_format, lora
 from library.network.blocks import BlockLR
-from library.config import UserError
 
 logger = logging.getLogger(__name__)
 

@@ -25,11 +25,29 @@ from library.monitoring.tracking import StepMetrics, TimestepLoss, lr_names
 from library.network import kohya_format, lora
 from library.network.metadata import lora_metadata, model_file_hashes
 from library.training import adapters as adapter_training
-from library.training.model import (SAVE_DTYPES, WEIGHT_DTYPES, DiffusionModel, NetworkSpec, build_model,
-                                    load_adapter, lora_modules, network_spec, save_lora, trained_parts)
-from library.training.optim import build_lr_scheduler, build_optimizer, warmup_steps
-from library.training.state import (Checkpointer, TrainState, incompatibilities, library_versions, path_changes,
-                                    remove_stale_temporaries, resolve_resume)
+from library.training.model import (
+    SAVE_DTYPES,
+    WEIGHT_DTYPES,
+    DiffusionModel,
+    NetworkSpec,
+    build_model,
+    load_adapter,
+    lora_modules,
+    network_spec,
+    save_lora,
+    trained_parts,
+)
+from library.training.optim import build_optimizer
+from library.training.schedules import build_lr_scheduler, warmup_steps
+from library.training.state import (
+    Checkpointer,
+    TrainState,
+    incompatibilities,
+    library_versions,
+    path_changes,
+    remove_stale_temporaries,
+    resolve_resume,
+)
 
 logger = logging.getLogger(__name__)
 

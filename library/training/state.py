@@ -18,8 +18,8 @@ from typing import Any, Callable
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from library.core.atomic import STALE_TEMPORARY, TMP_DIR_PREFIX, fsync_dir, remove_path, replace_dir
 from library.config import UserError
+from library.core.atomic import STALE_TEMPORARY, TMP_DIR_PREFIX, fsync_dir, remove_path, replace_dir
 
 logger = logging.getLogger(__name__)
 

@@ -8,10 +8,9 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from library.training import model
-from library.network import kohya_format
-from library.training import loop
 from library.config import parse_config
+from library.network import kohya_format
+from library.training import loop, model
 
 
 def main() -> None:
