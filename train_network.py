@@ -20,8 +20,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if config.dataset_check:
         from library.data.check import dataset_report
+        from library.models.loading import caption_tokenizer
 
-        text, usable = dataset_report(config)
+        tokenizer = caption_tokenizer(config.pretrained_model_name_or_path, config.model_config)
+        text, usable = dataset_report(config, tokenizer)
         print(text)
         return 0 if usable else 2
 

@@ -227,6 +227,7 @@ def test_skipping_everything_is_still_an_error(tmp_path):
 def test_dataset_report_counts_tokens_for_a_single_file_model(tmp_path):
     """A single .safetensors checkpoint carries no tokenizer: the report uses the one its architecture ships
     with, and the truncation limit follows max_token_length."""
+    from library.models.loading import caption_tokenizer
     from library.models.tiny import save_tiny_sd1_single_file
 
     model = save_tiny_sd1_single_file(tmp_path / "tiny.safetensors")
@@ -234,7 +235,8 @@ def test_dataset_report_counts_tokens_for_a_single_file_model(tmp_path):
     caption(noise_image(root / "1_x" / "short.png"), "a photo of a dog")
     caption(noise_image(root / "1_x" / "long.png"), " ".join(["dog"] * 100))
     common = ["--pretrained_model_name_or_path", str(model), "--train_data_dir", str(root)]
-    text, ok = dataset_report(make_config(tmp_path, *common))
+    tokenizer = caption_tokenizer(model)
+    text, ok = dataset_report(make_config(tmp_path, *common), tokenizer)
     assert ok and "longest caption 100 tokens; 1 longer than 75 tokens are truncated" in text, text
-    text, ok = dataset_report(make_config(tmp_path, *common, "--max_token_length", "150"))
+    text, ok = dataset_report(make_config(tmp_path, *common, "--max_token_length", "150"), tokenizer)
     assert ok and "longest caption 100 tokens; 0 longer than 150 tokens are truncated" in text, text

@@ -13,35 +13,11 @@ from library.data.scan import listing
 logger = logging.getLogger(__name__)
 
 
-def _load_tokenizer(config: Config) -> Any:
-    """The model's (first) CLIP tokenizer: its tokenizer/ folder, or for a single .safetensors file the shipped
-    (or model_config) tokenizer of the architecture its keys show. None when neither can be had."""
-    model = config.pretrained_model_name_or_path
-    if model is None:
-        return None
-    try:
-        from transformers import CLIPTokenizer
-
-        if Path(model, "tokenizer").is_dir():
-            tokenizer = CLIPTokenizer.from_pretrained(model, subfolder="tokenizer", local_files_only=True)
-        elif Path(model).is_file() and Path(model).suffix.lower() == ".safetensors":
-            from library.models.single_file import file_tokenizer
-
-            tokenizer = file_tokenizer(Path(model), config.model_config)
-        else:
-            return None
-    except Exception as e:  # noqa: BLE001 - the report still works without token counts
-        logger.info("no tokenizer for the dataset check (%s); captions are not tokenized", e)
-        return None
-    # transformers 5 returns an empty tokenizer instead of failing when the vocabulary files are missing.
-    return tokenizer if len(tokenizer) > 256 and tokenizer.model_max_length < 100_000 else None
-
-
 def dataset_report(config: Config, tokenizer: Any = None, num_processes: int = 1) -> tuple[str, bool]:
     """A readable check of the dataset without loading the UNet: (text, usable).
 
     Images per subset with repeats, the bucket histogram, batches and steps per epoch, caption coverage and every
-    problem. With no tokenizer given, the model folder's tokenizer/ is used when it loads.
+    problem. With a tokenizer, caption lengths in tokens and how many are truncated.
     """
     lines: list[str] = []
     try:
@@ -84,7 +60,6 @@ def dataset_report(config: Config, tokenizer: Any = None, num_processes: int = 1
     total = len(data.records)
     lines.append(f"captions: {from_files} of {total} usable images have a caption file"
                  + (f" ({100 * from_files / total:.0f}%)" if total else ""))
-    tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config)
     if tokenizer is not None and data.records:
         limit = config.max_token_length or tokenizer.model_max_length - 2  # kohya's 75 / 150 / 225
         texts = [" ".join(t for t in (r.subset.caption_prefix, r.caption, r.subset.caption_suffix) if t)

@@ -12,7 +12,7 @@ from library.config import UserError
 from library.models.family import Components, Family
 from library.models.sd import SD1, SD2
 from library.models.sdxl import SDXL
-from library.models.single_file import load_single_file
+from library.models.single_file import file_tokenizer, load_single_file
 
 logger = logging.getLogger(__name__)
 
@@ -88,3 +88,25 @@ def _family_of(parts: dict[str, Any], v2: bool) -> Family:
     # SD2's OpenCLIP encoder: 1024 wide with plain gelu (SD1's CLIP uses quick_gelu).
     text_config = parts["text_encoder"].config
     return SD2 if v2 or text_config.hidden_size == 1024 or text_config.hidden_act == "gelu" else SD1
+
+
+def caption_tokenizer(model: str | Path | None, model_config: str | Path | None = None) -> Any:
+    """The model's (first) CLIP tokenizer, loaded without the model (for --dataset_check): its tokenizer/ folder,
+    or for a single .safetensors file the shipped (or model_config) tokenizer of the architecture its keys show.
+    None when neither can be had."""
+    if model is None:
+        return None
+    try:
+        from transformers import CLIPTokenizer
+
+        if Path(model, "tokenizer").is_dir():
+            tokenizer = CLIPTokenizer.from_pretrained(model, subfolder="tokenizer", local_files_only=True)
+        elif Path(model).is_file() and Path(model).suffix.lower() == ".safetensors":
+            tokenizer = file_tokenizer(Path(model), model_config)
+        else:
+            return None
+    except Exception as e:  # noqa: BLE001 - the report still works without token counts
+        logger.info("no tokenizer for the dataset check (%s); captions are not tokenized", e)
+        return None
+    # transformers 5 returns an empty tokenizer instead of failing when the vocabulary files are missing.
+    return tokenizer if len(tokenizer) > 256 and tokenizer.model_max_length < 100_000 else None

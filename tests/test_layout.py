@@ -1,0 +1,44 @@
+"""The package layout the README promises: imports between library's packages flow one way."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+LIBRARY = Path(__file__).resolve().parent.parent / "library"
+# What each package may import besides itself; everything may import config and core (config only core).
+ALLOWED = {
+    "core": set(),
+    "config": {"core"},
+    "data": {"config", "core"},
+    "models": {"config", "core"},
+    "network": {"config", "core"},
+    "monitoring": {"config", "core"},
+    "training": {"config", "core", "data", "models", "network", "monitoring"},
+    "digits": {"config", "core", "monitoring"},
+}
+
+
+def imported_packages(path: Path) -> set[str]:
+    packages = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("library."):
+            packages.add(node.module.split(".")[1])
+        elif isinstance(node, ast.ImportFrom) and node.module == "library":
+            packages.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            packages.update(a.name.split(".")[1] for a in node.names if a.name.startswith("library."))
+    return packages
+
+
+def test_imports_flow_one_way():
+    assert {p.name for p in LIBRARY.iterdir() if p.is_dir() and (p / "__init__.py").exists()} == set(ALLOWED)
+    wrong = []
+    for package, allowed in ALLOWED.items():
+        for path in sorted((LIBRARY / package).rglob("*.py")):
+            for other in imported_packages(path) - allowed - {package}:
+                wrong.append(f"{path.relative_to(LIBRARY)} imports library.{other}")
+    assert wrong == []
+
+
+def test_no_module_at_the_top_of_library_but_packages():
+    assert sorted(p.name for p in LIBRARY.glob("*.py")) == ["__init__.py"]
