@@ -129,6 +129,8 @@ def run_ours(args: argparse.Namespace) -> dict:
         "--mixed_precision", args.mixed_precision,
         "--output_dir", str(out_dir),
         "--output_name", "bench",
+        # The bare loop encodes every image each step; latents are cached by default here, so say it.
+        "--cache_latents", "false",
     ]
     config, _notes = parse_config(argv)
     memory_start = _memory_start(args.device)

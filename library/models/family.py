@@ -11,6 +11,7 @@ Conditioning travels as two dicts of tensors: `text` (token ids from `tokenizer`
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -48,8 +49,8 @@ class Components:
         return self.family.base_model_version
 
 
-class Family:
-    """What differs between model families. Subclasses override every method that raises here."""
+class Family(ABC):
+    """What differs between model families; a family module implements every abstract method."""
 
     name: str
     base_model_version: str  # what the state fingerprint records
@@ -59,15 +60,15 @@ class Family:
     lora_denoiser_prefix: str = "lora_unet"
 
     # --- prompts ----------------------------------------------------------------------------------------------
+    @abstractmethod
     def tokenizer(self, components: Components, max_token_length: int | None) -> Tokenizer:
         """caption -> the token ids `encode_text` takes, as a dict of tensors."""
-        raise NotImplementedError
 
+    @abstractmethod
     def encode_text(self, text_encoders: Sequence[torch.nn.Module], tokens: Mapping[str, torch.Tensor],
                     clip_skip: int | None) -> dict[str, torch.Tensor]:
         """Batched token ids -> what the denoiser is conditioned on ("encoder_hidden_states", ...); these outputs
         are what `cache_text_encoder_outputs` keeps."""
-        raise NotImplementedError
 
     @staticmethod
     def is_encoded(text: Mapping[str, torch.Tensor]) -> bool:
@@ -78,13 +79,14 @@ class Family:
         """Per-image conditioning besides the text, read from a collated batch."""
         return {}
 
+    @abstractmethod
     def denoise(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 text: Mapping[str, torch.Tensor], conditioning: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        raise NotImplementedError
+        """The denoiser's prediction for the noisy latents, from encoded text and the batch's conditioning."""
 
+    @abstractmethod
     def objective(self, components: Components, config: Any, device: torch.device) -> Any:
         """The training objective (what is predicted, how timesteps are drawn and losses weighted)."""
-        raise NotImplementedError
 
     # --- LoRA files and metadata -------------------------------------------------------------------------------
     def lora_prefixes(self, train_denoiser: bool, train_text_encoder: bool, denoiser: torch.nn.Module,
@@ -97,17 +99,17 @@ class Family:
             modules.update(zip(self.lora_text_prefixes, text_encoders, strict=True))
         return modules
 
+    @abstractmethod
     def metadata_flags(self, v_prediction: bool) -> dict[str, bool]:
         """The kohya metadata switches that name this family (v2, v_parameterization, sdxl)."""
-        raise NotImplementedError
 
     # --- sampling ----------------------------------------------------------------------------------------------
+    @abstractmethod
     def pipeline(self, denoiser: Any, vae: Any, text_encoders: Sequence[Any], tokenizers: Sequence[Any],
                  scheduler: Any) -> Any:
         """The diffusers pipeline that samples this family, around the given (LoRA-carrying) modules."""
-        raise NotImplementedError
 
+    @abstractmethod
     def prompt_embeds(self, positive: Mapping[str, torch.Tensor],
                       negative: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`encode_text` outputs -> the pipeline's prompt-embedding arguments."""
-        raise NotImplementedError

@@ -63,14 +63,18 @@ def diffusion_loss(model: torch.nn.Module, latents: torch.Tensor, text: Mapping[
 @torch.no_grad()
 def encode_latents(vae: torch.nn.Module, pixels: torch.Tensor, generator: torch.Generator,
                    vae_dtype: torch.dtype) -> torch.Tensor:
-    """VAE posterior sample scaled to the UNet's latent range."""
+    """VAE posterior sample scaled to the UNet's latent range.
+
+    Each image is encoded on its own: a convolution's result depends on the batch it is computed in, and one image
+    per call gives exactly the posterior the latent cache stores (vae_batch_size 1), so caching changes nothing.
+    """
     # The dtype is passed in: diffusers' vae.dtype walks every submodule, a cost on every step.
-    distribution = vae.encode(pixels.to(dtype=vae_dtype)).latent_dist
+    distributions = [vae.encode(image[None].to(dtype=vae_dtype)).latent_dist for image in pixels]
+    mean = torch.cat([d.mean for d in distributions])
+    std = torch.cat([d.std for d in distributions])
     # Drawn on CPU from the step's generator, so the sample does not depend on the device or the global RNG.
-    eps = torch.randn(distribution.mean.shape, generator=generator, dtype=torch.float32)
-    latents = distribution.mean + distribution.std * eps.to(device=distribution.mean.device,
-                                                              dtype=distribution.mean.dtype)
-    return latents * vae.config.scaling_factor
+    eps = torch.randn(mean.shape, generator=generator, dtype=torch.float32)
+    return (mean + std * eps.to(device=mean.device, dtype=mean.dtype)) * vae.config.scaling_factor
 
 
 def batch_latents(batch: dict[str, Any], vae: torch.nn.Module, generator: torch.Generator,

@@ -13,10 +13,9 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, broadcast_object_list, send_to_device, set_seed
+from accelerate.utils import DistributedType, broadcast_object_list, set_seed
 
 from library.config import Config, UserError
-from library.data.cache import cache_latents, cache_text_encoder_outputs
 from library.data.dataset import TrainingData, build_training_data
 from library.models.family import Components
 from library.models.loading import load_components
@@ -25,6 +24,7 @@ from library.monitoring.tracking import StepMetrics, TimestepLoss, lr_names
 from library.network import kohya_format, lora
 from library.network.metadata import lora_metadata, model_file_hashes
 from library.training import adapters as adapter_training
+from library.training.caching import cache_inputs, plan_caching
 from library.training.model import (
     SAVE_DTYPES,
     WEIGHT_DTYPES,
@@ -132,7 +132,8 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
 
     model, groups = build_model(config, components, accelerator.device, spec)
     trainable = [p for group in groups for p in group["params"]]
-    cache_inputs(config, data, components, accelerator, vae_dtype)
+    cache_inputs(config, data, components, accelerator, vae_dtype,
+                 plan_caching(config, data, trained_parts(config)[1]))
     dataloader = data.dataloader(config.max_data_loader_n_workers, config.persistent_data_loader_workers)
     optimizer = build_optimizer(config.optimizer_type, groups, config.learning_rate, config.optimizer_args,
                                 use_8bit_adam=config.use_8bit_adam, use_lion_optimizer=config.use_lion_optimizer)
@@ -189,24 +190,6 @@ def resume(resume_dir: Path, resumed: TrainState, state: TrainState, checkpointe
     metrics.load_state_dict(resumed.metrics)
     logger.info("resumed from %s at step %d (epoch %d, batch %d)", resume_dir, state.global_step, state.epoch + 1,
                 state.batch_in_epoch)
-
-
-def cache_inputs(config: Config, data: TrainingData, components: Components, accelerator: Accelerator,
-                 vae_dtype: torch.dtype) -> None:
-    """Encode latents and text-encoder outputs once, before training, when asked."""
-    if config.cache_latents or config.cache_latents_to_disk:
-        cache_latents(data, components.vae, accelerator.device, vae_dtype, config.vae_batch_size,
-                      config.cache_latents_to_disk, process_index=accelerator.process_index,
-                      num_processes=accelerator.num_processes, wait_for_everyone=accelerator.wait_for_everyone,
-                      skip_bad_images=config.skip_bad_images)
-    if config.cache_text_encoder_outputs:
-        @torch.no_grad()
-        def encode(tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            encoded = components.family.encode_text(components.text_encoders,
-                                                    send_to_device(tokens, accelerator.device), config.clip_skip)
-            return send_to_device(encoded, "cpu")
-
-        cache_text_encoder_outputs(data, encode)
 
 
 def resolve_seed(config: Config, accelerator: Accelerator, resumed: TrainState | None) -> int:

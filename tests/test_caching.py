@@ -1,0 +1,51 @@
+"""Caching on by default where it is exact: the same LoRA, bit for bit, as encoding every step."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from library.config import parse_config
+from library.training import loop
+
+pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
+
+
+def train(tiny_sd1_dir, sample_data_dir, out, *extra: str) -> dict[str, torch.Tensor]:
+    config, _ = parse_config([
+        "--pretrained_model_name_or_path", str(tiny_sd1_dir), "--train_data_dir", str(sample_data_dir),
+        "--output_dir", str(out), "--resolution", "64", "--caption_extension", ".txt", "--train_batch_size", "3",
+        "--seed", "7", "--max_train_steps", "4", "--learning_rate", "1e-2", *extra])
+    return load_file(loop.run(config).output_file)
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+def test_default_caching_is_bit_identical_to_encoding_each_step(tiny_sd1_dir, sample_data_dir, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="library.training.caching"):
+        cached = train(tiny_sd1_dir, sample_data_dir, tmp_path / "default", "--network_train_unet_only")
+    assert "latents are cached in memory" in caplog.text
+    assert "text-encoder outputs are cached" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="library.training.caching"):
+        uncached = train(tiny_sd1_dir, sample_data_dir, tmp_path / "off", "--network_train_unet_only",
+                         "--cache_latents", "false", "--cache_text_encoder_outputs", "false")
+    assert "cached" not in caplog.text  # explicit settings are taken as they are
+    assert_same(cached, uncached)
+
+
+def test_what_changes_each_step_is_not_cached(tiny_sd1_dir, sample_data_dir, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="library.training.caching"):
+        train(tiny_sd1_dir, sample_data_dir, tmp_path / "crop", "--network_train_unet_only", "--random_crop",
+              "--shuffle_caption")
+    assert "latents are encoded each step: random_crop" in caplog.text
+    assert "text-encoder outputs are not cached: shuffle_caption" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="library.training.caching"):
+        train(tiny_sd1_dir, sample_data_dir, tmp_path / "te", "--cache_latents", "false")
+    assert caplog.text == ""  # the text encoder is trained: nothing to say about its cache
