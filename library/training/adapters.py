@@ -106,13 +106,14 @@ class AdapterEMA:
     ("lora_unet_..._to_q.lora_down.weight"), so the state dir's copy is readable and survives a rebuilt model.
     """
 
-    def __init__(self, modules: Mapping[str, nn.Module], decay: float, adapter_name: str = "default"):
+    def __init__(self, modules: Mapping[str, nn.Module], decay: float, adapter_name: str = "default",
+                 rename: kohya_format.Rename | None = None):
         if not 0 < decay < 1:
             raise ValueError(f"EMA decay must be in (0, 1), got {decay}")
         self.decay = decay
         self.params: dict[str, nn.Parameter] = {
             f"{name}.{role}": param
-            for name, (_, layer) in kohya_format.kohya_layer_names(modules, adapter_name).items()
+            for name, (_, layer) in kohya_format.kohya_layer_names(modules, adapter_name, rename).items()
             for role, param in lora.layer_parameters(layer, adapter_name).items()}
         self.shadow: dict[str, torch.Tensor] = {}
         self.reset()

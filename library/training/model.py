@@ -170,7 +170,8 @@ def load_adapter(config: Config, model: DiffusionModel, state_dict: dict[str, to
     if not strict:
         state_dict = {k: v for k, v in state_dict.items() if k.startswith(tuple(f"{p}_" for p in modules))}
     try:
-        report = kohya_format.apply_kohya_state_dict(modules, state_dict, strict=strict)
+        report = kohya_format.apply_kohya_state_dict(modules, state_dict, strict=strict,
+                                                     rename=model.family.kohya_module_path)
     except ValueError as e:
         raise UserError(f"{source}: {e}") from None
     if report.missing:
@@ -187,5 +188,6 @@ def save_lora(config: Config, model: DiffusionModel, spec: NetworkSpec, path: Pa
     # the rest.
     uniform = net.conv_dim is None and net.block_alphas is None and net.conv_block_dims is None
     alpha = spec.alpha if uniform and net.variant != "lokr" else None
-    state_dict = kohya_format.kohya_state_dict(lora_modules(model, config), alpha, dtype)
+    state_dict = kohya_format.kohya_state_dict(lora_modules(model, config), alpha, dtype,
+                                               rename=model.family.kohya_module_path)
     kohya_format.save_lora_file(path, state_dict, {} if config.no_metadata else metadata)
