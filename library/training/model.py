@@ -107,8 +107,10 @@ def network_spec(config: Config) -> NetworkSpec:
 
 
 def trained_parts(config: Config) -> tuple[bool, bool]:
-    """(train the UNet, train the text encoder)."""
-    return not config.network_train_text_encoder_only, not config.network_train_unet_only
+    """(train the UNet, train the text encoder). A LyCORIS preset without text-encoder layers trains the UNet
+    only, as LyCORIS does."""
+    train_text_encoder = not config.network_train_unet_only and network_args_of(config).trains_text_encoder
+    return not config.network_train_text_encoder_only, train_text_encoder
 
 
 def build_model(config: Config, components: Components, device: torch.device,
