@@ -59,8 +59,10 @@ def test_presets_pick_lycoris_layers_in_the_diffusers_unet(tiny):
 
     full = attached_names(tiny, lycoris("preset=full"), "unet")
     assert full == in_transformers | in_conv_blocks | named
-    assert attached_names(tiny, lycoris("preset=attn-mlp"), "unet") == in_transformers
-    assert attached_names(tiny, lycoris("preset=unet-transformer-only"), "unet") == in_transformers
+    # LyCORIS 4.1.3 lists TimestepEmbedding among the transformer presets' classes (sd-scripts' SD1/SD2 UNet has one)
+    time = {"time_embedding.linear_1", "time_embedding.linear_2"}
+    assert attached_names(tiny, lycoris("preset=attn-mlp"), "unet") == in_transformers | time
+    assert attached_names(tiny, lycoris("preset=unet-transformer-only"), "unet") == in_transformers | time
     assert attached_names(tiny, lycoris("preset=attn-only"), "unet") == attention
     assert len(attention) == 8 * len({n.rsplit(".attn", 1)[0] for n in attention})
     assert attached_names(tiny, lycoris("preset=unet-convblock-only"), "unet") == in_conv_blocks | {"conv_in",
@@ -69,6 +71,16 @@ def test_presets_pick_lycoris_layers_in_the_diffusers_unet(tiny):
     te_attention = attached_names(tiny, lycoris("preset=attn-only"), "text_encoder")
     assert te_attention == {n for n in te_all if ".self_attn." in n} and len(te_attention) < len(te_all)
     assert presets.text_encoder_targets(tiny["text_encoder"], "unet-only") == []
+
+
+def test_lokr_factor_splits_as_lycoris_does(tiny):
+    # LyCORIS puts the smaller part of a dimension first: factor=8 on 32 x 32 is kron([4, 4], [8, 8])
+    unet = copy.deepcopy(tiny["unet"])
+    network_setup.attach_network(unet, "unet", 2, 1.0, 0.0, lycoris("algo=lokr", "factor=8", "preset=attn-mlp"))
+    sd = kohya_format.kohya_state_dict({"lora_unet": unet})
+    name = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q"
+    assert sd[f"{name}.lokr_w1"].shape == (4, 4)
+    assert sd[f"{name}.lokr_w2_a"].shape == (8, 2) and sd[f"{name}.lokr_w2_b"].shape == (2, 8)
 
 
 def test_lycoris_conv_defaults_give_k_by_k_convs_network_dim(tiny):
@@ -140,3 +152,38 @@ def test_kohya_lycoris_configs_train_from_the_quickstart(monkeypatch, tmp_path, 
     else:
         assert "lora_unet_conv_in" in names and "lora_unet_time_embedding_linear_1" in names
         assert any("resnets_0_conv1" in name for name in names)
+
+
+# --------------------------------------------------------------------------------------------- LyCORIS itself
+
+
+@pytest.mark.parametrize("network_args", [
+    ["algo=lokr", "factor=8", "conv_dim=4", "preset=unet-convblock-only"],
+    ["algo=lokr", "factor=4", "decompose_both=true", "preset=attn-mlp"],
+    ["algo=loha", "preset=attn-mlp"],
+    ["algo=locon", "dora_wd=true", "wd_on_output=false", "conv_dim=2", "preset=unet-convblock-only"],
+])
+def test_lycoris_loads_the_file_strictly_and_computes_the_same(tiny, network_args):
+    # Runs where the lycoris-lora package is installed (it is not a dependency). Its full / unet-only presets
+    # assert on a duplicate time_embedding name with diffusers' UNet, so the presets here avoid them.
+    lycoris_kohya = pytest.importorskip("lycoris.kohya")
+    settings = lycoris(*network_args)
+    ours = copy.deepcopy(tiny["unet"])
+    network_setup.attach_network(ours, "unet", 8, 4.0, 0.0, settings)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, layer in lora.lora_layers(ours):
+            for role, param in lora.layer_parameters(layer).items():
+                if role == "dora_scale":
+                    param.mul_(1 + 0.3 * torch.rand(param.shape, generator=gen))
+                else:
+                    param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    theirs, te = copy.deepcopy(tiny["unet"]), copy.deepcopy(tiny["text_encoder"])
+    kwargs = dict(arg.split("=", 1) for arg in network_args)
+    network = lycoris_kohya.create_network(1.0, 8, 4.0, tiny["vae"], te, theirs, **kwargs)
+    network.apply_to(te, theirs, apply_text_encoder=False, apply_unet=True)
+    missing, unexpected = network.load_state_dict(kohya_format.kohya_state_dict({"lora_unet": ours}), strict=False)
+    assert not missing and not unexpected
+    x = (torch.randn(2, 4, 8, 8, generator=gen), torch.tensor([10, 700]), torch.randn(2, 7, 32, generator=gen))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(*x).sample, ours(*x).sample, atol=2e-5, rtol=1e-4)

@@ -178,6 +178,7 @@ def attach_lora(
     module_dropout: float = 0.0,
     factor: int = -1,
     decompose_both: bool = False,
+    lycoris_shapes: bool = False,
 ) -> list[nn.Parameter]:
     """Inject peft LoRA (or LoHa / LoKr) layers into `model` in place; return the trainable parameters.
 
@@ -208,7 +209,7 @@ def attach_lora(
         raise ValueError("attach_lora: kohya's rank/module dropout for LoRA is network_setup.add_kohya_dropout")
     if algo in ("loha", "lokr"):
         lycoris.attach_lycoris(model, algo, targets, rank, alpha, overrides, rank_dropout, module_dropout, factor,
-                               decompose_both, adapter_name)
+                               decompose_both, adapter_name, lycoris_shapes)
     elif algo == "lora":
         extra: dict[str, object] = {}
         if overrides:

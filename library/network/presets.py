@@ -1,11 +1,11 @@
 """LyCORIS' presets (lycoris/config.py BUILTIN_PRESET_CONFIGS) on diffusers' modules: which layers a
 `network_module = "lycoris.kohya"` config trains.
 
-LyCORIS matches block classes by name and wraps every Linear / Conv inside them, plus a few modules by name. Its
-classes are sd-scripts' (CrossAttention for attention); here the same layers are found in diffusers' UNet. k x k
-convs (k > 1) take conv_dim, everything else network_dim. On SDXL sd-scripts hands LyCORIS its original-layout UNet,
-where the diffusers names conv_in / conv_out / time_embedding.* do not exist, so LyCORIS trains none of them there;
-neither does this.
+LyCORIS (4.1.3) matches block classes by name and wraps every Linear / Conv inside them, plus a few modules by
+name. The classes it sees are sd-scripts' (CrossAttention for attention, TimestepEmbedding for the time embedding);
+here the same layers are found in diffusers' UNet. k x k convs (k > 1) take conv_dim, everything else network_dim.
+On SDXL sd-scripts hands LyCORIS its original-layout UNet, where neither the names conv_in / conv_out /
+time_embedding.* nor a TimestepEmbedding class exist, so LyCORIS trains none of them there; neither does this.
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from library.network import lora
 
 _TRANSFORMER = ("Transformer2DModel",)
 _CONV_BLOCKS = ("ResnetBlock2D", "Downsample2D", "Upsample2D")
-_FULL_NAMES = ("conv_in", "conv_out", "time_embedding.linear_1", "time_embedding.linear_2")
+_TIME = ("time_embedding.linear_1", "time_embedding.linear_2")  # by name in full, by its class in the others
+_FULL_NAMES = ("conv_in", "conv_out", *_TIME)
 _CONV_NAMES = ("conv_in", "conv_out")
 _TE_ATTENTION = ("CLIPAttention", "CLIPSdpaAttention", "CLIPFlashAttention2")
 
@@ -34,7 +35,7 @@ def unet_targets(unet: nn.Module, preset: str, sdxl: bool) -> tuple[list[str], l
         names = inside(unet, _TRANSFORMER, allow_conv_1x1=True) + inside(unet, _CONV_BLOCKS, True, allow_conv=True)
         names += _named(unet, _FULL_NAMES, sdxl)
     elif preset in ("attn-mlp", "unet-transformer-only"):
-        names = inside(unet, _TRANSFORMER, allow_conv_1x1=True)
+        names = inside(unet, _TRANSFORMER, allow_conv_1x1=True) + _named(unet, _TIME, sdxl)
     elif preset == "attn-only":
         # LyCORIS' CrossAttention / SelfAttention: the q, k, v and output projections of attn1 and attn2
         names = [name for name in inside(unet, _TRANSFORMER, allow_conv_1x1=False)
