@@ -7,9 +7,11 @@ Converts between peft's layers (library.network.lora) and kohya's flat file:
     lora_unet_<module path, "." -> "_">.alpha              0-dim; scale = alpha / r
 
 Conv LoRA (kohya's conv_dim, LyCORIS' LoCon) on 3x3 convs has the same keys with lora_down [r, in, 3, 3] and
-lora_up [out, r, 1, 1]. DoRA adds `.dora_scale` [out, 1] or [out, 1, 1, 1]: the magnitude per output channel
-(LyCORIS wd_on_output), which ComfyUI recognises by its first dimension matching the weight's. LoHa and LoKr
-keys are written by library.network.lycoris.
+lora_up [out, r, 1, 1]. DoRA adds `.dora_scale`: [1, in] / [1, in, 1, 1], the magnitude per input channel that
+ComfyUI and AUTOMATIC1111 apply with the patched weight's norm (library.network.dora), or with wd_on_output
+[out, 1] / [out, 1, 1, 1], which ComfyUI recognises by its first dimension matching the weight's. LoHa and LoKr
+keys are written by library.network.lycoris. The module path is the family's (`rename`): diffusers' for SD1.x /
+SD2.x, the original-SD layout for SDXL's UNet, as kohya writes each.
 """
 
 from __future__ import annotations
