@@ -133,6 +133,7 @@ def test_network_dropout_option_reaches_the_layers(tiny):
 @pytest.mark.parametrize("network_args, expect", [
     (["algo=lokr", "factor=8", "conv_dim=4"], "lokr_w1"),
     (["algo=locon", "preset=attn-mlp"], "lora_down.weight"),
+    (["algo=loha", "preset=unet-transformer-only"], "hada_w1_a"),
 ])
 def test_kohya_lycoris_configs_train_from_the_quickstart(monkeypatch, tmp_path, network_args, expect):
     from library.training import loop
@@ -146,7 +147,10 @@ def test_kohya_lycoris_configs_train_from_the_quickstart(monkeypatch, tmp_path, 
     assert metadata["ss_network_module"] == "lycoris.kohya"
     names = {key.partition(".")[0] for key in sd}
     assert all(f"{name}.{expect}" in sd for name in names)
-    if "preset=attn-mlp" in network_args:
+    if "preset=unet-transformer-only" in network_args:
+        # LyCORIS' UNet-only presets leave the text encoder untrained, as LyCORIS does
+        assert names and all(name.startswith("lora_unet_") for name in names)
+    elif "preset=attn-mlp" in network_args:
         assert not any("resnets" in name or name.endswith("conv_in") for name in names)
         assert any(name.startswith("lora_te_") for name in names)
     else:
