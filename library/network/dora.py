@@ -78,8 +78,3 @@ def add_input_dora(layer: nn.Module, adapter_name: str = "default") -> nn.Parame
     getattr(layer, MAGNITUDE)[adapter_name] = magnitude
     return magnitude
 
-
-def merged_weight(layer: nn.Module, adapter_name: str = "default") -> torch.Tensor:
-    """The weight the layer applies: (W + dW) * c, in fp32."""
-    adapted = layer.get_base_layer().weight.to(torch.float32) + _delta(layer, adapter_name).to(torch.float32)
-    return adapted * column_scale(layer, adapter_name)
