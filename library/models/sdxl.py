@@ -59,6 +59,9 @@ class StableDiffusionXL(Family):
         if prefix != self.lora_denoiser_prefix:
             return path
         config = model.config
+        if not isinstance(config.layers_per_block, int):
+            # the original layout has one count for every level; per-level counts have no kohya names
+            raise ValueError(f"SDXL UNet with per-level layers_per_block {config.layers_per_block}: no kohya names")
         up_has_attention = ["CrossAttn" in kind for kind in config.up_block_types]
         return sgm_path(path, config.layers_per_block, up_has_attention)
 
