@@ -90,7 +90,8 @@ def test_kohya_network_args_parse():
     assert parse_network_args(["conv_dim=2"])[0].conv_rank_alpha == (2, 1.0)
     assert parse_network_args(["algo=lokr", "factor=4", "decompose_both=true"])[0] == NetworkArgs(
         algo="lokr", factor=4, decompose_both=True)
-    assert parse_network_args(["dora_wd=True", "wd_on_output=True"])[0] == NetworkArgs(dora_wd=True)
+    assert parse_network_args(["dora_wd=True", "wd_on_output=True"])[0] == NetworkArgs(dora_wd=True,
+                                                                                    wd_on_output=True)
     assert parse_network_args([])[0].is_default
 
 
@@ -101,7 +102,7 @@ def test_kohya_network_args_parse():
     (["conv_dim=four"], "network_args: conv_dim=four: expected an integer"),
     (["rank_dropout=1"], "network_args: rank_dropout=1: must be in [0, 1)"),
     (["dora_wd=maybe"], "network_args: dora_wd=maybe: expected true or false"),
-    (["wd_on_output=false"], "only true is supported"),
+    (["preset=full"], "preset is LyCORIS'; it takes effect with network_module = \"lycoris.kohya\""),
     (["conv_dim"], "'conv_dim' must look like key=value"),
     (["conv_dim=4", "conv_dim=8"], "conv_dim is given more than once"),
     (["conv_alpha=4"], "conv_alpha needs conv_dim"),
@@ -149,8 +150,10 @@ def test_network_options_from_toml(tmp_path):
     ('network_args = ["block_alphas=1,2"]\n', "block_alphas takes effect only with block_dims"),
     ('network_args = ["down_lr_weight=0.5"]\n', "network_args: down_lr_weight=0.5: expected a preset"),
     ('network_args = ["block_dims=4,-1"]\n', "network_args: block_dims=4,-1: values must not be negative"),
-    ('network_module = "lycoris.kohya"\n', 'set network_module = "networks.lora" and keep algo='),
-    ('network_args = ["algo=locon", "preset=full"]\n', "network_args: LyCORIS' preset is not offered; remove it"),
+    ('network_module = "lycoris.kohya"\nnetwork_args = ["preset=everything"]\n',
+     "network_args: preset=everything: preset 'everything' is not offered; offered: full, attn-mlp"),
+    ('network_module = "lycoris.kohya"\nnetwork_args = ["use_tucker=true"]\n',
+     "network_args: use_tucker=true: is not offered here"),
 ])
 def test_more_network_option_errors(tmp_path, text, message):
     with pytest.raises(ConfigError) as err:
@@ -310,7 +313,7 @@ def test_comfy_merge_reproduces_diffusers_for_plain_and_conv_lora(tiny):
 
 
 def test_dora_keys_and_shapes(tiny):
-    unet, te = attached(tiny, NetworkArgs(dora_wd=True, conv_dim=2))
+    unet, te = attached(tiny, NetworkArgs(dora_wd=True, wd_on_output=True, conv_dim=2))
     sd = kohya_format.kohya_state_dict({"lora_unet": unet, "lora_te": te})
     assert sd["lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q.dora_scale"].shape == (32, 1)
     assert sd["lora_unet_down_blocks_0_resnets_0_conv1.dora_scale"].shape == (32, 1, 1, 1)
@@ -323,7 +326,7 @@ def test_dora_keys_and_shapes(tiny):
 @torch.no_grad()
 def test_dora_magnitude_starts_at_the_weight_norm(tiny):
     unet = copy.deepcopy(tiny["unet"])
-    network_setup.attach_network(unet, "unet", RANK, 2.0, 0.0, NetworkArgs(dora_wd=True))
+    network_setup.attach_network(unet, "unet", RANK, 2.0, 0.0, NetworkArgs(dora_wd=True, wd_on_output=True))
     layer = dict(lora.lora_layers(unet))["down_blocks.0.attentions.0.transformer_blocks.0.ff.net.2"]
     weight = layer.get_base_layer().weight
     torch.testing.assert_close(lora.dora_scale_of(layer)[:, 0], weight.norm(dim=1))
@@ -439,7 +442,7 @@ def built(tiny_sd1_dir, sample_data_dir, tmp_path, *extra):
 def test_loraplus_splits_up_weights_into_their_own_groups(tiny_sd1_dir, sample_data_dir, tmp_path):
     model, groups = built(tiny_sd1_dir, sample_data_dir, tmp_path, "--learning_rate", "1e-3", "--unet_lr", "2e-3",
                           "--network_args", "loraplus_lr_ratio=4", "loraplus_text_encoder_lr_ratio=8",
-                          "dora_wd=true")
+                          "dora_wd=true", "wd_on_output=true")
     assert [(g["name"], g["lr"]) for g in groups] == [("unet", 2e-3), ("unet plus", 8e-3),
                                                       ("text_encoder", 1e-3), ("textencoder plus", 8e-3)]
     for part, (rest, plus) in ((model.denoiser, groups[:2]), (model.text_encoders[0], groups[2:])):

@@ -3,13 +3,7 @@ kohya options not offered, and hints for values other tools take. library/config
 from __future__ import annotations
 
 # Values other tools take for an option, by prefix: what to write here instead.
-CHOICE_HINTS: dict[str, dict[str, str]] = {
-    "network_module": {
-        "lycoris": "LyCORIS' algorithms are built in here; set network_module = \"networks.lora\" and keep algo= "
-                   "(locon, loha, lokr; dora_wd=True for DoRA) in network_args. Targets are kohya's: the attention "
-                   "and MLP layers, and with conv_dim the 3x3 convolutions (LyCORIS' preset= is not offered)",
-    },
-}
+CHOICE_HINTS: dict[str, dict[str, str]] = {}
 
 # Where kohya (and its GUI, which writes 0 for "off") reads 0 as unset, so does this trainer.
 ZERO_IS_UNSET: frozenset[str] = frozenset({

@@ -2,10 +2,11 @@
 
 kohya's networks.lora reads conv_dim, conv_alpha, rank_dropout, module_dropout, the loraplus_* ratios and the
 block options (block_dims, block_alphas, conv_block_dims, conv_block_alphas, down/mid/up_lr_weight,
-block_lr_zero_threshold) from network_args; LyCORIS (lycoris.kohya) adds algo, dora_wd, wd_on_output, factor
-and decompose_both. The same
-spellings work here; every variant is trained through peft. Unknown keys are an error rather than silently
-ignored (kohya ignores them, so a typo there trains a different network than the user asked for).
+block_lr_zero_threshold) from network_args; LyCORIS adds algo, dora_wd, wd_on_output, factor and decompose_both.
+With network_module = "lycoris.kohya" LyCORIS' own defaults and keys apply as well: preset (which layers), conv_dim
+defaulting to network_dim and conv_alpha to network_alpha, use_tucker and its other switches (accepted when off).
+Every variant is trained through peft. Unknown keys are an error rather than silently ignored (kohya and LyCORIS
+ignore them, so a typo there trains a different network than the user asked for).
 """
 from __future__ import annotations
 
@@ -14,6 +15,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 ALGOS = ("lora", "locon", "loha", "lokr")
+LYCORIS_MODULE = "lycoris.kohya"
+NETWORK_MODULES = ("networks.lora", LYCORIS_MODULE)
+# LyCORIS presets offered (lycoris/config.py BUILTIN_PRESET_CONFIGS, mapped onto diffusers' modules by
+# library.network.targets); the ones without text-encoder targets train the UNet only.
+PRESETS = ("full", "attn-mlp", "attn-only", "unet-transformer-only", "unet-convblock-only", "unet-only")
+UNET_ONLY_PRESETS = ("unet-transformer-only", "unet-convblock-only", "unet-only")
+# LyCORIS switches not offered here: accepted when off (LyCORIS reads every value but "false" as on).
+LYCORIS_OFF_SWITCHES = ("use_tucker", "use_scalar", "train_norm", "rs_lora", "bypass_mode", "rescaled",
+                        "full_matrix", "unbalanced_factorization")
 LORAPLUS_KEYS = ("loraplus_lr_ratio", "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio")
 
 
@@ -23,7 +33,8 @@ class NetworkArgs:
     algo: str = "lora"  # lora / locon (the same here), loha, lokr
     conv_dim: int | None = None  # rank of the 3x3 convs in ResNet blocks and samplers; None: no conv LoRA
     conv_alpha: float | None = None  # kohya: 1.0 when conv_dim is given without it
-    dora_wd: bool = False  # DoRA: magnitude per output channel (LyCORIS wd_on_output = true)
+    dora_wd: bool = False  # DoRA (library.network.dora)
+    wd_on_output: bool = False  # DoRA's magnitude per output channel (peft's) instead of per input channel
     rank_dropout: float | None = None
     module_dropout: float | None = None
     loraplus_lr_ratio: float | None = None
@@ -40,6 +51,13 @@ class NetworkArgs:
     mid_lr_weight: tuple[float, ...] | None = None
     up_lr_weight: str | tuple[float, ...] | None = None
     block_lr_zero_threshold: float = 0.0
+    lycoris: bool = False  # network_module = "lycoris.kohya": LyCORIS' targets (preset) and conv defaults
+    preset: str = "full"  # LyCORIS' preset; only read with `lycoris`
+
+    @property
+    def trains_text_encoder(self) -> bool:
+        """False where a LyCORIS preset has no text-encoder layers (LyCORIS then trains the UNet only)."""
+        return not (self.lycoris and self.preset in UNET_ONLY_PRESETS)
 
     @property
     def variant(self) -> str:
@@ -149,11 +167,17 @@ def _lr_weight(value: str) -> str | tuple[float, ...]:
     return value.strip()
 
 
-def _wd_on_output(value: str) -> bool:
-    if not _bool(value):
-        # peft's DoRA keeps one magnitude per output channel; the input-axis variant is another model.
-        raise ValueError("only true is supported (peft's DoRA decomposes per output channel)")
-    return True
+def _preset(value: str) -> str:
+    lowered = value.strip().lower()
+    if lowered not in PRESETS:
+        raise ValueError(f"preset {value.strip()!r} is not offered; offered: {', '.join(PRESETS)}")
+    return lowered
+
+
+def _off(value: str) -> bool:
+    if value.strip().lower() != "false":
+        raise ValueError("is not offered here; remove it or set it to false")
+    return False
 
 
 _CONVERTERS: dict[str, Callable[[str], Any]] = {
@@ -161,7 +185,7 @@ _CONVERTERS: dict[str, Callable[[str], Any]] = {
     "conv_dim": _positive_int,
     "conv_alpha": _positive,
     "dora_wd": _bool,
-    "wd_on_output": _wd_on_output,
+    "wd_on_output": _bool,
     "rank_dropout": _probability,
     "module_dropout": _probability,
     "loraplus_lr_ratio": _positive,
@@ -179,17 +203,21 @@ _CONVERTERS: dict[str, Callable[[str], Any]] = {
     "block_lr_zero_threshold": _float,
 }
 SUPPORTED_KEYS: tuple[str, ...] = tuple(_CONVERTERS)
+_LYCORIS_CONVERTERS: dict[str, Callable[[str], Any]] = {
+    "preset": _preset, **{key: _off for key in LYCORIS_OFF_SWITCHES}}
 
 
-def parse_network_args(args: Sequence[str], loraplus: Mapping[str, float | None] | None = None
-                       ) -> tuple[NetworkArgs, list[str]]:
+def parse_network_args(args: Sequence[str], loraplus: Mapping[str, float | None] | None = None,
+                       network_module: str = "networks.lora") -> tuple[NetworkArgs, list[str]]:
     """(settings, problems) from kohya-style "key=value" strings.
 
     `loraplus` holds the loraplus_* values given as top-level options; giving one in both places is a problem.
     Every problem names the key, so that one run reports them all.
     """
     problems: list[str] = []
-    values: dict[str, Any] = {}
+    lycoris = network_module == LYCORIS_MODULE
+    values: dict[str, Any] = {"lycoris": True} if lycoris else {}
+    converters = {**_CONVERTERS, **_LYCORIS_CONVERTERS} if lycoris else _CONVERTERS
     seen: set[str] = set()
     for arg in args:
         key, sep, raw = arg.partition("=")
@@ -197,25 +225,25 @@ def parse_network_args(args: Sequence[str], loraplus: Mapping[str, float | None]
         if not sep:
             problems.append(f"network_args: {arg!r} must look like key=value")
             continue
-        if key == "preset":
-            problems.append("network_args: LyCORIS' preset is not offered; remove it. Targets are kohya's: the "
-                            "attention and MLP layers, and with conv_dim the 3x3 convolutions")
+        if key in _LYCORIS_CONVERTERS and not lycoris:
+            problems.append(f"network_args: {key} is LyCORIS'; it takes effect with network_module = "
+                            f"\"{LYCORIS_MODULE}\" (networks.lora trains kohya's targets)")
             continue
-        if key not in _CONVERTERS:
-            close = difflib.get_close_matches(key, SUPPORTED_KEYS, n=1, cutoff=0.6)
+        if key not in converters:
+            close = difflib.get_close_matches(key, tuple(converters), n=1, cutoff=0.6)
             hint = f" (did you mean {close[0]}?)" if close else ""
-            problems.append(f"network_args: unknown key {key!r}{hint}; supported: {', '.join(SUPPORTED_KEYS)}")
+            problems.append(f"network_args: unknown key {key!r}{hint}; supported: {', '.join(converters)}")
             continue
         if key in seen:
             problems.append(f"network_args: {key} is given more than once")
             continue
         seen.add(key)
         try:
-            value = _CONVERTERS[key](raw)
+            value = converters[key](raw)
         except ValueError as e:
             problems.append(f"network_args: {key}={raw.strip()}: {e}")
             continue
-        if key != "wd_on_output":
+        if key not in LYCORIS_OFF_SWITCHES:
             values[key] = value
     for key, value in (loraplus or {}).items():
         if value is None:
@@ -233,7 +261,7 @@ def parse_network_args(args: Sequence[str], loraplus: Mapping[str, float | None]
 
 def _combination_problems(settings: NetworkArgs, given: set[str]) -> list[str]:
     problems = []
-    if "conv_alpha" in given and settings.conv_dim is None:
+    if "conv_alpha" in given and settings.conv_dim is None and not settings.lycoris:
         problems.append("network_args: conv_alpha needs conv_dim (the rank of the 3x3 conv layers)")
     if settings.variant != "lokr":
         for key in ("factor", "decompose_both"):
@@ -246,6 +274,12 @@ def _combination_problems(settings: NetworkArgs, given: set[str]) -> list[str]:
         # peft's DoRA calls lora_A for its weight norm as well; a dropout there would corrupt the norm.
         problems.append("network_args: rank_dropout and module_dropout cannot be combined with dora_wd")
     block_options = settings.block_dims is not None or settings.has_block_lr
+    if settings.lycoris:
+        for key in ("block_dims", "block_alphas", "conv_block_dims", "conv_block_alphas", "down_lr_weight",
+                    "mid_lr_weight", "up_lr_weight", "block_lr_zero_threshold"):
+            if key in given:
+                problems.append(f"network_args: {key} is kohya's networks.lora option (LyCORIS has none); use "
+                                "network_module = \"networks.lora\" for it")
     for key in ("block_alphas", "conv_block_dims", "conv_block_alphas", "block_lr_zero_threshold"):
         if key in given and not block_options:
             problems.append(f"network_args: {key} takes effect only with block_dims or down/mid/up_lr_weight")
@@ -262,7 +296,7 @@ def _combination_problems(settings: NetworkArgs, given: set[str]) -> list[str]:
 def network_args_of(config: Any) -> NetworkArgs:
     """The parsed network_args of a validated Config (its problems were reported by the config check)."""
     settings, problems = parse_network_args(
-        config.network_args, {key: getattr(config, key, None) for key in LORAPLUS_KEYS})
+        config.network_args, {key: getattr(config, key, None) for key in LORAPLUS_KEYS}, config.network_module)
     if problems:
         raise ValueError("; ".join(problems))
     return settings
@@ -270,7 +304,8 @@ def network_args_of(config: Any) -> NetworkArgs:
 
 def network_option_problems(v: Mapping[str, Any]) -> list[str]:
     """Config check: network_args and the network options that depend on them (raw option values)."""
-    settings, problems = parse_network_args(v["network_args"], {key: v.get(key) for key in LORAPLUS_KEYS})
+    settings, problems = parse_network_args(v["network_args"], {key: v.get(key) for key in LORAPLUS_KEYS},
+                                            v.get("network_module") or "networks.lora")
     if v.get("network_dropout") and settings.variant != "lora":
         problems.append(f"network_dropout is not available for algo={settings.algo} (LyCORIS has none either); "
                         "use rank_dropout or module_dropout")

@@ -112,11 +112,12 @@ _DATASET = [
     _opt("persistent_data_loader_workers", _to_bool, False, "keep data loader workers alive between epochs"),
 ]
 _NETWORK = [
-    _opt("network_module", _to_str, "networks.lora", "LoRA implementation; only networks.lora (peft LoRA)",
-         choices=("networks.lora",)),
+    _opt("network_module", _to_str, "networks.lora", "networks.lora (kohya's targets and defaults) or lycoris.kohya "
+         "(LyCORIS' preset and conv defaults); both train through peft and write the same file format",
+         choices=("networks.lora", "lycoris.kohya")),
     _opt("network_dim", _to_int, 4, "LoRA rank"),
     _opt("network_alpha", _to_float, 1.0, "LoRA alpha; the update is scaled by alpha / dim"),
-    _opt("network_dropout", _to_float, 0.0, "dropout probability on the LoRA input (peft lora_dropout)"),
+    _opt("network_dropout", _to_float, 0.0, "dropout probability on lora_down's output (kohya's)"),
     _opt("network_args", _to_str_list, [],
          "kohya / LyCORIS network arguments as key=value strings: conv_dim, conv_alpha, algo (lora, locon, loha, "
          "lokr), dora_wd, rank_dropout, module_dropout, loraplus_*, factor, decompose_both, block_dims, "

@@ -99,6 +99,11 @@ class Family(ABC):
             modules.update(zip(self.lora_text_prefixes, text_encoders, strict=True))
         return modules
 
+    def kohya_module_path(self, prefix: str, path: str, model: torch.nn.Module) -> str:
+        """The module path kohya names a LoRA module after (before "." -> "_"), for the module at `path` in
+        `model`, the module of `prefix`. Families whose kohya tools use another layout than diffusers map it."""
+        return path
+
     @abstractmethod
     def metadata_flags(self, v_prediction: bool) -> dict[str, bool]:
         """The kohya metadata switches that name this family (v2, v_parameterization, sdxl)."""

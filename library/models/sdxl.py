@@ -9,6 +9,7 @@ from library.models.clip_text import join_chunks, tokenize
 from library.models.family import Components, Family, Tokenizer
 from library.models.objective import DiffusionObjective
 from library.models.sd import ddpm_objective
+from library.models.sgm_names import sgm_path
 
 
 class StableDiffusionXL(Family):
@@ -52,6 +53,17 @@ class StableDiffusionXL(Family):
 
     def objective(self, components: Components, config: Any, device: torch.device) -> DiffusionObjective:
         return ddpm_objective(components, config, device)
+
+    def kohya_module_path(self, prefix: str, path: str, model: torch.nn.Module) -> str:
+        """UNet modules under their original-SD path, as sd-scripts names SDXL LoRA keys; text encoders as they are."""
+        if prefix != self.lora_denoiser_prefix:
+            return path
+        config = model.config
+        if not isinstance(config.layers_per_block, int):
+            # the original layout has one count for every level; per-level counts have no kohya names
+            raise ValueError(f"SDXL UNet with per-level layers_per_block {config.layers_per_block}: no kohya names")
+        up_has_attention = ["CrossAttn" in kind for kind in config.up_block_types]
+        return sgm_path(path, config.layers_per_block, up_has_attention)
 
     def metadata_flags(self, v_prediction: bool) -> dict[str, bool]:
         return {"v2": False, "v_parameterization": v_prediction, "sdxl": True}

@@ -7,9 +7,11 @@ Converts between peft's layers (library.network.lora) and kohya's flat file:
     lora_unet_<module path, "." -> "_">.alpha              0-dim; scale = alpha / r
 
 Conv LoRA (kohya's conv_dim, LyCORIS' LoCon) on 3x3 convs has the same keys with lora_down [r, in, 3, 3] and
-lora_up [out, r, 1, 1]. DoRA adds `.dora_scale` [out, 1] or [out, 1, 1, 1]: the magnitude per output channel
-(LyCORIS wd_on_output), which ComfyUI recognises by its first dimension matching the weight's. LoHa and LoKr
-keys are written by library.network.lycoris.
+lora_up [out, r, 1, 1]. DoRA adds `.dora_scale`: [1, in] / [1, in, 1, 1], the magnitude per input channel that
+ComfyUI and AUTOMATIC1111 apply with the patched weight's norm (library.network.dora), or with wd_on_output
+[out, 1] / [out, 1, 1, 1], which ComfyUI recognises by its first dimension matching the weight's. LoHa and LoKr
+keys are written by library.network.lycoris. The module path is the family's (`rename`): diffusers' for SD1.x /
+SD2.x, the original-SD layout for SDXL's UNet, as kohya writes each.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import hashlib
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +50,10 @@ PREFIX_TE2 = "lora_te2"
 
 _ALPHA = "alpha"
 
+# (kohya prefix, module path, the prefix's model) -> the path kohya names the module after; the model family's
+# kohya_module_path (SDXL's UNet uses the original-SD layout). None: the diffusers path as it is.
+Rename = Callable[[str, str, nn.Module], str]
+
 
 # --------------------------------------------------------------------------------------------- kohya keys
 
@@ -63,8 +69,8 @@ def kohya_lora_name(prefix: str, module_name: str) -> str:
     return f"{prefix}_{module_name.replace('.', '_')}"
 
 
-def kohya_layer_names(modules: Mapping[str, nn.Module],
-                      adapter_name: str = "default") -> dict[str, tuple[str, nn.Module]]:
+def kohya_layer_names(modules: Mapping[str, nn.Module], adapter_name: str = "default",
+                      rename: Rename | None = None) -> dict[str, tuple[str, nn.Module]]:
     """kohya module name -> (module path, peft layer) over every model in `modules` (keyed by kohya prefix)."""
     names: dict[str, tuple[str, nn.Module]] = {}
     for prefix, model in modules.items():
@@ -72,7 +78,8 @@ def kohya_layer_names(modules: Mapping[str, nn.Module],
         if not layers:
             raise ValueError(f"{prefix}: {type(model).__name__} has no LoRA layers for adapter {adapter_name!r}")
         for module_name, layer in layers:
-            name = kohya_lora_name(prefix, module_name)
+            path = rename(prefix, module_name, model) if rename is not None else module_name
+            name = kohya_lora_name(prefix, path)
             if name in names:
                 # "." -> "_" is not injective ("a_b.c" vs "a.b_c"); a clash would silently merge two layers.
                 raise ValueError(f"kohya name {name} is produced by two modules: {names[name][0]} and {module_name}")
@@ -85,6 +92,7 @@ def kohya_state_dict(
     alpha: float | None = None,
     dtype: torch.dtype | None = None,
     adapter_name: str = "default",
+    rename: Rename | None = None,
 ) -> dict[str, torch.Tensor]:
     """Export the peft LoRA weights of each model as one kohya-format state dict.
 
@@ -92,10 +100,10 @@ def kohya_state_dict(
     attached. `alpha`, when given, must equal the alpha the layers were built with (guards a file whose scale
     differs from training). Weights are cast to `dtype` (save precision); `.alpha` stays fp32 so that
     alpha / rank is exact in every reader. LoHa / LoKr layers are written with LyCORIS keys, DoRA magnitudes as
-    `.dora_scale`.
+    `.dora_scale`. `rename` gives the family's kohya layout (SDXL: original-SD UNet paths).
     """
     state_dict: dict[str, torch.Tensor] = {}
-    for name, (module_name, layer) in kohya_layer_names(modules, adapter_name).items():
+    for name, (module_name, layer) in kohya_layer_names(modules, adapter_name, rename).items():
         if not _is_lora(layer):
             for role, tensor in lycoris.export(layer, adapter_name, dtype).items():
                 state_dict[f"{name}.{role}"] = tensor
@@ -184,7 +192,8 @@ def _split_key(key: str) -> tuple[str, str]:
 
 
 # kohya names of the 3x3 convs that conv_dim trains (diffusers and LDM spellings); their rank is conv_dim's.
-_CONV_3X3_NAME = re.compile(r"_(resnets_\d+_conv[12]|(down|up)samplers_\d+_conv|in_layers_2|out_layers_3|op)$")
+_CONV_3X3_NAME = re.compile(
+    r"_(resnets_\d+_conv[12]|(down|up)samplers_\d+_conv|in_layers_2|out_layers_3|op|output_blocks_\d+_[12]_conv)$")
 
 
 def dims_from_state_dict(state_dict: Mapping[str, torch.Tensor]) -> tuple[int, float]:
@@ -238,14 +247,21 @@ def apply_kohya_state_dict(
     state_dict: Mapping[str, torch.Tensor],
     adapter_name: str = "default",
     strict: bool = True,
+    rename: Rename | None = None,
 ) -> LoadReport:
     """Load a kohya-format state dict into peft LoRA layers attached with attach_lora (inverse of export).
 
     Shape or alpha mismatches always raise (a different alpha would silently change the scale, so it asks for
     network_alpha / dim_from_weights to match the file). Missing or unexpected keys raise when `strict`,
-    otherwise they are only reported. Nothing is written unless every check passes.
+    otherwise they are only reported. Nothing is written unless every check passes. With `rename`, a module is
+    found under the family's kohya name or under its diffusers path (files written before, or by other tools).
     """
-    expected = kohya_layer_names(modules, adapter_name)
+    expected = kohya_layer_names(modules, adapter_name, rename)
+    aliases = {}
+    if rename is not None:
+        plain = kohya_layer_names(modules, adapter_name)
+        by_layer = {id(layer): name for name, (_, layer) in expected.items()}
+        aliases = {alias: by_layer[id(layer)] for alias, (_, layer) in plain.items() if alias not in expected}
     report = LoadReport()
     problems: list[str] = []
     alpha_mismatch: list[str] = []
@@ -255,6 +271,7 @@ def apply_kohya_state_dict(
     in_file: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in state_dict.items():
         name, role = _split_key(key)
+        name = aliases.get(name, name)
         if name in expected and (role == _ALPHA or role in params_of[name]):
             in_file.setdefault(name, {})[role] = tensor
         else:

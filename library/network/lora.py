@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from library.network import lycoris
+from library.network import dora, lycoris
 
 # kohya networks/lora.py: LoRA goes on every Linear / 1x1 Conv2d inside these blocks.
 UNET_TARGET_BLOCKS = ("Transformer2DModel",)
@@ -118,8 +118,12 @@ def _is_lora(layer: nn.Module) -> bool:
     return isinstance(layer, LoraLayer)
 
 
-def _has_dora(layer: nn.Module, adapter_name: str) -> bool:
+def _has_output_dora(layer: nn.Module, adapter_name: str) -> bool:
     return adapter_name in getattr(layer, "lora_magnitude_vector", {})
+
+
+def _has_dora(layer: nn.Module, adapter_name: str) -> bool:
+    return _has_output_dora(layer, adapter_name) or dora.has_input_dora(layer, adapter_name)
 
 
 def lora_layers(model: nn.Module, adapter_name: str = "default") -> list[tuple[str, nn.Module]]:
@@ -139,8 +143,10 @@ def layer_parameters(layer: nn.Module, adapter_name: str = "default") -> dict[st
     if not _is_lora(layer):
         return lycoris.roles(layer, adapter_name)
     params = {_DOWN: layer.lora_A[adapter_name].weight, _UP: layer.lora_B[adapter_name].weight}
-    if _has_dora(layer, adapter_name):
+    if _has_output_dora(layer, adapter_name):
         params[_DORA] = layer.lora_magnitude_vector[adapter_name].weight
+    elif dora.has_input_dora(layer, adapter_name):
+        params[_DORA] = getattr(layer, dora.MAGNITUDE)[adapter_name]
     return params
 
 
@@ -167,18 +173,22 @@ def attach_lora(
     overrides: Mapping[str, tuple[int, float]] | None = None,
     algo: str = "lora",
     use_dora: bool = False,
+    dora_on_output: bool = False,
     rank_dropout: float = 0.0,
     module_dropout: float = 0.0,
     factor: int = -1,
     decompose_both: bool = False,
+    lycoris_shapes: bool = False,
 ) -> list[nn.Parameter]:
     """Inject peft LoRA (or LoHa / LoKr) layers into `model` in place; return the trainable parameters.
 
     Init as kohya (down: Kaiming-uniform, up: zeros), scale alpha / rank. `overrides` gives some targets their
     own (rank, alpha), as conv_dim / conv_alpha do for 3x3 convs. Adapter weights are kept in fp32 whatever the
     base dtype, and only they require grad afterwards. `dropout` is peft's lora_dropout, applied to the layer
-    input before lora_down (kohya's network_dropout drops lora_down's output instead). `rank_dropout` and
-    `module_dropout` are LyCORIS' (peft's) for LoHa / LoKr; for LoRA, library.network.targets adds kohya's.
+    input before lora_down (kohya's network_dropout, on lora_down's output, is library.network.targets').
+    `rank_dropout` and `module_dropout` are LyCORIS' (peft's) for LoHa / LoKr; for LoRA, library.network.targets
+    adds kohya's. `use_dora` puts the DoRA magnitude on the input axis (library.network.dora), or with
+    `dora_on_output` per output channel (peft's DoRA, LyCORIS wd_on_output).
     """
     from peft import LoraConfig, inject_adapter_in_model
 
@@ -199,14 +209,14 @@ def attach_lora(
         raise ValueError("attach_lora: kohya's rank/module dropout for LoRA is network_setup.add_kohya_dropout")
     if algo in ("loha", "lokr"):
         lycoris.attach_lycoris(model, algo, targets, rank, alpha, overrides, rank_dropout, module_dropout, factor,
-                               decompose_both, adapter_name)
+                               decompose_both, adapter_name, lycoris_shapes)
     elif algo == "lora":
         extra: dict[str, object] = {}
         if overrides:
             # peft reads these as regular expressions matched against the end of each module name.
             extra["rank_pattern"] = {re.escape(name): r for name, (r, _) in overrides.items()}
             extra["alpha_pattern"] = {re.escape(name): a for name, (_, a) in overrides.items()}
-        if use_dora:
+        if use_dora and dora_on_output:
             extra["use_dora"] = True
         config = LoraConfig(
             r=rank,
@@ -218,6 +228,9 @@ def attach_lora(
             **extra,
         )
         inject_adapter_in_model(config, model, adapter_name=adapter_name)
+        if use_dora and not dora_on_output:
+            for _, layer in lora_layers(model, adapter_name):
+                dora.add_input_dora(layer, adapter_name)
     else:
         raise ValueError(f"attach_lora: unknown algo {algo!r}")
 
@@ -244,7 +257,7 @@ def attach_lora(
         # peft's forward casts the input to the LoRA dtype and the sum back to the base dtype.
         layer.lora_A[adapter_name].to(torch.float32)
         layer.lora_B[adapter_name].to(torch.float32)
-        if _has_dora(layer, adapter_name):
+        if _has_output_dora(layer, adapter_name):
             layer.lora_magnitude_vector[adapter_name].to(torch.float32)
 
     params = lora_parameters(model, adapter_name)
@@ -256,12 +269,16 @@ def attach_lora(
 
 def dora_scale_of(layer: nn.Module, adapter_name: str = "default",
                   dtype: torch.dtype | None = None) -> torch.Tensor:
-    """peft's DoRA magnitude as `.dora_scale`: [out, 1] for Linear, [out, 1, 1, 1] for conv.
+    """The DoRA magnitude as `.dora_scale`: input axis [1, in] / [1, in, 1, 1] as trained; peft's output-axis one
+    as [out, 1] for Linear, [out, 1, 1, 1] for conv.
 
     A column, not peft's flat [out] (or [1, out, 1, 1] for conv): ComfyUI takes a first dimension equal to the
     weight's as "per output channel" and divides it by a [out, 1, ...] norm, which a flat vector would broadcast
     into an [out, out] matrix.
     """
+    if dora.has_input_dora(layer, adapter_name):
+        magnitude = getattr(layer, dora.MAGNITUDE)[adapter_name].detach()
+        return magnitude.to(device="cpu", dtype=dtype or magnitude.dtype).clone().contiguous()
     magnitude = layer.lora_magnitude_vector[adapter_name].weight.detach()
     weight_shape = layer.get_base_layer().weight.shape
     column = magnitude.reshape(weight_shape[0], *[1] * (len(weight_shape) - 1))

@@ -12,8 +12,9 @@ parameters as they are. Conv layers use the flattened form (no Tucker `hada_t1` 
 """
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -39,6 +40,30 @@ def roles(layer: nn.Module, adapter_name: str = "default") -> dict[str, nn.Param
     return found
 
 
+@contextlib.contextmanager
+def _lycoris_factorization() -> Iterator[None]:
+    """peft's LoKr split of a dimension by `factor`, ordered as LyCORIS orders it (smaller part first).
+
+    For a dimension divisible by `factor`, peft returns (factor, dimension // factor) as it comes, LyCORIS
+    (functional/general.py factorization) the smaller first: with factor=8 a 32-wide layer is kron([4, 4], [8, 8])
+    in LyCORIS and kron([8, 8], [4, 4]) in peft. Both files are applied exactly, but a kohya LyCORIS config should
+    give LyCORIS' shapes (and its ranks, which depend on them), so peft's helper is wrapped while layers are built.
+    """
+    import peft.tuners.lokr.layer as lokr_layer
+
+    original = lokr_layer.factorization
+
+    def factorization(dimension: int, factor: int = -1) -> tuple[int, int]:
+        m, n = original(dimension, factor)
+        return (n, m) if m > n else (m, n)
+
+    lokr_layer.factorization = factorization
+    try:
+        yield
+    finally:
+        lokr_layer.factorization = original
+
+
 def attach_lycoris(
     model: nn.Module,
     algo: str,
@@ -51,11 +76,13 @@ def attach_lycoris(
     factor: int = -1,
     decompose_both: bool = False,
     adapter_name: str = "default",
+    lycoris_shapes: bool = False,
 ) -> None:
     """Inject peft LoHa (`algo="loha"`) or LoKr (`"lokr"`) layers; `overrides` maps a target to its (rank, alpha).
 
     rank_dropout / module_dropout are peft's, which follow LyCORIS (rows of the weight delta are dropped and the
-    rest rescaled; module dropout skips the whole delta).
+    rest rescaled; module dropout skips the whole delta). `lycoris_shapes` splits LoKr dimensions as LyCORIS does
+    (network_module = "lycoris.kohya"); without it peft's split is kept, as files written before have it.
     """
     from peft import LoHaConfig, LoKrConfig, inject_adapter_in_model
 
@@ -75,7 +102,8 @@ def attach_lycoris(
                             rank_dropout_scale=False, **common)
     else:
         raise ValueError(f"attach_lycoris: unknown algo {algo!r}")
-    inject_adapter_in_model(config, model, adapter_name=adapter_name)
+    with _lycoris_factorization() if lycoris_shapes else contextlib.nullcontext():
+        inject_adapter_in_model(config, model, adapter_name=adapter_name)
     for _, layer in model.named_modules():
         if not is_lycoris_layer(layer) or adapter_name not in layer.r:
             continue

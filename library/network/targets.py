@@ -7,16 +7,27 @@ from torch import nn
 
 from library.config import UserError
 from library.config.network_args import NetworkArgs
-from library.network import blocks, lora
+from library.network import blocks, lora, presets
 
 
 def attach_network(model: nn.Module, part: str, rank: int, alpha: float, dropout: float,
                    net: NetworkArgs) -> list[nn.Parameter]:
     """Attach the configured adapter to the UNet (`part="unet"`) or one text encoder (`"text_encoder"`) with
     kohya's targets; conv_dim adds the ResNet blocks and samplers of the UNet, block_dims and the block lr
-    weights set (or drop, at 0) each UNet block's rank and alpha."""
+    weights set (or drop, at 0) each UNet block's rank and alpha. With network_module = "lycoris.kohya" the
+    LyCORIS preset chooses the layers and k x k convs take conv_dim / conv_alpha (default network_dim / alpha)."""
     overrides: dict[str, tuple[int, float]] = {}
-    if part == "unet":
+    if net.lycoris:
+        if part == "unet":
+            targets, conv = presets.unet_targets(model, net.preset, is_sdxl_unet(model))
+            conv_rank_alpha = (net.conv_dim or rank, alpha if net.conv_alpha is None else net.conv_alpha)
+            targets += conv
+            overrides.update({name: conv_rank_alpha for name in conv})
+        else:
+            targets = presets.text_encoder_targets(model, net.preset)
+        if not targets:
+            raise UserError(f"network_args: preset={net.preset} trains no layer of the {part}")
+    elif part == "unet":
         targets = lora.unet_target_modules(model)
         plan = unet_block_plan(model, rank, alpha, net)
         conv_rank_alpha = net.conv_rank_alpha
@@ -44,13 +55,18 @@ def attach_network(model: nn.Module, part: str, rank: int, alpha: float, dropout
     else:
         targets = lora.text_encoder_target_modules(model)
     lycoris_dropout = net.variant != "lora"
+    # peft's DoRA (output axis) computes its weight norm by calling lora_A, where kohya's hook would drop ranks:
+    # it keeps peft's dropout on the layer input.
+    peft_dropout = net.dora_wd and net.wd_on_output
     params = lora.attach_lora(
-        model, targets, rank, alpha, dropout, overrides=overrides, algo=net.variant, use_dora=net.dora_wd,
+        model, targets, rank, alpha, dropout if peft_dropout else 0.0, overrides=overrides, algo=net.variant,
+        use_dora=net.dora_wd, dora_on_output=net.wd_on_output,
         rank_dropout=(net.rank_dropout or 0.0) if lycoris_dropout else 0.0,
         module_dropout=(net.module_dropout or 0.0) if lycoris_dropout else 0.0, factor=net.factor,
-        decompose_both=net.decompose_both)
-    if not lycoris_dropout and (net.rank_dropout or net.module_dropout):
-        add_kohya_dropout(model, net.rank_dropout or 0.0, net.module_dropout or 0.0)
+        decompose_both=net.decompose_both, lycoris_shapes=net.lycoris)
+    kohya_dropout = 0.0 if peft_dropout else dropout
+    if not lycoris_dropout and (net.rank_dropout or net.module_dropout or kohya_dropout):
+        add_kohya_dropout(model, net.rank_dropout or 0.0, net.module_dropout or 0.0, dropout=kohya_dropout)
     return params
 
 
@@ -78,25 +94,30 @@ def block_lr(unet: nn.Module, rank: int, alpha: float, net: NetworkArgs) -> bloc
 
 
 class KohyaDropout:
-    """kohya's rank_dropout and module_dropout for a peft LoRA layer, as a forward hook on its lora_A.
+    """kohya's network_dropout, rank_dropout and module_dropout for a peft LoRA layer, as a forward hook on its
+    lora_A, in kohya's order (networks/lora.py LoRAModule.forward).
 
     In training, module dropout leaves out the whole LoRA of a layer with probability `module_dropout` (drawn
-    once per forward, before the rank mask, as kohya); rank dropout zeroes each rank of lora_down's output per
-    sample with probability `rank_dropout` and scales the rest by 1 / (1 - rank_dropout). Both draw from the
-    global torch RNG, like kohya and torch's own dropout.
+    once per forward, before the rest); network_dropout is ordinary dropout on lora_down's output (not on the
+    layer input, as peft's lora_dropout); rank dropout then zeroes each rank of lora_down's output per sample with
+    probability `rank_dropout` and scales the rest by 1 / (1 - rank_dropout). All draw from the global torch RNG,
+    like kohya and torch's own dropout.
     """
 
-    def __init__(self, rank_dropout: float, module_dropout: float):
+    def __init__(self, rank_dropout: float, module_dropout: float, dropout: float = 0.0):
         self.rank_dropout = rank_dropout
         self.module_dropout = module_dropout
+        self.dropout = dropout
 
     def __call__(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor | None:
         if not module.training:
             return None
         if self.module_dropout and torch.rand(1) < self.module_dropout:
             return output * 0  # lora_B has no bias: the layer's LoRA adds nothing, and gets no gradient
+        if self.dropout:
+            output = torch.nn.functional.dropout(output, p=self.dropout)
         if not self.rank_dropout:
-            return None
+            return output if self.dropout else None
         rank = output.shape[1] if output.dim() == 4 else output.shape[-1]
         mask = torch.rand((output.shape[0], rank), device=output.device) > self.rank_dropout
         if output.dim() == 3:
@@ -107,9 +128,10 @@ class KohyaDropout:
 
 
 def add_kohya_dropout(model: nn.Module, rank_dropout: float, module_dropout: float,
-                      adapter_name: str = "default") -> None:
-    """kohya's rank_dropout / module_dropout on every peft LoRA layer of `model` (a hook on each lora_A)."""
-    hook = KohyaDropout(rank_dropout, module_dropout)
+                      adapter_name: str = "default", dropout: float = 0.0) -> None:
+    """kohya's network_dropout / rank_dropout / module_dropout on every peft LoRA layer of `model` (a hook on each
+    lora_A)."""
+    hook = KohyaDropout(rank_dropout, module_dropout, dropout)
     for _, layer in lora.lora_layers(model, adapter_name):
         if "lora_down.weight" in lora.layer_parameters(layer, adapter_name):
             layer.lora_A[adapter_name].register_forward_hook(hook)

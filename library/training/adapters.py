@@ -106,14 +106,22 @@ class AdapterEMA:
     ("lora_unet_..._to_q.lora_down.weight"), so the state dir's copy is readable and survives a rebuilt model.
     """
 
-    def __init__(self, modules: Mapping[str, nn.Module], decay: float, adapter_name: str = "default"):
+    def __init__(self, modules: Mapping[str, nn.Module], decay: float, adapter_name: str = "default",
+                 rename: kohya_format.Rename | None = None):
         if not 0 < decay < 1:
             raise ValueError(f"EMA decay must be in (0, 1), got {decay}")
         self.decay = decay
         self.params: dict[str, nn.Parameter] = {
             f"{name}.{role}": param
-            for name, (_, layer) in kohya_format.kohya_layer_names(modules, adapter_name).items()
+            for name, (_, layer) in kohya_format.kohya_layer_names(modules, adapter_name, rename).items()
             for role, param in lora.layer_parameters(layer, adapter_name).items()}
+        # state dirs written before SDXL files took kohya's original-SD names hold the diffusers-path keys
+        self.aliases: dict[str, str] = {}
+        if rename is not None:
+            plain = kohya_format.kohya_layer_names(modules, adapter_name)
+            named = {id(layer): name for name, (_, layer) in kohya_format.kohya_layer_names(
+                modules, adapter_name, rename).items()}
+            self.aliases = {old: named[id(layer)] for old, (_, layer) in plain.items() if old != named[id(layer)]}
         self.shadow: dict[str, torch.Tensor] = {}
         self.reset()
 
@@ -130,6 +138,7 @@ class AdapterEMA:
         return {key: value.detach().cpu().clone() for key, value in self.shadow.items()}
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        state_dict = {self._current(key): value for key, value in state_dict.items()}
         missing = sorted(set(self.shadow) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(self.shadow))
         if missing or unexpected:
@@ -140,6 +149,10 @@ class AdapterEMA:
                 raise ValueError(f"EMA weight {key}: shape {tuple(value.shape)}, "
                                  f"adapter {tuple(self.shadow[key].shape)}")
             self.shadow[key].copy_(value.to(self.shadow[key].device, torch.float32))
+
+    def _current(self, key: str) -> str:
+        name, dot, role = key.partition(".")
+        return self.aliases.get(name, name) + dot + role
 
     @contextmanager
     def swapped(self) -> Iterator[None]:

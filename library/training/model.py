@@ -111,8 +111,10 @@ def network_spec(config: Config) -> NetworkSpec:
 
 
 def trained_parts(config: Config) -> tuple[bool, bool]:
-    """(train the UNet, train the text encoder)."""
-    return not config.network_train_text_encoder_only, not config.network_train_unet_only
+    """(train the UNet, train the text encoder). A LyCORIS preset without text-encoder layers trains the UNet
+    only, as LyCORIS does."""
+    train_text_encoder = not config.network_train_unet_only and network_args_of(config).trains_text_encoder
+    return not config.network_train_text_encoder_only, train_text_encoder
 
 
 def build_model(config: Config, components: Components, device: torch.device,
@@ -174,7 +176,8 @@ def load_adapter(config: Config, model: DiffusionModel, state_dict: dict[str, to
     if not strict:
         state_dict = {k: v for k, v in state_dict.items() if k.startswith(tuple(f"{p}_" for p in modules))}
     try:
-        report = kohya_format.apply_kohya_state_dict(modules, state_dict, strict=strict)
+        report = kohya_format.apply_kohya_state_dict(modules, state_dict, strict=strict,
+                                                     rename=model.family.kohya_module_path)
     except ValueError as e:
         raise UserError(f"{source}: {e}") from None
     if report.missing:
@@ -191,5 +194,6 @@ def save_lora(config: Config, model: DiffusionModel, spec: NetworkSpec, path: Pa
     # the rest.
     uniform = net.conv_dim is None and net.block_alphas is None and net.conv_block_dims is None
     alpha = spec.alpha if uniform and net.variant != "lokr" else None
-    state_dict = kohya_format.kohya_state_dict(lora_modules(model, config), alpha, dtype)
+    state_dict = kohya_format.kohya_state_dict(lora_modules(model, config), alpha, dtype,
+                                               rename=model.family.kohya_module_path)
     kohya_format.save_lora_file(path, state_dict, {} if config.no_metadata else metadata)

@@ -160,7 +160,8 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
         raise RuntimeError(f"planned {plan.batches_per_epoch} batches per process, the loader has {len(dataloader)}")
 
     unwrapped = accelerator.unwrap_model(model)
-    ema = (adapter_training.AdapterEMA(lora_modules(unwrapped, config), config.ema_decay)
+    ema = (adapter_training.AdapterEMA(lora_modules(unwrapped, config), config.ema_decay,
+                                       rename=unwrapped.family.kohya_module_path)
            if config.ema_decay is not None else None)
     checkpointer = Checkpointer(
         accelerator,
