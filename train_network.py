@@ -8,9 +8,10 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     from library.config import UserError, parse_config, write_config
+    from library.data.dataset_config import dataset_toml_problems
 
     try:
-        config, notes = parse_config(argv)
+        config, notes = parse_config(argv, extra_checks=[dataset_toml_problems])
     except UserError as e:
         return _report(e)
     if config.output_config is not None:
