@@ -200,4 +200,11 @@ def save_lora(config: Config, model: DiffusionModel, spec: NetworkSpec, path: Pa
     uniform = net.conv_dim is None and net.block_alphas is None and net.conv_block_dims is None
     alpha = spec.alpha if uniform and net.variant != "lokr" else None
     state_dict = kohya_format.kohya_state_dict(lora_modules(model, config), alpha, dtype)
+    broken = [key for key, tensor in state_dict.items()
+              if tensor.is_floating_point() and not bool(tensor.isfinite().all())]
+    if broken:
+        # A file of NaN/inf weights breaks every image made with it; the training loop stops before this, so
+        # this is the last guard (e.g. an optimizer step that overflowed the weights themselves).
+        raise UserError(f"not writing {path}: {len(broken)} tensors hold NaN/inf (first {broken[0]}); lower "
+                        "learning_rate or set max_grad_norm, and resume from the last saved state")
     kohya_format.save_lora_file(path, state_dict, {} if config.no_metadata else metadata)

@@ -300,14 +300,19 @@ class Checkpointer:
         try:
             # DeepSpeed writes its own module file; without the frozen base it holds just the adapter.
             accelerator.save_state(str(tmp), **self._deepspeed_kwargs(exclude_frozen_parameters=True))
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                write_manifest(tmp)
+                _fsync_tree(tmp)
+                replace_dir(tmp, state_dir)
+                logger.info("saved state %s", state_dir)
+        except (OSError, SafetensorError):
+            # A full disk: give back the space the half-written state took (it would never be resumed from).
+            if accelerator.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         finally:
             self._pending = None
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            write_manifest(tmp)
-            _fsync_tree(tmp)
-            replace_dir(tmp, state_dir)
-            logger.info("saved state %s", state_dir)
         accelerator.wait_for_everyone()
 
     def load(self, state_dir: Path) -> None:
