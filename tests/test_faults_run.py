@@ -81,8 +81,17 @@ def test_a_new_subfolder_under_a_read_only_folder_is_a_message(tiny_sd1_dir, dat
 
 def test_too_little_free_space_is_refused_before_training(tiny_sd1_dir, data, tmp_path, monkeypatch):
     monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 1000))
-    with pytest.raises(UserError, match="has 0.0 MiB free; one LoRA file and one state save need about"):
+    with pytest.raises(UserError, match="has 0.0 MiB free; one LoRA file and one state save needs about"):
         train(tiny_sd1_dir, data, tmp_path / "out", "--max_train_steps", "1", "--save_state")
+
+
+def test_too_little_free_space_to_resume_is_refused_before_the_model_loads(tiny_sd1_dir, data, tmp_path,
+                                                                           monkeypatch):
+    train(tiny_sd1_dir, data, tmp_path / "out", "--max_train_steps", "1", "--save_state_on_train_end")
+    refuses_before_loading(monkeypatch)
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 1000))
+    with pytest.raises(UserError, match="has 0.0 MiB free; one state save like last-state needs about"):
+        train(tiny_sd1_dir, data, tmp_path / "out", "--max_train_steps", "2", "--resume", "latest")
 
 
 # --- case 4: output_name with a folder in it ----------------------------------------------------------------

@@ -301,7 +301,7 @@ class Trainer:
         models = SamplingModels(unwrapped.denoiser, list(unwrapped.text_encoders), components.vae,
                                 components.tokenizers, components.noise_scheduler.config, components.family,
                                 "v_prediction" if components.v_prediction else None, encode_text)
-        with schedule_free_eval(s.optimizer):
+        with schedule_free_eval(s.optimizer), reported_save(s.output_dir / "sample", s.output_dir):
             samples = sample_images(
                 s.prompts, models, s.output_dir / "sample", config.output_name, base_seed=s.seed,
                 step=None if epoch is not None else self.state.global_step, epoch=epoch,

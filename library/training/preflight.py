@@ -4,7 +4,6 @@ A problem found here costs seconds; found at the first save, it costs the whole 
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -15,6 +14,11 @@ import time
 from pathlib import Path
 
 from library.config import UserError
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; runs there are not protected from each other
+    fcntl = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +35,10 @@ class OutputLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
+        if fcntl is None:
+            logger.warning("output_dir %s: this platform has no flock; a second run on the same folder is not "
+                           "detected", self.path.parent)
+            return
         while True:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -96,11 +104,20 @@ def check_free_space(output_dir: Path, lora_bytes: int, saves_state: bool) -> No
     """Refuse to start when output_dir cannot hold one LoRA file and, when states are saved, one state dir: the
     adapter plus AdamW's two moments (an estimate; other optimizers keep less)."""
     needed = lora_bytes * (4 if saves_state else 1) + (1 << 20)  # RNG states, JSON, file headers
+    _need(output_dir, needed, f"one LoRA file{' and one state save' if saves_state else ''}")
+
+
+def check_free_space_for_resume(output_dir: Path, state_dir: Path) -> None:
+    """Before the model loads: the state being resumed tells exactly what one more state save takes."""
+    state_bytes = sum(p.stat().st_size for p in state_dir.rglob("*") if p.is_file())
+    _need(output_dir, state_bytes + (1 << 20), f"one state save like {state_dir.name}")
+
+
+def _need(output_dir: Path, needed: int, what: str) -> None:
     free = shutil.disk_usage(output_dir).free
     if free < needed:
-        raise UserError(f"output_dir: {output_dir} has {_size(free)} free; one LoRA file"
-                        f"{' and one state save' if saves_state else ''} need about {_size(needed)}; free some "
-                        "space or choose another output_dir")
+        raise UserError(f"output_dir: {output_dir} has {_size(free)} free; {what} needs about {_size(needed)}; "
+                        "free some space or choose another output_dir")
 
 
 def _size(n: int) -> str:

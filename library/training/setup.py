@@ -38,7 +38,12 @@ from library.training.model import (
     trained_parts,
 )
 from library.training.optim import build_optimizer
-from library.training.preflight import OutputLock, check_free_space, prepare_output_dir
+from library.training.preflight import (
+    OutputLock,
+    check_free_space,
+    check_free_space_for_resume,
+    prepare_output_dir,
+)
 from library.training.schedules import build_lr_scheduler, warmup_steps
 from library.training.state import (
     Checkpointer,
@@ -112,6 +117,8 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     output_dir = Path(config.output_dir)
     resume_dir = resolve_resume(config.resume, output_dir)
     resumed = TrainState.read(resume_dir) if resume_dir else None
+    if resume_dir is not None:
+        on_main_process(accelerator, lambda: check_free_space_for_resume(output_dir, resume_dir))
     seed = resolve_seed(config, accelerator, resumed)
     set_seed(seed)  # LoRA initialisation; the training path itself uses step generators
     weight_dtype = WEIGHT_DTYPES[config.mixed_precision]
