@@ -27,10 +27,12 @@ RUN_LIMIT_S = 300
 class Run:
     """The command in a subprocess, its stderr collected as it comes (tqdm writes progress there)."""
 
-    def __init__(self, config: Path, *extra: str):
+    def __init__(self, config: Path, *extra: str, processes: int = 1):
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-        self.process = subprocess.Popen([sys.executable, str(REPO / "train_network.py"), "--config", str(config),
-                                         *extra], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+        launcher = [] if processes == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+                                              "--master_port", str(29500 + (os.getpid() + 7) % 1000)]
+        self.process = subprocess.Popen([sys.executable, *launcher, str(REPO / "train_network.py"), "--config",
+                                         str(config), *extra], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.PIPE)
         self.err = b""
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -133,3 +135,28 @@ def test_sigint_while_the_model_loads_is_one_line(configs):
     run.process.send_signal(signal.SIGINT)
     assert run.finish() == 130, run.text()
     one_line_and_no_traceback(run, r"stopped by SIGINT .*")
+
+
+def test_sigterm_to_the_launcher_stops_both_processes_at_one_step_and_resume_is_bit_exact(configs, tmp_path):
+    """torchrun passes SIGTERM on to every process; they agree on the step to stop at and save one state."""
+    def launch(config: Path, *extra: str) -> Run:
+        return Run(config, *extra, processes=2)
+
+    reference = launch(configs["reference"])
+    assert reference.finish() == 0, reference.text()
+    out = configs["preempted"].parent / "preempted"
+    run = launch(configs["preempted"])
+    run.wait_for(rf" [1-9]\d*/{STEPS} ")
+    run.process.send_signal(signal.SIGTERM)
+    assert run.finish() != 0
+    assert len(re.findall(r"stopped by SIGTERM after step (\d+)", run.text())) == 2, run.text()
+    steps = set(re.findall(r"stopped by SIGTERM after step (\d+)", run.text()))
+    assert len(steps) == 1, run.text()  # both processes stopped after the same step
+    state_dir = find_latest_state(out)
+    assert state_dir is not None and TrainState.read(state_dir).global_step == int(steps.pop())
+
+    resumed = launch(configs["preempted"], "--resume", "latest")
+    assert resumed.finish() == 0, resumed.text()
+    expected = load_kohya_lora(configs["reference"].parent / "reference" / "last.safetensors")[0]
+    got = load_kohya_lora(out / "last.safetensors")[0]
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
