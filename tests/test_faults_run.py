@@ -238,3 +238,31 @@ def test_a_full_disk_while_saving_a_state_removes_the_half_written_state(tiny_sd
     assert f"kept: the state {out / 'last-step00000001-state'}" in info.value.problems[1]
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
     assert state_module.state_problems(out / "last-step00000001-state") == []  # still complete
+
+
+def test_a_second_signal_stops_at_once_and_the_handlers_are_restored():
+    import signal
+
+    from library.training.faults import Interrupted, Preemption
+
+    before = signal.getsignal(signal.SIGTERM)
+    with Preemption() as preemption:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert preemption.signum == signal.SIGTERM  # the first one only asks the loop to stop
+        with pytest.raises(Interrupted) as info:
+            os.kill(os.getpid(), signal.SIGINT)
+    assert info.value.status == 130 and "without saving" in info.value.message
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_gradients_are_the_grad_scalers_to_judge_under_fp16():
+    import torch
+
+    from library.training.faults import non_finite
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    param.grad = torch.tensor([1.0, float("inf")])
+    finite_loss = [torch.tensor(0.5)]
+    assert non_finite(finite_loss, [param], check_gradients=True)
+    assert not non_finite(finite_loss, [param], check_gradients=False)  # the scaler skips this step itself
+    assert non_finite([torch.tensor(float("nan"))], [param], check_gradients=False)
