@@ -306,8 +306,9 @@ class Checkpointer:
                 _fsync_tree(tmp)
                 replace_dir(tmp, state_dir)
                 logger.info("saved state %s", state_dir)
-        except (OSError, SafetensorError):
-            # A full disk: give back the space the half-written state took (it would never be resumed from).
+        except BaseException:
+            # A full disk, a refused write, a second Ctrl-C: give back the space the half-written state took (it
+            # would never be resumed from).
             if accelerator.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
