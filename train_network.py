@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 
 def main(argv: list[str] | None = None) -> int:
     from library.config import UserError, parse_config, write_config
+    from library.data.dataset_config import dataset_toml_problems
 
     try:
-        config, notes = parse_config(argv)
+        config, notes = parse_config(argv, extra_checks=[dataset_toml_problems])
     except UserError as e:
         return _report(e)
     if config.output_config is not None:
@@ -36,10 +38,22 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("config").info(note)
 
     from library.training import loop
+    from library.training.faults import Interrupted, raise_interrupted
+
+    previous = signal.signal(signal.SIGTERM, raise_interrupted)
     try:
         loop.run(config)
     except UserError as e:
         return _report(e)
+    except Interrupted as e:
+        print(e.message, file=sys.stderr)
+        return e.status
+    except KeyboardInterrupt:
+        # Ctrl-C outside the step loop (loading, caching, the final save): one line, not torch's traceback.
+        print("stopped by SIGINT outside the training steps; the files already saved are kept", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 
@@ -53,7 +67,11 @@ def _report(error: Exception) -> int:
 
 
 if __name__ == "__main__":
-    status = main()
+    try:
+        status = main()
+    except KeyboardInterrupt:  # Ctrl-C while the libraries load
+        print("stopped by SIGINT before training started", file=sys.stderr)
+        status = 130
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # The process group is already destroyed; gloo can still abort in interpreter teardown after a finished run.
         sys.stdout.flush()

@@ -93,11 +93,15 @@ def test_a_lora_learns_the_held_out_digit(tmp_path):
     """A short run of the recorded config (150 of its 800 steps): the trigger prompt goes from (almost) never the
     held-out digit to mostly it, judged on the same 100 seeds before and after."""
     steps = 150
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    # One thread unless the caller chose: with two threads on a loaded 2-core machine each step ran many times
+    # slower (NOTES.md), which is what pushed this run past its old 600 s limit. The result does not depend on it.
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     result = subprocess.run(
         [sys.executable, str(REPO / "train_network.py"), "--config", str(REPO / "configs" / "digits_lora.toml"),
          "--output_dir", str(tmp_path), "--output_name", "lora", "--max_train_steps", str(steps)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        # A guard against a hung run, not a speed check: about 40 CPU-seconds (70 s wall at load 3) when quiet;
+        # 30 minutes leaves room for a machine 25x slower than that.
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stderr[-3000:]
     lora = tmp_path / "lora.safetensors"
 

@@ -76,6 +76,13 @@ def check_values(v: dict[str, Any]) -> list[str]:
             problems.append("output_dir is required: where the LoRA file is written")
         elif Path(v["output_dir"]).exists() and not Path(v["output_dir"]).is_dir():
             problems.append(f"output_dir: {v['output_dir']} exists and is not a folder")
+    name = v["output_name"]
+    # The name becomes file and state-dir names beside each other in output_dir; a path here fails only at the
+    # first save, after the training it would have kept.
+    need(bool(name) and "/" not in name and os.sep not in name and (os.altsep is None or os.altsep not in name)
+         and name not in (".", "..") and not name.startswith("."),
+         f"output_name = {name!r}: must be a plain file name without folders (put folders in output_dir) and "
+         "not starting with '.'")
 
     for name in ("network_dim", "train_batch_size", "gradient_accumulation_steps", "max_train_steps",
                  "lr_scheduler_num_cycles"):

@@ -235,6 +235,9 @@ _OUTPUT = [
     _opt("save_last_n_steps_state", _to_int, None, "keep only the state dirs of the last n steps"),
     _opt("save_last_n_epochs_state", _to_int, None, "keep only the last n epoch state dirs"),
     _opt("save_state_on_train_end", _to_bool, False, "save a state dir when training ends"),
+    _opt("save_state_on_preemption", _to_bool, False,
+         "on SIGTERM / SIGINT, finish the step and save a state dir (also done when save_state or "
+         "save_state_on_train_end is set)"),
     _opt("resume", _to_str, None,
          "continue from a state dir, or 'latest' for the newest complete one in output_dir", metavar="DIR|latest"),
     _opt("network_weights", _to_str, None, "start from this kohya-format LoRA file", is_path=True,

@@ -9,7 +9,7 @@ import argparse
 import difflib
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import tomllib
 
@@ -128,6 +128,11 @@ def _read_toml(path: Path) -> tuple[dict[str, Any] | None, list[str]]:
     flat: dict[str, Any] = {}
     problems: list[str] = []
     for key, value in raw.items():
+        if isinstance(value, dict) and (key in OPTIONS or key in ALIASES):
+            # `[network_dim]` then `value = 4` would otherwise read as an unknown option 'value'.
+            problems.append(f"{path}: [{key}] is a table, but {key} is an option, not a section: write "
+                            f"`{key} = ...` at the top level or inside a section such as [training]")
+            continue
         entries = value.items() if isinstance(value, dict) else [(key, value)]
         for name, item in entries:
             if isinstance(item, dict):
@@ -174,9 +179,15 @@ def _check_key(name: str, where: str) -> tuple[str | None, str | None, str | Non
     return None, f"{where}: unknown option {name!r}" + _suggest(name, list(OPTIONS) + list(ALIASES)), None
 
 
-def parse_config(argv: Sequence[str] | None = None) -> tuple[Config, list[str]]:
+ExtraCheck = Callable[[Mapping[str, Any]], list[str]]
+
+
+def parse_config(argv: Sequence[str] | None = None,
+                 extra_checks: Sequence[ExtraCheck] = ()) -> tuple[Config, list[str]]:
     """Resolve options from --config TOML and the command line; raise ConfigError listing every problem.
 
+    `extra_checks` get the resolved values and return more problems, reported with the rest: checks of files
+    that packages above config read (the dataset TOML), which config itself may not import.
     Returns the Config and notes (ignored kohya options) to log once logging is set up.
     """
     parser = build_parser()
@@ -244,6 +255,8 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[Config, list[str]]:
     if not config_unreadable:
         # Checked even after other problems so that one run reports everything.
         problems += check_values(values)
+        for check in extra_checks:
+            problems += [p for p in check(values) if p not in problems]
     if problems:
         raise ConfigError(problems)
     return Config(values, explicit), notes

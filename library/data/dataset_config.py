@@ -224,6 +224,19 @@ def read_dataset_toml(path: str | Path) -> tuple[dict[str, Any], list[dict[str, 
     return general, datasets
 
 
+def dataset_toml_problems(values: Mapping[str, Any]) -> list[str]:
+    """The dataset TOML's own problems, for parse_config to report together with the option problems (a typo in
+    the file must not hide behind a conflict between options)."""
+    path = values.get("dataset_config")
+    if path is None or not Path(path).is_file():
+        return []  # a missing file is already an option problem
+    try:
+        read_dataset_toml(path)
+    except ConfigError as e:
+        return list(e.problems)
+    return []
+
+
 def _lookup(name: str, layers: list[Mapping[str, Any]], config: Config | None, default: Any) -> Any:
     """kohya's search order: the first layer that has the key, then the command line / --config, then default."""
     for layer in layers:

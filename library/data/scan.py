@@ -15,10 +15,21 @@ from library.data.images import (FORMATS_BY_EXTENSION, IMAGE_EXTENSIONS, Buckete
 _SHOWN = 5  # paths listed per warning before "... and N more"
 
 
+def _image_named(path: Path) -> bool:
+    # Hidden files such as macOS `._x.png` are not images.
+    return path.suffix.lower() in IMAGE_EXTENSIONS and not path.name.startswith(".")
+
+
 def list_images(directory: Path) -> list[Path]:
-    """Image files by extension (any case); hidden files such as macOS `._x.png` are not images."""
-    return sorted(p for p in directory.iterdir()
-                  if p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".") and p.is_file())
+    """Image files by extension (any case)."""
+    return sorted(p for p in directory.iterdir() if _image_named(p) and p.is_file())
+
+
+def dangling_links(directory: Path) -> list[str]:
+    """Problems for image-named symlinks whose target is gone: left out silently, they shrink the dataset
+    without anyone noticing (a moved or unmounted image folder)."""
+    return [f"{p}: a symlink to {os.readlink(p)}, which does not exist"
+            for p in sorted(directory.iterdir()) if _image_named(p) and p.is_symlink() and not p.exists()]
 
 
 # ------------------------------------------------------------------------------------------------------ records
@@ -146,6 +157,7 @@ def scan_datasets(specs: Sequence[DatasetSpec], threads: int | None = None) -> S
                 report.used = False
                 continue
             images = list_images(directory)
+            scan.problems.extend(dangling_links(directory))
             if not images:
                 scan.problems.append(f"{directory}: no images (extensions {', '.join(IMAGE_EXTENSIONS)})")
                 report.used = False

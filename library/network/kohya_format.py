@@ -328,6 +328,35 @@ def apply_kohya_state_dict(
     return report
 
 
+# Key prefixes that tell which kind of model a LoRA file was made for (the first match wins).
+_KEY_STYLES = (
+    ("lora_unet_double_blocks_", "FLUX (kohya names)"),
+    ("lora_transformer_", "a diffusers transformer (FLUX / SD3)"),
+    ("lora_te1_", "SDXL (two text encoders)"),
+    ("lora_unet_input_blocks_", "SDXL or an original-SD (LDM) checkpoint"),
+    ("lora_unet_down_blocks_", "SD1.x / SD2.x (diffusers names)"),
+    ("unet.", "diffusers / peft (dotted names, not kohya format)"),
+    ("transformer.", "diffusers / peft (dotted names, not kohya format)"),
+)
+
+
+def describe_lora(path: str | os.PathLike) -> str:
+    """What a LoRA file seems to be for, from its metadata and key names: for messages when it fits no module."""
+    with safetensors.safe_open(os.fspath(path), framework="pt", device="cpu") as f:
+        keys = list(f.keys())
+        metadata = dict(f.metadata() or {})
+    prefixes: dict[str, int] = {}
+    for key in keys:
+        name = key.split(".", 1)[0]
+        prefix = "_".join(name.split("_")[:3]) if "_" in name else name
+        prefixes[prefix] = prefixes.get(prefix, 0) + 1
+    common = sorted(prefixes.items(), key=lambda item: -item[1])[:_MAX_LISTED]
+    style = next((what for start, what in _KEY_STYLES if any(k.startswith(start) for k in keys)), "unknown")
+    base = metadata.get("ss_base_model_version") or metadata.get("modelspec.architecture")
+    return (f"{style}{f', made for {base}' if base else ''}: {len(keys)} keys, prefixes "
+            + ", ".join(f"{prefix}* ({count})" for prefix, count in common))
+
+
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:
     """Only the metadata of a safetensors file (cheap: reads the header)."""
     with safetensors.safe_open(os.fspath(path), framework="pt", device="cpu") as f:

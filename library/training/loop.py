@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -21,9 +23,10 @@ from library.monitoring.tracking import Trackers
 from library.monitoring.validation import evaluating, should_validate, validation_loss, validation_metrics
 from library.training import adapters as adapter_training
 from library.training.accelerator import prepare_accelerator
+from library.training.faults import Interrupted, Preemption, non_finite, non_finite_error, reported_save
 from library.training.model import DiffusionModel, batch_latents, diffusion_loss, lora_modules, save_lora
 from library.training.optim import schedule_free_eval
-from library.training.setup import Session, build_session
+from library.training.setup import Session, build_session, claim_output_dir
 from library.training.state import epoch_name, prune_epochs, prune_steps, state_dir_name, step_name
 
 logger = logging.getLogger(__name__)
@@ -45,13 +48,17 @@ def run(config: Config) -> RunResult:
     started_at = time.time()
     accelerator = prepare_accelerator(config)
     trackers = Trackers()
+    lock = None
     try:
+        lock = claim_output_dir(Path(config.output_dir), accelerator)
         session = build_session(config, accelerator, started_at)
         if accelerator.is_main_process:
             trackers.start(config, started_at)
         return Trainer(session, trackers).train()
     finally:
         trackers.finish()
+        if lock is not None:
+            lock.release()
         accelerator.end_training()
 
 
@@ -66,6 +73,8 @@ class Trainer:
         self.trackers = trackers
         self.result = RunResult(output_file=None, global_step=session.state.global_step)
         self.validated_at = -1
+        self.state_saved_at = -1
+        self.preemption = Preemption()
         # Per-batch losses and (per-sample loss, timesteps) of the optimizer step being accumulated.
         self.step_losses: list[torch.Tensor] = []
         self.step_samples: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -79,6 +88,15 @@ class Trainer:
                         disable=not accelerator.is_main_process, dynamic_ncols=True)
         if s.prompts and self.config.sample_at_first:
             self.sample()
+        try:
+            with self.preemption if threading.current_thread() is threading.main_thread() else nullcontext():
+                self.steps(progress)
+        finally:
+            progress.close()  # before any message, which would otherwise share the bar's line
+        return self.finish()
+
+    def steps(self, progress: tqdm) -> None:
+        s, state, accelerator = self.s, self.state, self.accelerator
         step_started = time.perf_counter()
         while state.global_step < s.plan.total_steps and state.epoch < s.plan.num_epochs:
             epoch, first_batch = state.epoch, state.batch_in_epoch
@@ -105,12 +123,26 @@ class Trainer:
                 if state.global_step >= s.plan.total_steps:
                     break
                 self.maybe_save()
+                signum = self.preemption.requested(accelerator)
+                if signum is not None:
+                    self.stop_for(signum)
             else:
                 # The loader ran out without the step counter wrapping the epoch (an empty remainder).
                 if state.epoch == epoch:
                     state.epoch, state.batch_in_epoch = epoch + 1, 0
-        progress.close()
-        return self.finish()
+
+    def stop_for(self, signum: int) -> None:
+        """Preemption: the step is complete; save a state (when states are wanted) and stop."""
+        config, state = self.config, self.state
+        name = signal.Signals(signum).name
+        if not (config.save_state or config.save_state_on_train_end or config.save_state_on_preemption):
+            raise Interrupted(signum, f"stopped by {name} after step {state.global_step}; no state saved (set "
+                                      "save_state_on_preemption to save one)")
+        state_dir = self.s.output_dir / state_dir_name(step_name(config.output_name, state.global_step))
+        if self.state_saved_at != state.global_step:
+            self.save_snapshot(step_name(config.output_name, state.global_step), True)
+        raise Interrupted(signum, f"stopped by {name} after step {state.global_step}; saved {state_dir}; continue "
+                                  "with --resume latest")
 
     def accumulate(self, batch: dict[str, Any], epoch: int, batch_index: int) -> None:
         """One batch: latents -> noise and timesteps -> prediction -> loss -> backward, and the optimizer step
@@ -142,10 +174,24 @@ class Trainer:
             accelerator.backward(loss)
             if accelerator.sync_gradients and self.config.max_grad_norm:
                 accelerator.clip_grad_norm_(s.trainable, self.config.max_grad_norm)
+            if accelerator.sync_gradients:
+                self.refuse_non_finite(loss)
             s.optimizer.step()
             s.optimizer.zero_grad(set_to_none=True)
         self.step_losses.append(loss.detach())
         self.step_samples.append((per_sample.detach(), timesteps))
+
+    def refuse_non_finite(self, loss: torch.Tensor) -> None:
+        """Stop before an optimizer step would write NaN/inf into the adapter. With fp16's grad scaler an overflow
+        in the gradients is the scaler's to handle (it skips the step), so only the loss is checked then."""
+        s, accelerator = self.s, self.accelerator
+        losses = [*self.step_losses, loss.detach()]
+        bad = non_finite(losses, s.trainable, check_gradients=accelerator.scaler is None)
+        if accelerator.num_processes > 1:  # every process must stop, or the others wait for it forever
+            bad = bool(accelerator.reduce(torch.tensor([float(bad)], device=accelerator.device), "sum").item())
+        if bad:
+            raise non_finite_error(self.state.global_step, torch.stack(losses).float().mean().item(),
+                                   [group["lr"] for group in s.optimizer.param_groups], s.output_dir)
 
     def log_step(self, adapter_logs: dict[str, float], progress: tqdm) -> None:
         """One collective per step: this process's mean loss, sample count and binned loss sums, added up."""
@@ -204,12 +250,15 @@ class Trainer:
             path = s.output_dir / f"{name}.safetensors"
             # A schedule-free optimizer's kept weights, not its training ones; or the EMA when asked.
             saved_weights = s.ema.swapped() if s.ema and self.config.ema_for_saved_file else nullcontext()
-            with schedule_free_eval(s.optimizer), saved_weights:
+            with schedule_free_eval(s.optimizer), saved_weights, reported_save(path, s.output_dir):
                 save_lora(self.config, s.unwrapped, s.spec, path, s.metadata(), s.save_dtype)
             logger.info("saved %s", path)
         if with_state:
             self.state.metrics = s.metrics.state_dict()
-            s.checkpointer.save(s.output_dir / state_dir_name(name), self.state)
+            state_dir = s.output_dir / state_dir_name(name)
+            with reported_save(state_dir, s.output_dir):
+                s.checkpointer.save(state_dir, self.state)
+            self.state_saved_at = self.state.global_step
 
     def validate(self) -> None:
         s, accelerator = self.s, self.accelerator
@@ -252,7 +301,7 @@ class Trainer:
         models = SamplingModels(unwrapped.denoiser, list(unwrapped.text_encoders), components.vae,
                                 components.tokenizers, components.noise_scheduler.config, components.family,
                                 "v_prediction" if components.v_prediction else None, encode_text)
-        with schedule_free_eval(s.optimizer):
+        with schedule_free_eval(s.optimizer), reported_save(s.output_dir / "sample", s.output_dir):
             samples = sample_images(
                 s.prompts, models, s.output_dir / "sample", config.output_name, base_seed=s.seed,
                 step=None if epoch is not None else self.state.global_step, epoch=epoch,
@@ -275,7 +324,9 @@ class Trainer:
             result.output_file = s.output_dir / f"{self.config.output_name}.safetensors"
             chart = loss_by_timestep_chart(s.metrics.timestep_loss.bins(), result.validation,
                                            s.objective.num_train_timesteps)
-            save_png(chart, s.output_dir / f"{self.config.output_name}_loss_by_timestep.png")
+            chart_path = s.output_dir / f"{self.config.output_name}_loss_by_timestep.png"
+            with reported_save(chart_path, s.output_dir):
+                save_png(chart, chart_path)
             self.trackers.log_images({"loss/by_timestep": np.asarray(chart)}, step=state.global_step)
         return result
 

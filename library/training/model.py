@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+from safetensors import SafetensorError
 
 from library.config import Config, UserError
 from library.config.network_args import network_args_of
@@ -102,12 +103,18 @@ def network_spec(config: Config) -> NetworkSpec:
     try:
         state_dict, _ = kohya_format.load_kohya_lora(config.network_weights)
         dim, alpha = kohya_format.dims_from_state_dict(state_dict)
-    except (OSError, ValueError) as e:
-        raise UserError(f"network_weights {config.network_weights}: {e}") from None
+    except (OSError, ValueError, SafetensorError) as e:
+        raise UserError(f"network_weights {config.network_weights}: {_unreadable(e)}") from None
     if config.dim_from_weights:
         logger.info("dim_from_weights: network_dim %d, network_alpha %g from %s", dim, alpha, config.network_weights)
         return NetworkSpec(dim, alpha, state_dict)
     return NetworkSpec(config.network_dim, config.network_alpha, state_dict)
+
+
+def _unreadable(error: Exception) -> str:
+    if isinstance(error, SafetensorError):
+        return f"not a readable safetensors file ({error}); it may be damaged or not a LoRA"
+    return str(error)
 
 
 def trained_parts(config: Config) -> tuple[bool, bool]:
@@ -180,6 +187,11 @@ def load_adapter(config: Config, model: DiffusionModel, state_dict: dict[str, to
                                                      rename=model.family.kohya_module_path)
     except ValueError as e:
         raise UserError(f"{source}: {e}") from None
+    if not strict and not report.loaded:
+        # Training from scratch while the user believes it continues from a file wastes the whole run.
+        raise UserError(f"{source}: none of its keys matches a LoRA module of this model "
+                        f"({', '.join(sorted(modules))}); the file looks like "
+                        f"{kohya_format.describe_lora(source)}")
     if report.missing:
         # Keys are "<module>.<tensor>"; a module has 2 (LoRA) to 5 (DoRA, LoHa, LoKr) of them.
         missing_modules = {key.split(".", 1)[0] for key in report.missing}
@@ -196,4 +208,11 @@ def save_lora(config: Config, model: DiffusionModel, spec: NetworkSpec, path: Pa
     alpha = spec.alpha if uniform and net.variant != "lokr" else None
     state_dict = kohya_format.kohya_state_dict(lora_modules(model, config), alpha, dtype,
                                                rename=model.family.kohya_module_path)
+    broken = [key for key, tensor in state_dict.items()
+              if tensor.is_floating_point() and not bool(tensor.isfinite().all())]
+    if broken:
+        # A file of NaN/inf weights breaks every image made with it; the training loop stops before this, so
+        # this is the last guard (e.g. an optimizer step that overflowed the weights themselves).
+        raise UserError(f"not writing {path}: {len(broken)} tensors hold NaN/inf (first {broken[0]}); lower "
+                        "learning_rate or set max_grad_norm, and resume from the last saved state")
     kohya_format.save_lora_file(path, state_dict, {} if config.no_metadata else metadata)

@@ -9,7 +9,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from accelerate import Accelerator
@@ -38,6 +38,12 @@ from library.training.model import (
     trained_parts,
 )
 from library.training.optim import build_optimizer
+from library.training.preflight import (
+    OutputLock,
+    check_free_space,
+    check_free_space_for_resume,
+    prepare_output_dir,
+)
 from library.training.schedules import build_lr_scheduler, warmup_steps
 from library.training.state import (
     Checkpointer,
@@ -109,12 +115,10 @@ class Session:
 def build_session(config: Config, accelerator: Accelerator, started_at: float) -> Session:
     """Build every part in the order that fixes the run's random draws (LoRA initialisation follows set_seed)."""
     output_dir = Path(config.output_dir)
-    if accelerator.is_main_process:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        remove_stale_temporaries(output_dir, "sample")
-    accelerator.wait_for_everyone()
     resume_dir = resolve_resume(config.resume, output_dir)
     resumed = TrainState.read(resume_dir) if resume_dir else None
+    if resume_dir is not None:
+        on_main_process(accelerator, lambda: check_free_space_for_resume(output_dir, resume_dir))
     seed = resolve_seed(config, accelerator, resumed)
     set_seed(seed)  # LoRA initialisation; the training path itself uses step generators
     weight_dtype = WEIGHT_DTYPES[config.mixed_precision]
@@ -132,6 +136,9 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
 
     model, groups = build_model(config, components, accelerator.device, spec)
     trainable = [p for group in groups for p in group["params"]]
+    on_main_process(accelerator, lambda: check_free_space(
+        output_dir, sum(p.numel() * p.element_size() for p in trainable),
+        config.save_state or config.save_state_on_train_end or config.save_state_on_preemption))
     cache_inputs(config, data, components, accelerator, vae_dtype,
                  plan_caching(config, data, trained_parts(config)[1]))
     dataloader = data.dataloader(config.max_data_loader_n_workers, config.persistent_data_loader_workers)
@@ -177,6 +184,34 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     return Session(config, accelerator, output_dir, seed, started_at, weight_dtype, vae_dtype, spec, prompts, data,
                    components, objective, model, unwrapped, trainable, lr_names(groups), optimizer, lr_scheduler,
                    dataloader, plan, state, metrics, ema, checkpointer)
+
+
+def claim_output_dir(output_dir: Path, accelerator: Accelerator) -> OutputLock | None:
+    """Create and lock output_dir (main process), then remove what killed runs left there: only once the lock is
+    held, so that the clean-up never touches the files of another run that is still writing."""
+    locks: list[OutputLock] = []
+
+    def claim() -> None:
+        locks.append(prepare_output_dir(output_dir))
+        remove_stale_temporaries(output_dir, "sample")
+
+    on_main_process(accelerator, claim)
+    return locks[0] if locks else None
+
+
+def on_main_process(accelerator: Accelerator, check: Callable[[], None]) -> None:
+    """Run `check` on the main process; a UserError it raises is raised on every process, so that none is left
+    waiting for the others at the next collective."""
+    problems: list[str] | None = None
+    if accelerator.is_main_process:
+        try:
+            check()
+        except UserError as e:
+            problems = e.problems
+    if accelerator.num_processes > 1:
+        problems = broadcast_object_list([problems])[0]
+    if problems:
+        raise UserError(problems)
 
 
 def resume(resume_dir: Path, resumed: TrainState, state: TrainState, checkpointer: Checkpointer,

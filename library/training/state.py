@@ -9,14 +9,18 @@ import dataclasses
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
+import zipfile
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import Any, Callable
 
+import safetensors
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
+from safetensors import SafetensorError
 
 from library.config import UserError
 from library.core.atomic import STALE_TEMPORARY, TMP_DIR_PREFIX, fsync_dir, remove_path, replace_dir
@@ -25,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 STATE_FILE = "train_state.json"
 ADAPTER_FILE = "adapter.safetensors"
+MANIFEST_FILE = "manifest.json"  # every other file of the state and its size, written last
 EMA_FILE = "ema.safetensors"  # only with ema_decay: the EMA of the adapter weights
 _VERSIONED = ("torch", "diffusers", "peft", "accelerate", "transformers")
 
@@ -142,21 +147,77 @@ def prune_epochs(output_dir: Path, output_name: str, keep: int | None, state: bo
 
 # --- finding states -------------------------------------------------------------------------------------------
 
-def is_complete_state(path: Path) -> bool:
-    return path.is_dir() and not path.name.startswith(TMP_DIR_PREFIX) and (path / STATE_FILE).is_file()
+def is_state_candidate(path: Path) -> bool:
+    """A folder that is, or was meant to be, a finished state dir (not one being written)."""
+    return (path.is_dir() and not path.name.startswith(TMP_DIR_PREFIX)
+            and (path.name.endswith("-state") or (path / STATE_FILE).exists()))
 
 
-def find_latest_state(output_dir: Path) -> Path | None:
-    """The complete state dir in output_dir with the highest global step (newest on ties)."""
-    best: tuple[int, float, Path] | None = None
-    for path in output_dir.iterdir() if output_dir.is_dir() else []:
-        if not is_complete_state(path):
-            continue
+def write_manifest(state_dir: Path) -> None:
+    """Record every file of a just-written state dir and its size: a file deleted or cut short later (a copy
+    that stopped, a full disk on a sync) is then found before resuming instead of failing inside torch."""
+    files = {p.relative_to(state_dir).as_posix(): p.stat().st_size
+             for p in sorted(state_dir.rglob("*")) if p.is_file()}
+    (state_dir / MANIFEST_FILE).write_text(json.dumps({"files": files}, indent=1), encoding="utf-8")
+
+
+def state_problems(state_dir: Path) -> list[str]:
+    """Why `state_dir` cannot be resumed from; empty when every file it needs is present and readable."""
+    if not state_dir.is_dir():
+        return [f"{state_dir}: not a folder"]
+    expected: dict[str, int | None] = {STATE_FILE: None, ADAPTER_FILE: None}  # states saved before the manifest
+    manifest = state_dir / MANIFEST_FILE
+    if manifest.exists():
         try:
-            step = TrainState.read(path).global_step
-        except UserError:
+            expected = {str(k): int(v) for k, v in json.loads(manifest.read_text(encoding="utf-8"))["files"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            return [f"{manifest}: unreadable ({e})"]
+    problems = []
+    for name, size in expected.items():
+        path = state_dir / name
+        if not path.is_file():
+            problems.append(f"{path}: missing")
+        elif size is not None and path.stat().st_size != size:
+            problems.append(f"{path}: {path.stat().st_size} bytes, but {size} were saved (cut short or changed)")
+        else:
+            problems += _unreadable(path)
+    for path in sorted(state_dir.rglob("*")):
+        if path.is_file() and path.relative_to(state_dir).as_posix() not in expected and path != manifest:
+            problems += _unreadable(path)
+    return problems
+
+
+def _unreadable(path: Path) -> list[str]:
+    """Cheap checks that a state file can be read: JSON parses, a safetensors header, a torch zip archive."""
+    if path.name == STATE_FILE:
+        try:
+            TrainState.read(path.parent)
+        except UserError as e:
+            return list(e.problems)
+    elif path.suffix == ".safetensors":
+        try:
+            with safetensors.safe_open(str(path), framework="pt", device="cpu") as f:
+                f.keys()
+        except (OSError, SafetensorError) as e:
+            return [f"{path}: unreadable ({e})"]
+    elif path.suffix in (".bin", ".pt", ".pkl") and not zipfile.is_zipfile(path):
+        return [f"{path}: not a readable torch file (cut short or damaged)"]
+    return []
+
+
+def find_latest_state(output_dir: Path, skipped: list[str] | None = None) -> Path | None:
+    """The complete state dir in output_dir with the highest global step (newest on ties). Damaged or incomplete
+    ones are passed over and described in `skipped`."""
+    best: tuple[int, float, Path] | None = None
+    for path in sorted(output_dir.iterdir()) if output_dir.is_dir() else []:
+        if not is_state_candidate(path):
             continue
-        key = (step, path.stat().st_mtime, path)
+        problems = state_problems(path)
+        if problems:
+            if skipped is not None:
+                skipped.append(f"{path.name}: " + "; ".join(problems))
+            continue
+        key = (TrainState.read(path).global_step, path.stat().st_mtime, path)
         best = key if best is None or key[:2] > best[:2] else best
     return best[2] if best else None
 
@@ -166,15 +227,22 @@ def resolve_resume(resume: str | None, output_dir: Path) -> Path | None:
     if resume is None:
         return None
     if resume == "latest":
-        found = find_latest_state(output_dir)
+        skipped: list[str] = []
+        found = find_latest_state(output_dir, skipped)
+        for reason in skipped:
+            logger.warning("resume = latest: skipping a damaged or incomplete state: %s", reason)
         if found is None:
             logger.warning("resume = latest: no complete state in %s yet; starting from step 0", output_dir)
+        else:
+            logger.info("resume = latest: %s", found)
         return found
     path = Path(resume)
     if not path.is_dir():
         raise UserError(f"resume: {path} is not a folder (give a state dir or 'latest')")
-    if not (path / STATE_FILE).is_file():
-        raise UserError(f"resume: {path} is not a complete state dir (no {STATE_FILE})")
+    problems = state_problems(path)
+    if problems:
+        raise UserError([f"resume: {path} is not a complete, readable state dir (resume from an older state, or "
+                         "use --resume latest, which skips damaged ones):"] + problems)
     return path
 
 
@@ -232,17 +300,29 @@ class Checkpointer:
         try:
             # DeepSpeed writes its own module file; without the frozen base it holds just the adapter.
             accelerator.save_state(str(tmp), **self._deepspeed_kwargs(exclude_frozen_parameters=True))
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                write_manifest(tmp)
+                _fsync_tree(tmp)
+                replace_dir(tmp, state_dir)
+                logger.info("saved state %s", state_dir)
+        except BaseException:
+            # A full disk, a refused write, a second Ctrl-C: give back the space the half-written state took (it
+            # would never be resumed from).
+            if accelerator.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         finally:
             self._pending = None
         accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            _fsync_tree(tmp)
-            replace_dir(tmp, state_dir)
-            logger.info("saved state %s", state_dir)
-        accelerator.wait_for_everyone()
 
     def load(self, state_dir: Path) -> None:
-        self.accelerator.load_state(str(state_dir), **self._deepspeed_kwargs(load_module_strict=False))
+        try:
+            self.accelerator.load_state(str(state_dir), **self._deepspeed_kwargs(load_module_strict=False))
+        except (OSError, RuntimeError, EOFError, SafetensorError, pickle.UnpicklingError) as e:
+            # Damage the pre-flight checks cannot see (a file rewritten with its size kept, a full read error).
+            raise UserError(f"cannot resume from {state_dir}: a file of the state cannot be read "
+                            f"({type(e).__name__}: {e}); resume from an older state") from e
 
     def _deepspeed_kwargs(self, **kwargs: Any) -> dict[str, Any]:
         return kwargs if self.accelerator.distributed_type == DistributedType.DEEPSPEED else {}

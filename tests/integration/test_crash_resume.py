@@ -1,4 +1,5 @@
-"""Runs killed with SIGKILL at random moments, during saves too, always leave a resumable output_dir."""
+"""Runs killed with SIGKILL at random moments, during saves too, or stopped by SIGTERM, always leave a resumable
+output_dir."""
 from __future__ import annotations
 
 import os
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 
 from library.network.kohya_format import load_kohya_lora, read_metadata
+from library.training.state import TrainState, find_latest_state
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 10
@@ -62,6 +64,19 @@ def test_sigkill_at_random_moments_then_resume_latest(tiny_sd1_dir, sample_data_
         kills.append((during_save, round(time.monotonic() - deadline, 2), process.returncode))
 
     assert any(returncode == -signal.SIGKILL for _, _, returncode in kills), kills
+
+    # Preemption: SIGTERM once training runs finishes the step, saves a state at it and exits 143.
+    process = start(crashing, "--resume", "latest")
+    started = find_latest_state(crash_dir)
+    while process.poll() is None and find_latest_state(crash_dir) == started:
+        time.sleep(0.005)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=300)
+    if process.returncode != 0:  # 0: it had already finished all steps
+        assert process.returncode == 143, err
+        saved = find_latest_state(crash_dir)
+        step = TrainState.read(saved).global_step
+        assert f"stopped by SIGTERM after step {step}; saved {saved}" in err and "Traceback" not in err
 
     final = start(crashing, "--resume", "latest")
     assert final.wait(timeout=300) == 0, (kills, final.stderr.read())
