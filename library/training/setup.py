@@ -158,6 +158,9 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
                                       timescale=config.lr_scheduler_timescale,
                                       scheduler_type=config.lr_scheduler_type,
                                       scheduler_args=config.lr_scheduler_args)
+    # prepare wraps the module (DDP, a DeepSpeed engine, torch.compile) but keeps this very object inside; holding
+    # it spares accelerate's unwrap_model, which imports deepspeed (half a second) just to check for an engine.
+    unwrapped = model
     model, optimizer, dataloader, lr_scheduler = accelerator.prepare(model, optimizer, dataloader, lr_scheduler)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         # DeepSpeed may swap in its own optimizer (CPU Adam for offload) and replaces its param groups when a state
@@ -166,7 +169,6 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     if len(dataloader) != plan.batches_per_epoch:
         raise RuntimeError(f"planned {plan.batches_per_epoch} batches per process, the loader has {len(dataloader)}")
 
-    unwrapped = accelerator.unwrap_model(model)
     ema = (adapter_training.AdapterEMA(lora_modules(unwrapped, config), config.ema_decay,
                                        rename=unwrapped.family.kohya_module_path)
            if config.ema_decay is not None else None)
