@@ -35,6 +35,22 @@ def sample_data_dir(repo_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def small_dataset(sample_data_dir: Path):
+    """A function writing a kohya folder `root/1_sks shape` with four of the quickstart images and captions; returns
+    `root`. For tests that need a short epoch or a dataset they may change."""
+    import shutil
+
+    def write(root: Path) -> Path:
+        subset = root / "1_sks shape"
+        subset.mkdir(parents=True)
+        for image in sorted((sample_data_dir / "10_sks shape").glob("*.png"))[:4]:
+            shutil.copy(image, subset / image.name)
+            shutil.copy(image.with_suffix(".txt"), subset / image.with_suffix(".txt").name)
+        return root
+    return write
+
+
+@pytest.fixture(scope="session")
 def tiny_sd1_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny SD1-shaped diffusers pipeline folder (seed 0, epsilon), written once per session. Read-only."""
     from library.models.tiny import save_tiny_sd1

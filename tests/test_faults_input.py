@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -18,13 +17,8 @@ pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
 
 
 @pytest.fixture
-def data(sample_data_dir, tmp_path) -> Path:
-    subset = tmp_path / "data" / "1_sks shape"
-    subset.mkdir(parents=True)
-    for image in sorted((sample_data_dir / "10_sks shape").glob("*.png"))[:4]:
-        shutil.copy(image, subset / image.name)
-        shutil.copy(image.with_suffix(".txt"), subset / image.with_suffix(".txt").name)
-    return subset.parent
+def data(small_dataset, tmp_path) -> Path:
+    return small_dataset(tmp_path / "data")
 
 
 def options(model: Path, data: Path, out: Path, *extra: str) -> list[str]:

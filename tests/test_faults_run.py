@@ -23,13 +23,8 @@ pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
 
 
 @pytest.fixture(scope="module")
-def data(sample_data_dir, tmp_path_factory) -> Path:
-    subset = tmp_path_factory.mktemp("data") / "1_sks shape"
-    subset.mkdir()
-    for image in sorted((sample_data_dir / "10_sks shape").glob("*.png"))[:4]:
-        shutil.copy(image, subset / image.name)
-        shutil.copy(image.with_suffix(".txt"), subset / image.with_suffix(".txt").name)
-    return subset.parent
+def data(small_dataset, tmp_path_factory) -> Path:
+    return small_dataset(tmp_path_factory.mktemp("data"))
 
 
 def train(model: Path, data: Path, out: Path, *extra: str):

@@ -1,0 +1,115 @@
+"""Out of the box: a minimal config with this trainer's defaults against the same config with caching off, and
+the cost of getting to the first step.
+
+    python bench/startup_defaults.py [--models tiny small] [--steps N] [--repeats R] [--json PATH]
+
+Each run is `train_network.py` in its own process (one thread), on the offline bench model and data/quickstart,
+with only the model, data, resolution, batch size and steps given; the "caching off" variant adds
+`--cache_latents false --cache_text_encoder_outputs false` (the defaults before caching became automatic). The
+variants alternate. Reported per run: launch -> end of the first optimizer step (wall seconds from starting the
+process), CPU seconds per step after the first (user + system of the process, read at each step), and peak RSS
+(VmHWM).
+Nothing is asserted; read the numbers next to the machine's load, which is printed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESOLUTION = {"tiny": 64, "small": 128}
+# Runs inside the child: train_network.main with a hook that records the process's CPU time and the wall clock at
+# the end of each optimizer step, then the peak RSS. Written to the JSON file named in argv[1].
+CHILD = r"""
+import json, os, resource, sys, time
+sys.path.insert(0, os.getcwd())
+out, argv = sys.argv[1], sys.argv[2:]
+marks = []
+from library.training import loop
+original = loop.Trainer.log_step
+def log_step(self, *args, **kwargs):
+    original(self, *args, **kwargs)
+    t = os.times()
+    marks.append((time.time(), t.user + t.system))
+loop.Trainer.log_step = log_step
+import train_network
+status = train_network.main(argv)
+peak = None
+for line in open("/proc/self/status"):
+    if line.startswith("VmHWM:"):
+        peak = int(line.split()[1]) / 1024
+json.dump({"status": status, "marks": marks, "peak_rss_mib": peak}, open(out, "w"))
+"""
+
+
+def build_model(kind: str, folder: Path) -> Path:
+    command = [sys.executable, "-c", "import sys; sys.path.insert(0, '.'); from library.models.tiny import "
+               f"save_tiny_sd1; save_tiny_sd1({str(folder)!r}, size={kind!r})"]
+    subprocess.run(command, cwd=REPO, check=True, capture_output=True)
+    return folder
+
+
+def run_once(model: Path, kind: str, steps: int, caching_off: bool, work: Path) -> dict:
+    out = work / "result.json"
+    argv = ["--pretrained_model_name_or_path", str(model), "--train_data_dir", str(REPO / "data" / "quickstart"),
+            "--resolution", str(RESOLUTION[kind]), "--train_batch_size", "4", "--max_train_steps", str(steps),
+            "--output_dir", str(work / "out"), "--output_name", "bench", "--seed", "0"]
+    if caching_off:
+        argv += ["--cache_latents", "false", "--cache_text_encoder_outputs", "false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    started = time.time()
+    subprocess.run([sys.executable, "-c", CHILD, str(out), *argv], cwd=REPO, env=env, check=True,
+                   capture_output=True, timeout=900)
+    result = json.loads(out.read_text())
+    marks = result["marks"]
+    cpu = [b[1] - a[1] for a, b in zip(marks, marks[1:], strict=False)]
+    return {"first_step_s": marks[0][0] - started, "cpu_per_step_s": statistics.median(cpu),
+            "peak_rss_mib": result["peak_rss_mib"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=tuple(RESOLUTION), default=["tiny", "small"])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="write the raw results here")
+    args = parser.parse_args()
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    results: dict[str, dict[str, list[dict]]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-defaults-") as tmp:
+        for kind in args.models:
+            model = build_model(kind, Path(tmp) / f"model-{kind}")
+            runs: dict[str, list[dict]] = {"defaults": [], "caching off": []}
+            for repeat in range(args.repeats):
+                order = ("defaults", "caching off") if repeat % 2 == 0 else ("caching off", "defaults")
+                for variant in order:
+                    work = Path(tmp) / f"{kind}-{variant.replace(' ', '-')}-{repeat}"
+                    work.mkdir()
+                    runs[variant].append(run_once(model, kind, args.steps, variant == "caching off",
+                                                  work))
+            results[kind] = runs
+    print("medians over the repeats; cpu s/step: user + system CPU seconds per optimizer step after the first")
+    print(f"{'model':6s} {'variant':12s} {'first step s':>12s} {'cpu s/step':>11s} {'peak RSS MiB':>13s}")
+    for kind, runs in results.items():
+        for variant, rows in runs.items():
+            med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+            print(f"{kind:6s} {variant:12s} {med['first_step_s']:12.2f} {med['cpu_per_step_s']:11.3f} "
+                  f"{med['peak_rss_mib']:13.0f}")
+        ratio = (statistics.median(r["cpu_per_step_s"] for r in runs["defaults"])
+                 / statistics.median(r["cpu_per_step_s"] for r in runs["caching off"]))
+        print(f"{kind:6s} cpu s/step, defaults / caching off: {ratio:.2f}x")
+    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
