@@ -40,6 +40,23 @@ class NetworkArgs:
     mid_lr_weight: tuple[float, ...] | None = None
     up_lr_weight: str | tuple[float, ...] | None = None
     block_lr_zero_threshold: float = 0.0
+    # kohya's networks.lora_flux (FLUX.1 only): which blocks, per-part ranks (0 leaves a part out)
+    train_blocks: str | None = None  # all / single / double
+    img_attn_dim: int | None = None
+    txt_attn_dim: int | None = None
+    img_mlp_dim: int | None = None
+    txt_mlp_dim: int | None = None
+    img_mod_dim: int | None = None
+    txt_mod_dim: int | None = None
+    single_dim: int | None = None
+    single_mod_dim: int | None = None
+    split_qkv: bool | None = None
+    train_t5xxl: bool | None = None
+
+    @property
+    def flux_keys(self) -> list[str]:
+        """The FLUX-only keys that are set."""
+        return [key for key in FLUX_KEYS if getattr(self, key) is not None]
 
     @property
     def variant(self) -> str:
@@ -156,6 +173,20 @@ def _wd_on_output(value: str) -> bool:
     return True
 
 
+def _non_negative_int(value: str) -> int:
+    number = _int(value)
+    if number < 0:
+        raise ValueError("must be 0 (leave the part out) or a positive rank")
+    return number
+
+
+def _train_blocks(value: str) -> str:
+    value = value.strip().lower()
+    if value not in ("all", "single", "double"):
+        raise ValueError("must be all, single or double")
+    return value
+
+
 _CONVERTERS: dict[str, Callable[[str], Any]] = {
     "algo": _algo,
     "conv_dim": _positive_int,
@@ -178,6 +209,11 @@ _CONVERTERS: dict[str, Callable[[str], Any]] = {
     "up_lr_weight": _lr_weight,
     "block_lr_zero_threshold": _float,
 }
+FLUX_PART_DIMS = ("img_attn_dim", "txt_attn_dim", "img_mlp_dim", "txt_mlp_dim", "img_mod_dim", "txt_mod_dim",
+                  "single_dim", "single_mod_dim")
+FLUX_KEYS = ("train_blocks", *FLUX_PART_DIMS, "split_qkv", "train_t5xxl")
+_CONVERTERS.update({key: _non_negative_int for key in FLUX_PART_DIMS})
+_CONVERTERS.update({"train_blocks": _train_blocks, "split_qkv": _bool, "train_t5xxl": _bool})
 SUPPORTED_KEYS: tuple[str, ...] = tuple(_CONVERTERS)
 
 

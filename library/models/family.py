@@ -58,6 +58,11 @@ class Family:
     lora_text_prefixes: tuple[str, ...]  # kohya key prefix of each text encoder's LoRA
     lora_denoiser_prefix: str = "lora_unet"
 
+    def configured(self, config: Any) -> Family:
+        """This family with the run's settings that shape its prompts and conditioning (FLUX's T5 length, mask,
+        guidance); called once after loading. Raises UserError for options that do not apply."""
+        return self
+
     # --- prompts ----------------------------------------------------------------------------------------------
     def tokenizer(self, components: Components, max_token_length: int | None) -> Tokenizer:
         """caption -> the token ids `encode_text` takes, as a dict of tensors."""
@@ -97,9 +102,32 @@ class Family:
             modules.update(zip(self.lora_text_prefixes, text_encoders, strict=True))
         return modules
 
-    def metadata_flags(self, v_prediction: bool) -> dict[str, bool]:
-        """The kohya metadata switches that name this family (v2, v_parameterization, sdxl)."""
+    def lora_text_encoders(self, text_encoders: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+        """The text encoders that get LoRA when the text encoder is trained."""
+        return list(text_encoders)
+
+    def denoiser_lora_targets(self, denoiser: torch.nn.Module, rank: int, alpha: float,
+                              net: Any) -> tuple[list[str], dict[str, tuple[int, float]]] | None:
+        """The denoiser's LoRA module names and per-module (rank, alpha) where they differ from the run's, or
+        None for kohya's UNet targets (library.network.targets)."""
+        return None
+
+    def export_lora_keys(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Our kohya-style export (module paths) -> the key names of this family's kohya files."""
+        return state_dict
+
+    def import_lora_keys(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Inverse of export_lora_keys, for network_weights and resume."""
+        return state_dict
+
+    def metadata_flags(self, v_prediction: bool) -> dict[str, Any]:
+        """The keyword arguments of lora_metadata that name this family (v2, v_parameterization, sdxl, or
+        base_model / architecture)."""
         raise NotImplementedError
+
+    def metadata_fields(self, config: Any) -> dict[str, Any]:
+        """Family-specific ss_* fields of the LoRA's metadata."""
+        return {}
 
     # --- sampling ----------------------------------------------------------------------------------------------
     def pipeline(self, denoiser: Any, vae: Any, text_encoders: Sequence[Any], tokenizers: Sequence[Any],
