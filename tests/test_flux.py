@@ -116,3 +116,41 @@ def test_guidance_and_timestep_reach_the_transformer(components):
     assert base.shape == (2, 16, 8, 8)
     assert not torch.allclose(denoise(dataclasses.replace(family, guidance_scale=1.0), components, encoded), base)
     assert not torch.allclose(denoise(family, components, encoded, (301.0, 700.0))[0], base[0])
+
+
+def test_sampling_uses_flow_match_euler_and_the_g_guidance(components, tmp_path):
+    """Our round's image equals FluxPipeline's own decode of the same prompt embeddings, seed and --g."""
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+    from library.monitoring.sampling import SamplePrompt, SamplingModels, generate_image, load_prompts
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a photo of sks dog --g 2.0 --s 3 --w 64 --h 64 --d 5\n")
+    prompt = load_prompts(prompts)[0]
+    assert prompt.guidance == 2.0 and prompt.steps == 3
+    family = dataclasses.replace(components.family, t5_max_length=16)
+    tokenize = family.tokenizer(components, None)
+
+    def encode_text(text):
+        tokens = {k: v[None] for k, v in tokenize(text).items()}
+        return family.encode_text(components.text_encoders, tokens, None)
+
+    models = SamplingModels(components.denoiser, components.text_encoders, components.vae, components.tokenizers,
+                            components.noise_scheduler.config, family, None, encode_text)
+    with torch.no_grad():
+        ours = np.asarray(generate_image(prompt, models, seed=5))
+        other_g = np.asarray(generate_image(dataclasses.replace(prompt, guidance=6.0), models, seed=5))
+        pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(components.noise_scheduler.config),
+                            vae=components.vae, text_encoder=components.text_encoders[0],
+                            tokenizer=components.tokenizers[0], text_encoder_2=components.text_encoders[1],
+                            tokenizer_2=components.tokenizers[1], transformer=components.denoiser)
+        encoded = encode_text(prompt.prompt)
+        theirs = np.asarray(pipe(prompt_embeds=encoded["encoder_hidden_states"], pooled_prompt_embeds=encoded["pooled"],
+                                 width=64, height=64, num_inference_steps=3, guidance_scale=2.0,
+                                 generator=torch.Generator().manual_seed(5)).images[0])
+    assert ours.shape == (64, 64, 3)
+    assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 1  # uint8 rounding of the same decode
+    assert not np.array_equal(ours, other_g)
+    assert isinstance(family.sampling_scheduler(components.noise_scheduler.config), FlowMatchEulerDiscreteScheduler)
+    assert SamplePrompt("x").guidance is None

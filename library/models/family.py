@@ -135,6 +135,19 @@ class Family:
         """The diffusers pipeline that samples this family, around the given (LoRA-carrying) modules."""
         raise NotImplementedError
 
+    def sampling_scheduler(self, scheduler_config: Mapping[str, Any]) -> Any | None:
+        """The scheduler this family always samples with, or None for the sampler the prompt or config names."""
+        return None
+
+    def sampling_guidance(self, scale: float, guidance: float | None, positive: Mapping[str, torch.Tensor],
+                          width: int, height: int) -> dict[str, Any]:
+        """The pipeline's guidance arguments for a prompt's --l scale and --g guidance (and its encoded prompt)."""
+        return {"guidance_scale": scale}
+
+    def vae_latents(self, latents: torch.Tensor, vae_config: Any, width: int, height: int) -> torch.Tensor:
+        """The pipeline's output latents -> what the VAE decodes (the inverse of training's latent scaling)."""
+        return latents / vae_config.scaling_factor
+
     def prompt_embeds(self, positive: Mapping[str, torch.Tensor],
                       negative: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`encode_text` outputs -> the pipeline's prompt-embedding arguments."""

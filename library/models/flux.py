@@ -73,8 +73,8 @@ class Flux(Family):
     def configured(self, config: Any) -> Flux:
         problems = [f"{name}: not for FLUX ({why})" for name, why in (
             ("clip_skip", "kohya's FLUX trainer uses CLIP-L's pooled output only"),
-            ("max_token_length", "CLIP-L reads 77 tokens; the T5 length is t5xxl_max_token_length"),
-            ("sample_prompts", "sample images are not available for FLUX yet")) if getattr(config, name)]
+            ("max_token_length", "CLIP-L reads 77 tokens; the T5 length is t5xxl_max_token_length"))
+            if getattr(config, name)]
         if problems:
             raise UserError(problems)
         return dataclasses.replace(self, t5_max_length=config.t5xxl_max_token_length,
@@ -175,7 +175,37 @@ class Flux(Family):
     # --- sampling ----------------------------------------------------------------------------------------------
     def pipeline(self, denoiser: Any, vae: Any, text_encoders: Sequence[Any], tokenizers: Sequence[Any],
                  scheduler: Any) -> Any:
-        raise UserError("sample images are not available for FLUX yet")
+        from diffusers import FluxPipeline
+
+        return FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoders[0], tokenizer=tokenizers[0],
+                            text_encoder_2=text_encoders[1], tokenizer_2=tokenizers[1], transformer=denoiser)
+
+    def sampling_scheduler(self, scheduler_config: Mapping[str, Any]) -> Any:
+        """Euler on the flow (kohya's FLUX sampler; sample_sampler / --ss do not apply), with the model's
+        resolution-dependent shift, which is kohya's get_schedule."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler.from_config(dict(scheduler_config))
+
+    def sampling_guidance(self, scale: float, guidance: float | None, positive: Mapping[str, torch.Tensor],
+                          width: int, height: int) -> dict[str, Any]:
+        """--g (default 3.5, kohya's) is dev's guidance input; --l and --n (kohya's true CFG) are not offered."""
+        arguments: dict[str, Any] = {"guidance_scale": 3.5 if guidance is None else guidance}
+        if self.apply_t5_attn_mask and "t5_attn_mask" in positive:
+            # The pipeline places the image at height // 16 x width // 16 tokens after the text.
+            image = torch.ones(1, (height // 16) * (width // 16), dtype=torch.bool)
+            mask = torch.cat([positive["t5_attn_mask"].cpu().bool(), image], dim=1)
+            arguments["joint_attention_kwargs"] = {"attention_mask": mask[:, None, None, :].to(
+                positive["t5_attn_mask"].device)}
+        return arguments
+
+    def vae_latents(self, latents: torch.Tensor, vae_config: Any, width: int, height: int) -> torch.Tensor:
+        unpacked = unpack_latents(latents, 2 * (height // 16), 2 * (width // 16))
+        return unpacked / vae_config.scaling_factor + vae_config.shift_factor
+
+    def prompt_embeds(self, positive: Mapping[str, torch.Tensor],
+                      negative: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"prompt_embeds": positive["encoder_hidden_states"], "pooled_prompt_embeds": positive["pooled"]}
 
 
 def is_flux_folder(path: Path) -> bool:

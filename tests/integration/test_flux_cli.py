@@ -21,14 +21,14 @@ def flux_toml(tiny_flux_dir, sample_data_dir, tmp_path_factory) -> str:
     for name in IMAGES:
         for suffix in (".png", ".txt"):
             shutil.copy(sample_data_dir / "10_sks shape" / f"{name}{suffix}", data / f"{name}{suffix}")
-    # kohya's FLUX option names; huber with an exponential schedule, the T5 mask and a logit-normal draw on top
-    # of the defaults, so that those paths run end to end.
+    # kohya's FLUX option names; huber with an exponential schedule, the T5 mask, a logit-normal draw and input
+    # perturbation on top of the defaults, so that those paths run end to end.
     return (f'pretrained_model_name_or_path = "{tiny_flux_dir}"\ntrain_data_dir = "{data.parent}"\n'
             'resolution = 64\ncaption_extension = ".txt"\ntrain_batch_size = 2\nseed = 3\nlearning_rate = 1e-3\n'
             'network_module = "networks.lora_flux"\nnetwork_dim = 4\nnetwork_alpha = 2\n'
             't5xxl_max_token_length = 16\napply_t5_attn_mask = true\nguidance_scale = 1.0\n'
             'timestep_sampling = "sigma"\nweighting_scheme = "logit_normal"\nmodel_prediction_type = "raw"\n'
-            'loss_type = "huber"\nhuber_schedule = "exponential"\n')
+            'loss_type = "huber"\nhuber_schedule = "exponential"\nip_noise_gamma = 0.05\n')
 
 
 @pytest.fixture(scope="module")
