@@ -71,6 +71,8 @@ def test_configured_takes_the_t5_settings_and_refuses_what_does_not_apply(compon
     assert (family.t5_length, family.apply_t5_attn_mask, family.guidance_scale) == (16, True, 1.0)
     with pytest.raises(UserError, match="clip_skip"):
         components.family.configured(settings(clip_skip=2))
+    with pytest.raises(UserError, match="multiples of 16"):
+        components.family.configured(settings(resolution=(520, 512)))
 
 
 def encode(family, components, captions):

@@ -197,3 +197,11 @@ def lora_names(model) -> list[str]:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     return [name for name, module in model.named_modules() if isinstance(module, BaseTunerLayer)]
+
+
+def test_flux_network_args_are_refused_for_a_unet():
+    from library.config import UserError
+    from library.network.targets import attach_network
+
+    with pytest.raises(UserError, match="train_blocks, img_attn_dim: only for FLUX"):
+        attach_network(torch.nn.Module(), "unet", RANK, ALPHA, 0.0, net("train_blocks=single", "img_attn_dim=2"))

@@ -75,6 +75,11 @@ class Flux(Family):
             ("clip_skip", "kohya's FLUX trainer uses CLIP-L's pooled output only"),
             ("max_token_length", "CLIP-L reads 77 tokens; the T5 length is t5xxl_max_token_length"))
             if getattr(config, name)]
+        # The latents are packed in 2x2 patches of an 8x VAE: image sides must be multiples of 16.
+        if any(side % 16 for side in config.resolution):
+            problems.append(f"resolution {config.resolution}: FLUX needs sides that are multiples of 16")
+        if config.enable_bucket and config.bucket_reso_steps % 16:
+            problems.append(f"bucket_reso_steps {config.bucket_reso_steps}: FLUX needs a multiple of 16")
         if problems:
             raise UserError(problems)
         return dataclasses.replace(self, t5_max_length=config.t5xxl_max_token_length,
@@ -110,6 +115,9 @@ class Flux(Family):
     def denoise(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 text: Mapping[str, torch.Tensor], conditioning: Mapping[str, torch.Tensor]) -> torch.Tensor:
         batch, _, height, width = noisy.shape
+        if height % 2 or width % 2:  # a dataset_config subset's own resolution can get past `configured`
+            raise UserError(f"FLUX needs image sides that are multiples of 16; got {8 * width}x{8 * height} pixels: "
+                            "set resolution (and bucket_reso_steps) to multiples of 16")
         dtype, device = noisy.dtype, noisy.device
         states = text["encoder_hidden_states"].to(dtype)
         extra: dict[str, Any] = {}
