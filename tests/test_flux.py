@@ -156,3 +156,19 @@ def test_sampling_uses_flow_match_euler_and_the_g_guidance(components, tmp_path)
     assert not np.array_equal(ours, other_g)
     assert isinstance(family.sampling_scheduler(components.noise_scheduler.config), FlowMatchEulerDiscreteScheduler)
     assert SamplePrompt("x").guidance is None
+
+
+def test_t5_stays_in_eval_mode_while_clip_l_trains(tiny_flux_dir):
+    # T5 has dropout (0.1 in FLUX.1's T5-XXL); training CLIP-L's LoRA must not switch it on.
+    from library.config import parse_config
+    from library.models.loading import load_components
+    from library.training.model import build_model
+
+    config, _ = parse_config(["--pretrained_model_name_or_path", str(tiny_flux_dir), "--train_data_dir", ".",
+                              "--output_dir", "."])
+    components = load_components(tiny_flux_dir)
+    components.family = components.family.configured(config)
+    model, _ = build_model(config, components, torch.device("cpu"))
+    clip, t5 = model.text_encoders
+    assert clip.training and not t5.training and model.denoiser.training
+    assert t5.config.dropout_rate > 0

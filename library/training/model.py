@@ -162,8 +162,10 @@ def build_model(config: Config, components: Components, device: torch.device,
                 # Non-reentrant: with a frozen base the inputs need no grad, which reentrant checkpointing needs.
                 text_encoder.activation_checkpointing_enable({"use_reentrant": False})
     unet.train(train_unet)
+    trained_encoders = family.lora_text_encoders(text_encoders) if train_text_encoder else []
     for text_encoder in text_encoders:
-        text_encoder.train(train_text_encoder)
+        # A frozen encoder stays in eval mode: FLUX's T5 has dropout, which would otherwise perturb its states.
+        text_encoder.train(any(text_encoder is trained for trained in trained_encoders))
     model = DiffusionModel(components.family, unet, text_encoders, train_text_encoder, config.clip_skip)
     if spec.initial_weights is not None:
         load_adapter(config, model, spec.initial_weights, strict=False, source=str(config.network_weights))
