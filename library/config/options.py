@@ -66,6 +66,12 @@ _MODEL = [
     _opt("max_token_length", _to_int, None, "caption length in tokens: 75 (default), 150 or 225 (kohya's chunking)"),
     _opt("zero_terminal_snr", _to_bool, False, "rescale the noise schedule so the last timestep is pure noise"),
     # FLUX.1 (kohya's flux_train_network.py names and defaults)
+    _opt("clip_l", _to_str, None, "FLUX from separate files: the CLIP-L text encoder .safetensors", is_path=True,
+         metavar="PATH"),
+    _opt("t5xxl", _to_str, None, "FLUX from separate files: the T5-XXL text encoder .safetensors", is_path=True,
+         metavar="PATH"),
+    _opt("ae", _to_str, None, "FLUX from separate files: the autoencoder (ae.safetensors)", is_path=True,
+         metavar="PATH"),
     _opt("t5xxl_max_token_length", _to_int, None,
          "FLUX: T5 prompt length in tokens (default 512 for dev, 256 for schnell)"),
     _opt("apply_t5_attn_mask", _to_bool, False,

@@ -97,3 +97,41 @@ def save_tiny_flux(path: str | os.PathLike[str], seed: int = 0, overwrite: bool 
     _write_pipeline(FluxPipeline(**build_tiny_flux(seed, guidance)), target, ("tokenizer",))
     logger.info("wrote tiny FLUX model (seed=%d, guidance=%s) to %s", seed, guidance, target)
     return target
+
+
+def save_tiny_flux_files(folder: str | os.PathLike[str], target: str | os.PathLike[str]) -> dict[str, Path]:
+    """The tiny FLUX folder's weights as kohya's separate files: the BFL-layout transformer (behind
+    `model.diffusion_model.`, as BFL ships it), clip_l, t5xxl and ae. Returns their paths by option name."""
+    from diffusers import AutoencoderKL, FluxTransformer2DModel
+    from safetensors.torch import save_file
+    from transformers import CLIPTextModel, T5EncoderModel
+
+    from library.models.flux_files import BFL_PREFIX, bfl_state_dict
+    from library.models.ldm_export import _vae_key_to_ldm
+
+    folder, target = Path(folder), Path(target)
+    target.mkdir(parents=True, exist_ok=True)
+    local = {"local_files_only": True}
+    transformer = FluxTransformer2DModel.from_pretrained(folder, subfolder="transformer", **local)
+    vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", **local)
+    clip = CLIPTextModel.from_pretrained(folder, subfolder="text_encoder", **local)
+    t5 = T5EncoderModel.from_pretrained(folder, subfolder="text_encoder_2", **local)
+    levels = len(vae.config.block_out_channels)
+    ae = {}
+    for key, value in vae.state_dict().items():
+        ldm = _vae_key_to_ldm(key, levels)
+        ae[ldm] = value[:, :, None, None] if ".mid.attn_1." in ldm and value.dim() == 2 else value
+    files = {
+        "transformer": ({BFL_PREFIX + k: v for k, v in bfl_state_dict(transformer).items()}, "flux1-tiny.safetensors"),
+        "ae": (ae, "ae.safetensors"),
+        "clip_l": ({"text_model." + k.removeprefix("text_model."): v for k, v in clip.state_dict().items()},
+                   "clip_l.safetensors"),
+        # T5's embedding is stored once (shared.weight), as in the t5xxl files people use.
+        "t5xxl": ({k: v for k, v in t5.state_dict().items() if k != "encoder.embed_tokens.weight"},
+                  "t5xxl.safetensors"),
+    }
+    paths = {}
+    for name, (state, filename) in files.items():
+        paths[name] = target / filename
+        save_file({k: v.detach().contiguous() for k, v in state.items()}, str(paths[name]))
+    return paths

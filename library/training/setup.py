@@ -124,7 +124,8 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     # The images are checked before the model is loaded, so data problems surface in seconds.
     data = build_training_data(config, None, seed, accelerator.num_processes)
     components = load_components(config.pretrained_model_name_or_path, config.v2, config.v_parameterization,
-                                 weight_dtype, vae_dtype, config.model_config, config.allow_pickle_checkpoints)
+                                 weight_dtype, vae_dtype, config.model_config, config.allow_pickle_checkpoints,
+                                 clip_l=config.clip_l, t5xxl=config.t5xxl, ae=config.ae)
     family = components.family = components.family.configured(config)
     spec = network_spec(config, family)
     data.set_tokenizer(family.tokenizer(components, config.max_token_length))

@@ -98,3 +98,22 @@ def test_unet_network_args_are_refused_for_flux(flux_toml, tmp_path):
     config = write(tmp_path / "lora.toml", flux_toml + f'output_dir = "{tmp_path}"\nmax_train_steps = 1\n'
                    'network_args = ["conv_dim=4"]\n')
     assert_user_error(run_cli("--config", str(config)), "conv_dim: not for FLUX")
+
+
+def test_kohyas_separate_files_train_like_the_folder(reference, flux_toml, tiny_flux_dir, tmp_path):
+    from library.models.tiny_flux import save_tiny_flux_files
+
+    files = save_tiny_flux_files(tiny_flux_dir, tmp_path / "files")
+    out = tmp_path / "from_files"
+    body = flux_toml.replace(f'pretrained_model_name_or_path = "{tiny_flux_dir}"',
+                             f'pretrained_model_name_or_path = "{files["transformer"]}"\n'
+                             f'model_config = "{tiny_flux_dir}"\nclip_l = "{files["clip_l"]}"\n'
+                             f't5xxl = "{files["t5xxl"]}"\nae = "{files["ae"]}"')
+    assert body != flux_toml
+    config = write(tmp_path / "lora.toml", body + f'output_dir = "{out}"\nmax_train_steps = 2\n')
+    result = run_cli("--config", str(config))
+    assert result.returncode == 0, result.stderr
+    expected, _ = load_kohya_lora(reference / "last-step00000002.safetensors")
+    got, metadata = load_kohya_lora(out / "last.safetensors")
+    assert metadata["modelspec.architecture"] == "flux-1-dev/lora"
+    assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
