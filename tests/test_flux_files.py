@@ -70,3 +70,18 @@ def test_bfl_layout_agrees_with_diffusers_converter(tiny_flux_dir):
         if key.startswith("single_transformer_blocks.0.") and got.shape != tensor.shape:
             got = got[:tensor.shape[0]]
         assert torch.equal(got, tensor), key
+
+
+def test_an_fp8_stored_transformer_is_upcast_to_the_training_dtype(files, tiny_flux_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    stored = {k: v.to(torch.float8_e4m3fn) if v.is_floating_point() else v
+              for k, v in load_file(str(files["transformer"])).items()}
+    fp8 = tmp_path / "flux1-tiny-fp8.safetensors"
+    save_file(stored, str(fp8))
+    loaded = load_components(fp8, model_config=tiny_flux_dir, clip_l=str(files["clip_l"]),
+                             t5xxl=str(files["t5xxl"]), ae=str(files["ae"]), weight_dtype=torch.bfloat16)
+    weight = loaded.denoiser.context_embedder.weight
+    assert weight.dtype == torch.bfloat16
+    expected = stored["model.diffusion_model.txt_in.weight"].to(torch.bfloat16)
+    assert torch.equal(weight, expected)
