@@ -85,3 +85,45 @@ def test_an_fp8_stored_transformer_is_upcast_to_the_training_dtype(files, tiny_f
     assert weight.dtype == torch.bfloat16
     expected = stored["model.diffusion_model.txt_in.weight"].to(torch.bfloat16)
     assert torch.equal(weight, expected)
+
+
+def test_shipped_configs_have_flux1_shapes():
+    """The released FLUX.1's widths (the shapes table of kohya's and BFL's files), built on the meta device."""
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKL, FluxTransformer2DModel
+
+    from library.models.flux_files import SHIPPED_CONFIG, bfl_state_dict
+
+    with init_empty_weights():
+        transformer = FluxTransformer2DModel.from_config(
+            FluxTransformer2DModel.load_config(SHIPPED_CONFIG, subfolder="transformer"))
+        vae = AutoencoderKL.from_config(AutoencoderKL.load_config(SHIPPED_CONFIG, subfolder="vae"))
+    shapes = {k: tuple(v.shape) for k, v in bfl_state_dict(transformer).items()}
+    assert shapes["img_in.weight"] == (3072, 64) and shapes["txt_in.weight"] == (3072, 4096)
+    assert shapes["vector_in.in_layer.weight"] == (3072, 768) and shapes["guidance_in.in_layer.weight"] == (3072, 256)
+    assert shapes["double_blocks.18.img_attn.qkv.weight"] == (9216, 3072)
+    assert shapes["double_blocks.0.img_mod.lin.weight"] == (18432, 3072)
+    assert shapes["single_blocks.37.linear1.weight"] == (21504, 3072)
+    assert shapes["single_blocks.0.linear2.weight"] == (3072, 15360)
+    assert shapes["final_layer.adaLN_modulation.1.weight"] == (6144, 3072)
+    assert 11.8e9 < sum(p.numel() for p in transformer.parameters()) < 12.0e9
+    assert vae.config.latent_channels == 16 and vae.config.shift_factor == pytest.approx(0.1159)
+
+
+def test_shipped_tokenizers_are_clip_and_t5():
+    from library.models.clip_tokenizer import load_tokenizer
+    from library.models.flux_files import SHIPPED_CONFIG, load_t5_tokenizer
+
+    t5 = load_t5_tokenizer(SHIPPED_CONFIG / "tokenizer_2")
+    ids = t5("a photo of a cat", padding="max_length", max_length=12).input_ids
+    assert (t5.pad_token_id, t5.eos_token_id) == (0, 1) and len(t5) == 32100
+    assert ids[ids.index(1) + 1:] == [0] * (11 - ids.index(1)) and t5.decode(ids, skip_special_tokens=True) == \
+        "a photo of a cat"
+    clip = load_tokenizer(SHIPPED_CONFIG, "tokenizer")
+    assert len(clip) == 49408 and clip.model_max_length == 77
+
+
+def test_files_of_other_widths_without_model_config_ask_for_it(files):
+    with pytest.raises(UserError, match="model_config"):
+        load_components(files["transformer"], clip_l=str(files["clip_l"]), t5xxl=str(files["t5xxl"]),
+                        ae=str(files["ae"]))

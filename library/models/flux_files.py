@@ -1,13 +1,17 @@
 """FLUX.1 from kohya's separate files: the BFL transformer (`flux1-dev.safetensors` layout, optionally behind
-`model.diffusion_model.`), and the `clip_l`, `t5xxl` and `ae` files. Their widths are read from `model_config`, a
-diffusers FLUX folder whose configs, tokenizers and scheduler describe the files (its weights are not read).
+`model.diffusion_model.`), and the `clip_l`, `t5xxl` and `ae` files. Their widths come from the released models'
+configs shipped in configs/flux1/ (dev or schnell is the file's), or from `model_config`, a diffusers FLUX folder
+whose configs, tokenizers and scheduler describe the files (its weights are not read).
 
 Weights are built on the meta device and assigned from the files, cast to the training dtype (fp8-stored files
 are upcast, as kohya does without fp8_base), so a 12 B transformer is never initialised in fp32 first.
 """
 from __future__ import annotations
 
+import gzip
 import json
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +23,24 @@ from library.models.family import Components
 BFL_PREFIX = "model.diffusion_model."
 BFL_MARKER = "double_blocks.0.img_attn.norm.key_norm.scale"  # diffusers' test for a FLUX checkpoint
 BFL_GUIDANCE = "guidance_in.in_layer.weight"
+
+
+SHIPPED_CONFIG = Path(__file__).resolve().parent / "configs" / "flux1"
+
+
+def load_t5_tokenizer(folder: Path) -> Any:
+    """A T5 tokenizer from a diffusers tokenizer_2 folder, or from the shipped one, whose tokenizer.json is
+    gzipped."""
+    from transformers import AutoTokenizer
+
+    packed = folder / "tokenizer.json.gz"
+    if not packed.is_file():
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    with tempfile.TemporaryDirectory(prefix="t5-tokenizer-") as tmp:
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy(folder / name, tmp)
+        (Path(tmp) / "tokenizer.json").write_bytes(gzip.decompress(packed.read_bytes()))
+        return AutoTokenizer.from_pretrained(tmp, local_files_only=True)
 
 
 def file_keys(path: Path) -> list[str]:
@@ -48,11 +70,12 @@ def _assign(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str,
     missing = sorted(expected - set(state) - set(tied))
     if missing:
         raise UserError(f"{source}: {len(missing)} weights missing, e.g. {', '.join(missing[:3])}; is it the right "
-                        "file, and does model_config describe it?")
+                        "file? (a model of other widths needs model_config: a diffusers FLUX folder describing it)")
     try:
         model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False, assign=True)
     except RuntimeError as e:
-        raise UserError(f"{source}: the weights do not fit model_config's shapes: {str(e)[:300]}") from None
+        raise UserError(f"{source}: the weights do not fit the config's shapes (a model of other widths needs "
+                        f"model_config: a diffusers FLUX folder describing it): {str(e)[:300]}") from None
     if tied:
         model.tie_weights()
 
@@ -63,16 +86,16 @@ def load_flux_files(path: Path, clip_l: str | None, t5xxl: str | None, ae: str |
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
     from safetensors.torch import load_file
-    from transformers import AutoTokenizer, CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
+    from library.models.clip_tokenizer import load_tokenizer
     from library.models.flux import Flux
 
-    missing = [name for name, value in (("clip_l", clip_l), ("t5xxl", t5xxl), ("ae", ae),
-                                        ("model_config", model_config)) if not value]
+    missing = [name for name, value in (("clip_l", clip_l), ("t5xxl", t5xxl), ("ae", ae)) if not value]
     if missing:
         raise UserError(f"{path} is a FLUX.1 transformer file: it needs {', '.join(missing)} (the CLIP-L, T5-XXL "
-                        "and autoencoder files, and a diffusers FLUX folder describing them)")
-    config_dir = Path(str(model_config))
+                        "and autoencoder files)")
+    config_dir = Path(str(model_config)) if model_config else SHIPPED_CONFIG
     local = {"local_files_only": True}
     try:
         state = {k.removeprefix(BFL_PREFIX): v for k, v in load_file(str(path)).items()}
@@ -98,8 +121,7 @@ def load_flux_files(path: Path, clip_l: str | None, t5xxl: str | None, ae: str |
         t5_state = load_file(str(t5xxl))
         _assign(t5, _cast(t5_state, weight_dtype), str(t5xxl), tied=("encoder.embed_tokens.weight",))
 
-        tokenizers = [CLIPTokenizer.from_pretrained(config_dir, subfolder="tokenizer", **local),
-                      AutoTokenizer.from_pretrained(config_dir, subfolder="tokenizer_2", **local)]
+        tokenizers = [load_tokenizer(config_dir, "tokenizer"), load_t5_tokenizer(config_dir / "tokenizer_2")]
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(config_dir, subfolder="scheduler", **local)
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
         raise UserError(f"{path}: cannot load the FLUX files: {e}") from None
@@ -184,6 +206,10 @@ def diffusers_state_dict(state: dict[str, torch.Tensor], config: Any) -> dict[st
             tensor = state.pop(bfl + suffix)
             if how == "fused":
                 sizes = [hidden] * 3 + ([tensor.shape[0] - 3 * hidden] if len(names) == 4 else [])
+                if min(sizes) <= 0 or sum(sizes) != tensor.shape[0]:
+                    raise ValueError(f"{bfl} has {tensor.shape[0]} rows, which a transformer {hidden} wide cannot "
+                                     "split (a model of other widths needs model_config: a diffusers FLUX folder "
+                                     "describing it)")
                 out.update({name + suffix: part for name, part in zip(names, tensor.split(sizes), strict=True)})
             else:
                 out[names[0] + suffix] = _swap(tensor) if how == "swap" else tensor
