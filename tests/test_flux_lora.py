@@ -56,7 +56,8 @@ def test_per_part_dims_rerank_or_drop_parts(transformer):
 
 @pytest.mark.parametrize("arg,message", [("conv_dim=4", "conv_dim"), ("split_qkv=False", "split_qkv"),
                                          ("train_t5xxl=True", "train_t5xxl"), ("algo=loha", "algo"),
-                                         ("train_double_block_indices=0", "unknown key")])
+                                         ("in_dims=[4,0,0,0,0]", "unknown key"),
+                                         ("train_single_block_indices=3-1", "increasing range")])
 def test_what_is_not_offered_is_an_error_naming_it(transformer, arg, message):
     settings, problems = parse_network_args([arg])
     if problems:
@@ -205,3 +206,21 @@ def test_flux_network_args_are_refused_for_a_unet():
 
     with pytest.raises(UserError, match="train_blocks, img_attn_dim: only for FLUX"):
         attach_network(torch.nn.Module(), "unet", RANK, ALPHA, 0.0, net("train_blocks=single", "img_attn_dim=2"))
+
+
+@pytest.fixture
+def two_block_transformer():
+    from diffusers import FluxTransformer2DModel
+
+    return FluxTransformer2DModel(in_channels=64, num_layers=2, num_single_layers=3, attention_head_dim=16,
+                                  num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+                                  guidance_embeds=True, axes_dims_rope=(4, 6, 6))
+
+
+def test_block_indices_choose_blocks(two_block_transformer):
+    names, _, _ = kohya_names(two_block_transformer, "train_double_block_indices=1",
+                              "train_single_block_indices=0,2-2")
+    assert {n.split("_")[4] for n in names if "double" in n} == {"1"}
+    assert {n.split("_")[4] for n in names if "single" in n} == {"0", "2"}
+    names, _, _ = kohya_names(two_block_transformer, "train_double_block_indices=none")
+    assert not any("double" in name for name in names)

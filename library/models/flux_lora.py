@@ -88,14 +88,24 @@ def targets(transformer: nn.Module, rank: int, alpha: float,
                 tuple(f"{PREFIX}_{b}_" for b in blocks)):
             continue
         dim = part_dim(kohya[0], net)
-        if dim == 0:
+        if dim == 0 or not block_selected(kohya[0], net):
             continue
         names.append(module_name)
         if dim is not None and dim != rank:
             overrides[module_name] = (dim, alpha)
     if not names:
-        raise ValueError("network_args: train_blocks and the per-part dims leave no FLUX module to train")
+        raise ValueError("network_args: train_blocks, the block indices and the per-part dims leave no FLUX module "
+                         "to train")
     return names, overrides
+
+
+def block_selected(name: str, net: Any) -> bool:
+    """kohya's train_double_block_indices / train_single_block_indices (unset or "all": every block)."""
+    block, index = re.match(rf"{PREFIX}_(double_blocks|single_blocks)_(\d+)_", name).groups()
+    chosen = net.train_double_block_indices if block == "double_blocks" else net.train_single_block_indices
+    if chosen is None or chosen == "all":
+        return True
+    return chosen != "none" and int(index) in chosen
 
 
 def part_dim(name: str, net: Any) -> int | None:
