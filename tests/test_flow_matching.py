@@ -171,3 +171,13 @@ def test_defaults_are_accepted():
 def test_ddpm_only_options_are_refused_with_the_reason(name, value, why):
     problems = unsupported(config(**{name: value}))
     assert len(problems) == 1 and name in problems[0].split(":")[0] and why in problems[0]
+
+
+def test_mode_at_u_zero_stays_inside_the_schedule(monkeypatch):
+    # mode maps a uniform draw of exactly 0 to u = 1, one past the schedule's last index in kohya's code.
+    from library.models.flow_matching import sample_sigmas
+
+    zeros = torch.zeros
+    monkeypatch.setattr(torch, "rand", lambda size, generator=None: zeros(size))
+    sigmas = sample_sigmas(FlowOptions(weighting_scheme="mode"), 2, rng(), (8, 8))
+    np.testing.assert_allclose(sigmas.numpy(), shifted_schedule(3.0)[[999, 999]], rtol=1e-6)

@@ -83,7 +83,8 @@ def sample_sigmas(options: FlowOptions, batch_size: int, generator: torch.Genera
         return time_shift(flux_shift_mu((height // 2) * (width // 2)), u)
     u = density_sample(options.weighting_scheme, batch_size, generator, options.logit_mean, options.logit_std,
                        options.mode_scale)
-    indices = (u * NUM_TRAIN_TIMESTEPS).long()
+    # mode maps u = 0 to exactly 1 (and a far logit-normal tail rounds to 1): kohya would index past the end.
+    indices = (u * NUM_TRAIN_TIMESTEPS).long().clamp(max=NUM_TRAIN_TIMESTEPS - 1)
     return shifted_sigmas(options.discrete_flow_shift)[indices]
 
 
