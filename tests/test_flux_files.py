@@ -127,3 +127,12 @@ def test_files_of_other_widths_without_model_config_ask_for_it(files):
     with pytest.raises(UserError, match="model_config"):
         load_components(files["transformer"], clip_l=str(files["clip_l"]), t5xxl=str(files["t5xxl"]),
                         ae=str(files["ae"]))
+
+
+def test_tiny_cli_writes_the_folder_and_the_separate_files(tmp_path):
+    from library.models.tiny import main
+
+    assert main([str(tmp_path / "flux"), "--family", "flux", "--files"]) == 0
+    assert (tmp_path / "flux" / "transformer" / "config.json").is_file()
+    names = {p.name for p in (tmp_path / "flux" / "files").iterdir()}
+    assert names == {"flux1-tiny.safetensors", "ae.safetensors", "clip_l.safetensors", "t5xxl.safetensors"}
