@@ -66,3 +66,11 @@ def fresh_accelerator_state():
     AcceleratorState._reset_state(reset_partial_state=True)
     yield
     AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny FLUX.1-dev-shaped diffusers pipeline folder (seed 0), written once per session. Read-only."""
+    from library.models.tiny_flux import save_tiny_flux
+
+    return save_tiny_flux(tmp_path_factory.mktemp("tiny_flux") / "model", seed=0)

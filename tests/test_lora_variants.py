@@ -828,5 +828,6 @@ def test_a_partial_dora_file_names_the_number_of_modules_left_to_train(tiny_sd1_
     config = make_config(tiny_sd1_dir, sample_data_dir, tmp_path, *dora,
                          "--network_weights", str(tmp_path / "partial.safetensors"))
     with caplog.at_level("WARNING", logger="library.training.model"):
-        build_model(config, load_components(tiny_sd1_dir), torch.device("cpu"), network_spec(config))
+        components = load_components(tiny_sd1_dir)
+        build_model(config, components, torch.device("cpu"), network_spec(config, components.family))
     assert "3 LoRA modules are not in the file and start from scratch" in caplog.text, caplog.text

@@ -58,6 +58,9 @@ def check_values(v: dict[str, Any]) -> list[str]:
                             "folder, which has its own configs: remove model_config")
         if v["model_config"] is not None and not Path(v["model_config"]).is_dir():
             problems.append(f"model_config: {v['model_config']} is not a folder")
+        for name in ("clip_l", "t5xxl", "ae"):  # FLUX.1's separate files
+            if v[name] is not None and not Path(v[name]).is_file():
+                problems.append(f"{name}: {v[name]} is not a file")
         data, dataset_config = v["train_data_dir"], v["dataset_config"]
         if dataset_config is not None:
             if not Path(dataset_config).is_file():

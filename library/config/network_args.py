@@ -58,6 +58,25 @@ class NetworkArgs:
     def trains_text_encoder(self) -> bool:
         """False where a LyCORIS preset has no text-encoder layers (LyCORIS then trains the UNet only)."""
         return not (self.lycoris and self.preset in UNET_ONLY_PRESETS)
+    # kohya's networks.lora_flux (FLUX.1 only): which blocks, per-part ranks (0 leaves a part out)
+    train_blocks: str | None = None  # all / single / double
+    img_attn_dim: int | None = None
+    txt_attn_dim: int | None = None
+    img_mlp_dim: int | None = None
+    txt_mlp_dim: int | None = None
+    img_mod_dim: int | None = None
+    txt_mod_dim: int | None = None
+    single_dim: int | None = None
+    single_mod_dim: int | None = None
+    split_qkv: bool | None = None
+    train_t5xxl: bool | None = None
+    train_double_block_indices: frozenset[int] | str | None = None  # "all", "none" or block numbers
+    train_single_block_indices: frozenset[int] | str | None = None
+
+    @property
+    def flux_keys(self) -> list[str]:
+        """The FLUX-only keys that are set."""
+        return [key for key in FLUX_KEYS if getattr(self, key) is not None]
 
     @property
     def variant(self) -> str:
@@ -180,6 +199,38 @@ def _off(value: str) -> bool:
     return False
 
 
+def _non_negative_int(value: str) -> int:
+    number = _int(value)
+    if number < 0:
+        raise ValueError("must be 0 (leave the part out) or a positive rank")
+    return number
+
+
+def _block_indices(value: str) -> frozenset[int] | str:
+    """kohya's "all", "none" (or empty) or 0-based block numbers and ranges: "0,1,4-5"."""
+    value = value.strip().lower()
+    if value in ("all", "none", ""):
+        return value or "none"
+    indices: set[int] = set()
+    for part in value.split(","):
+        low, _, high = part.strip().partition("-")
+        try:
+            first, last = int(low), int(high or low)
+        except ValueError:
+            raise ValueError("must be all, none or block numbers like 0,1,4-5") from None
+        if first < 0 or last < first:
+            raise ValueError(f"{part.strip()} is not a block number or an increasing range")
+        indices.update(range(first, last + 1))
+    return frozenset(indices)
+
+
+def _train_blocks(value: str) -> str:
+    value = value.strip().lower()
+    if value not in ("all", "single", "double"):
+        raise ValueError("must be all, single or double")
+    return value
+
+
 _CONVERTERS: dict[str, Callable[[str], Any]] = {
     "algo": _algo,
     "conv_dim": _positive_int,
@@ -202,6 +253,13 @@ _CONVERTERS: dict[str, Callable[[str], Any]] = {
     "up_lr_weight": _lr_weight,
     "block_lr_zero_threshold": _float,
 }
+FLUX_PART_DIMS = ("img_attn_dim", "txt_attn_dim", "img_mlp_dim", "txt_mlp_dim", "img_mod_dim", "txt_mod_dim",
+                  "single_dim", "single_mod_dim")
+FLUX_KEYS = ("train_blocks", *FLUX_PART_DIMS, "split_qkv", "train_t5xxl", "train_double_block_indices",
+             "train_single_block_indices")
+_CONVERTERS.update({key: _non_negative_int for key in FLUX_PART_DIMS})
+_CONVERTERS.update({"train_blocks": _train_blocks, "split_qkv": _bool, "train_t5xxl": _bool,
+                    "train_double_block_indices": _block_indices, "train_single_block_indices": _block_indices})
 SUPPORTED_KEYS: tuple[str, ...] = tuple(_CONVERTERS)
 _LYCORIS_CONVERTERS: dict[str, Callable[[str], Any]] = {
     "preset": _preset, **{key: _off for key in LYCORIS_OFF_SWITCHES}}

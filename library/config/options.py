@@ -65,6 +65,18 @@ _MODEL = [
     _opt("clip_skip", _to_int, None, "use the text encoder's n-th layer from the end (2: the penultimate)"),
     _opt("max_token_length", _to_int, None, "caption length in tokens: 75 (default), 150 or 225 (kohya's chunking)"),
     _opt("zero_terminal_snr", _to_bool, False, "rescale the noise schedule so the last timestep is pure noise"),
+    # FLUX.1 (kohya's flux_train_network.py names and defaults)
+    _opt("clip_l", _to_str, None, "FLUX from separate files: the CLIP-L text encoder .safetensors", is_path=True,
+         metavar="PATH"),
+    _opt("t5xxl", _to_str, None, "FLUX from separate files: the T5-XXL text encoder .safetensors", is_path=True,
+         metavar="PATH"),
+    _opt("ae", _to_str, None, "FLUX from separate files: the autoencoder (ae.safetensors)", is_path=True,
+         metavar="PATH"),
+    _opt("t5xxl_max_token_length", _to_int, None,
+         "FLUX: T5 prompt length in tokens (default 512 for dev, 256 for schnell)"),
+    _opt("apply_t5_attn_mask", _to_bool, False,
+         "FLUX: mask T5's padding tokens, in T5 and in the transformer's attention"),
+    _opt("guidance_scale", _to_float, 3.5, "FLUX dev: the guidance input of the transformer during training"),
 ]
 _DATASET = [
     _opt("train_data_dir", _to_str, None,
@@ -112,9 +124,10 @@ _DATASET = [
     _opt("persistent_data_loader_workers", _to_bool, False, "keep data loader workers alive between epochs"),
 ]
 _NETWORK = [
-    _opt("network_module", _to_str, "networks.lora", "networks.lora (kohya's targets and defaults) or lycoris.kohya "
-         "(LyCORIS' preset and conv defaults); both train through peft and write the same file format",
-         choices=("networks.lora", "lycoris.kohya")),
+    _opt("network_module", _to_str, "networks.lora",
+         "networks.lora (kohya's targets and defaults), lycoris.kohya (LyCORIS' preset and conv defaults) or "
+         "networks.lora_flux (kohya's name for FLUX.1, the same here); all train through peft and write kohya's "
+         "file format", choices=("networks.lora", "lycoris.kohya", "networks.lora_flux")),
     _opt("network_dim", _to_int, 4, "LoRA rank"),
     _opt("network_alpha", _to_float, 1.0, "LoRA alpha; the update is scaled by alpha / dim"),
     _opt("network_dropout", _to_float, 0.0, "dropout probability on lora_down's output (kohya's)"),
@@ -215,6 +228,24 @@ _OBJECTIVE = [
          "weight a v-prediction loss by SNR/(SNR+1), the size of a noise-prediction loss"),
     _opt("v_pred_like_loss", _to_float, None,
          "add this times a v-prediction-like loss, loss*(SNR+1)/SNR, to a noise-prediction loss"),
+    _opt("timestep_sampling", _to_str, "sigma",
+         "FLUX: how sigmas are drawn: sigma (the discrete_flow_shift schedule, shaped by weighting_scheme), uniform, "
+         "sigmoid (sigmoid of sigmoid_scale * normal), shift (sigmoid, then shifted by discrete_flow_shift), "
+         "flux_shift (sigmoid, then shifted by the image size as FLUX's sampler does)",
+         choices=("sigma", "uniform", "sigmoid", "shift", "flux_shift")),
+    _opt("sigmoid_scale", _to_float, 1.0, "FLUX: scale of the normal draw in sigmoid / shift / flux_shift sampling"),
+    _opt("discrete_flow_shift", _to_float, 3.0, "FLUX: shift of the sigma schedule (sigma and shift sampling)"),
+    _opt("model_prediction_type", _to_str, "sigma_scaled",
+         "FLUX: how the output is read: raw (velocity), additive (output + noisy input), sigma_scaled "
+         "(noisy input - sigma * output, weighted by weighting_scheme)",
+         choices=("raw", "additive", "sigma_scaled")),
+    _opt("weighting_scheme", _to_str, "uniform",
+         "FLUX: logit_normal / mode shape the sigma draw (timestep_sampling sigma); sigma_sqrt / cosmap weight the "
+         "loss (model_prediction_type sigma_scaled); none and kohya's uniform do neither",
+         choices=("none", "uniform", "sigma_sqrt", "logit_normal", "mode", "cosmap")),
+    _opt("logit_mean", _to_float, 0.0, "FLUX: mean of the logit-normal draw (weighting_scheme logit_normal)"),
+    _opt("logit_std", _to_float, 1.0, "FLUX: standard deviation of the logit-normal draw"),
+    _opt("mode_scale", _to_float, 1.29, "FLUX: scale of the mode draw (weighting_scheme mode)"),
     _opt("masked_loss", _to_bool, False,
          "weight the loss by masks: alpha_mask, or conditioning_data_dir in the dataset_config subsets (a mask "
          "image per image, same file name, red channel)"),

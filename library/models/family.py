@@ -59,6 +59,11 @@ class Family(ABC):
     lora_text_prefixes: tuple[str, ...]  # kohya key prefix of each text encoder's LoRA
     lora_denoiser_prefix: str = "lora_unet"
 
+    def configured(self, config: Any) -> Family:
+        """This family with the run's settings that shape its prompts and conditioning (FLUX's T5 length, mask,
+        guidance); called once after loading. Raises UserError for options that do not apply."""
+        return self
+
     # --- prompts ----------------------------------------------------------------------------------------------
     @abstractmethod
     def tokenizer(self, components: Components, max_token_length: int | None) -> Tokenizer:
@@ -104,15 +109,51 @@ class Family(ABC):
         `model`, the module of `prefix`. Families whose kohya tools use another layout than diffusers map it."""
         return path
 
+    def lora_text_encoders(self, text_encoders: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+        """The text encoders that get LoRA when the text encoder is trained."""
+        return list(text_encoders)
+
+    def denoiser_lora_targets(self, denoiser: torch.nn.Module, rank: int, alpha: float,
+                              net: Any) -> tuple[list[str], dict[str, tuple[int, float]]] | None:
+        """The denoiser's LoRA module names and per-module (rank, alpha) where they differ from the run's, or
+        None for kohya's UNet targets (library.network.targets)."""
+        return None
+
+    def export_lora_keys(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Our kohya-style export (module paths) -> the key names of this family's kohya files."""
+        return state_dict
+
+    def import_lora_keys(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Inverse of export_lora_keys, for network_weights and resume."""
+        return state_dict
+
     @abstractmethod
-    def metadata_flags(self, v_prediction: bool) -> dict[str, bool]:
-        """The kohya metadata switches that name this family (v2, v_parameterization, sdxl)."""
+    def metadata_flags(self, v_prediction: bool) -> dict[str, Any]:
+        """The keyword arguments of lora_metadata that name this family (v2, v_parameterization, sdxl, or
+        base_model / architecture)."""
+
+    def metadata_fields(self, config: Any) -> dict[str, Any]:
+        """Family-specific ss_* fields of the LoRA's metadata."""
+        return {}
 
     # --- sampling ----------------------------------------------------------------------------------------------
     @abstractmethod
     def pipeline(self, denoiser: Any, vae: Any, text_encoders: Sequence[Any], tokenizers: Sequence[Any],
                  scheduler: Any) -> Any:
         """The diffusers pipeline that samples this family, around the given (LoRA-carrying) modules."""
+
+    def sampling_scheduler(self, scheduler_config: Mapping[str, Any]) -> Any | None:
+        """The scheduler this family always samples with, or None for the sampler the prompt or config names."""
+        return None
+
+    def sampling_guidance(self, scale: float, guidance: float | None, positive: Mapping[str, torch.Tensor],
+                          width: int, height: int) -> dict[str, Any]:
+        """The pipeline's guidance arguments for a prompt's --l scale and --g guidance (and its encoded prompt)."""
+        return {"guidance_scale": scale}
+
+    def vae_latents(self, latents: torch.Tensor, vae_config: Any, width: int, height: int) -> torch.Tensor:
+        """The pipeline's output latents -> what the VAE decodes (the inverse of training's latent scaling)."""
+        return latents / vae_config.scaling_factor
 
     @abstractmethod
     def prompt_embeds(self, positive: Mapping[str, torch.Tensor],

@@ -10,6 +10,8 @@ import torch
 
 from library.config import UserError
 from library.models.family import Components, Family
+from library.models.flux import is_flux_folder, load_flux_folder
+from library.models.flux_files import is_bfl_flux, load_flux_files
 from library.models.sd import SD1, SD2
 from library.models.sdxl import SDXL
 from library.models.single_file import file_tokenizer, load_single_file
@@ -53,9 +55,11 @@ def _load_diffusers_folder(path: Path, weight_dtype: torch.dtype, vae_dtype: tor
 def load_components(model_path: str | Path, v2: bool = False, v_parameterization: bool = False,
                     weight_dtype: torch.dtype = torch.float32,
                     vae_dtype: torch.dtype = torch.float32, model_config: str | Path | None = None,
-                    allow_pickle_checkpoints: bool = False) -> Components:
-    """Load the denoiser, VAE, text encoders, tokenizers and noise schedule from a local diffusers folder or a
-    single-file checkpoint (see library.models.single_file; `model_config` and `allow_pickle_checkpoints` apply
+                    allow_pickle_checkpoints: bool = False, clip_l: str | None = None, t5xxl: str | None = None,
+                    ae: str | None = None) -> Components:
+    """Load the denoiser, VAE, text encoders, tokenizers and noise schedule from a local diffusers folder (SD or
+    FLUX.1, told by its transformer/ folder), a single-file checkpoint, or a BFL FLUX.1 transformer file with the
+    `clip_l`, `t5xxl` and `ae` files (library.models.flux_files) (see library.models.single_file; `model_config` and `allow_pickle_checkpoints` apply
     there), and tell the family.
 
     Weights are loaded straight into their training dtype (casting afterwards makes diffusers warn and doubles
@@ -65,10 +69,15 @@ def load_components(model_path: str | Path, v2: bool = False, v_parameterization
 
     transformers_logging.disable_progress_bar()
     path = Path(model_path)
+    if path.is_file() and is_bfl_flux(path):
+        return load_flux_files(path, clip_l, t5xxl, ae, None if model_config is None else str(model_config),
+                               weight_dtype, vae_dtype)
     if path.is_file():
         parts = load_single_file(path, v2=v2, v_parameterization=v_parameterization, weight_dtype=weight_dtype,
                                  vae_dtype=vae_dtype, model_config=model_config,
                                  allow_pickle=allow_pickle_checkpoints, architectures=tuple(FAMILIES)).parts
+    elif is_flux_folder(path):
+        return load_flux_folder(path, weight_dtype, vae_dtype)
     else:
         parts = _load_diffusers_folder(path, weight_dtype, vae_dtype)
     family = _family_of(parts, v2)

@@ -298,8 +298,9 @@ class DiffusionObjective:
     def sample_noise(self, latents: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         return sample_noise(latents, generator, self.noise_offset, self.noise)
 
-    def sample_timesteps(self, batch_size: int, generator: torch.Generator,
-                         device: torch.device | str) -> torch.Tensor:
+    def sample_timesteps(self, batch_size: int, generator: torch.Generator, device: torch.device | str,
+                         latent_size: tuple[int, int] | None = None) -> torch.Tensor:
+        # latent_size is for objectives whose draw depends on the image size (FLUX's flux_shift).
         return sample_timesteps(batch_size, generator, self.min_timestep, self.max_timestep, device)
 
     def input_noise(self, noise: torch.Tensor, generator: torch.Generator) -> torch.Tensor | None:
@@ -310,7 +311,9 @@ class DiffusionObjective:
         return add_noise(latents, noise, timesteps, self.alphas_cumprod)
 
     def per_sample_loss(self, prediction: torch.Tensor, latents: torch.Tensor, noise: torch.Tensor,
-                        timesteps: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+                        timesteps: torch.Tensor, mask: torch.Tensor | None = None,
+                        noisy: torch.Tensor | None = None) -> torch.Tensor:
+        # noisy (the model's input) is for objectives whose prediction is read relative to it (flow matching).
         target = prediction_target(latents, noise, timesteps, self.alphas_cumprod, self.v_prediction)
         huber_c = huber_threshold(timesteps, self.alphas_cumprod, self.loss)
         loss = per_sample_loss(prediction, target, self.loss.loss_type, huber_c, mask)

@@ -4,7 +4,7 @@ Used by the quickstart, the tests and the benchmarks, so that nothing is ever fe
 The layout mirrors SD1.x (cross-attention transformer blocks with 1x1-conv proj_in/proj_out, an 8x VAE,
 a CLIP text model, SD's DDPM schedule) so key names and code paths match the real models; only widths shrink.
 
-    python -m library.models.tiny OUTPUT_DIR [--family sd1|sd2|sdxl] [--size tiny|small] [--seed N]
+    python -m library.models.tiny OUTPUT_DIR [--family sd1|sd2|sdxl|flux [--files]] [--size tiny|small] [--seed N]
                                              [--prediction-type epsilon|v_prediction] [--overwrite]
 """
 
@@ -377,20 +377,30 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry: write a tiny model folder."""
     parser = argparse.ArgumentParser(prog="python -m library.models.tiny", description=__doc__.splitlines()[0])
     parser.add_argument("output_dir", help="folder to write the diffusers pipeline into")
-    parser.add_argument("--family", choices=(*FAMILIES, "sdxl"), default="sd1")
+    parser.add_argument("--family", choices=(*FAMILIES, "sdxl", "flux"), default="sd1")
     parser.add_argument("--size", choices=SIZES, default=None, help="tiny (default) or small; sd1 and sd2 only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prediction-type", choices=PREDICTION_TYPES, default=None,
                         help="default: epsilon for sd1, v_prediction for sd2; sd1 and sd2 only")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing non-empty folder")
+    parser.add_argument("--files", action="store_true",
+                        help="flux only: also write kohya's separate files (BFL transformer, clip_l, t5xxl, ae) into "
+                             "OUTPUT_DIR/files")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        if args.family == "sdxl":
+        if args.family in ("sdxl", "flux"):
             if args.size is not None or args.prediction_type is not None:
-                parser.error("--size and --prediction-type apply to sd1 and sd2; the tiny SDXL has one shape")
-            out = save_tiny_sdxl(args.output_dir, args.seed, args.overwrite)
-            print(f"wrote tiny sdxl model (seed {args.seed}) to {out}")
+                parser.error(f"--size and --prediction-type apply to sd1 and sd2; the tiny {args.family} has one "
+                             "shape")
+            from library.models.tiny_flux import save_tiny_flux, save_tiny_flux_files
+
+            save = save_tiny_sdxl if args.family == "sdxl" else save_tiny_flux
+            out = save(args.output_dir, args.seed, args.overwrite)
+            print(f"wrote tiny {args.family} model (seed {args.seed}) to {out}")
+            if args.files and args.family == "flux":
+                for name, path in save_tiny_flux_files(out, out / "files").items():
+                    print(f"  {name}: {path}")
             return 0
         size = args.size or "tiny"
         prediction_type = args.prediction_type or ("v_prediction" if args.family == "sd2" else "epsilon")

@@ -35,9 +35,10 @@ DEFAULT_SCALE = 7.5
 MAX_STEPS = 1000  # kohya clamps --s to 1..1000; outside that range it is reported as a mistake here
 
 # Keys of a TOML / JSON prompt entry (kohya's names), and the .txt options that set them.
-PROMPT_KEYS = ("prompt", "negative_prompt", "width", "height", "seed", "sample_steps", "scale", "sample_sampler")
+PROMPT_KEYS = ("prompt", "negative_prompt", "width", "height", "seed", "sample_steps", "scale", "sample_sampler",
+               "guidance_scale")
 TXT_OPTIONS = {"n": "negative_prompt", "w": "width", "h": "height", "d": "seed", "s": "sample_steps", "l": "scale",
-               "ss": "sample_sampler"}
+               "ss": "sample_sampler", "g": "guidance_scale"}
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class SamplePrompt:
     scale: float = DEFAULT_SCALE
     sampler: str | None = None
     index: int = 0
+    guidance: float | None = None  # kohya's --g: the guidance input of FLUX.1 dev (None: the family's default)
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,7 @@ def _size(value: Any) -> int:
 _CONVERT: dict[str, Callable[[Any], Any]] = {
     "prompt": _text, "negative_prompt": _text, "width": _size, "height": _size,
     "seed": lambda v: _integer(v, 0, 2**64 - 1), "sample_steps": lambda v: _integer(v, 1, MAX_STEPS),
-    "scale": _number, "sample_sampler": canonical_sampler,
+    "scale": _number, "sample_sampler": canonical_sampler, "guidance_scale": _number,
 }
 
 
@@ -149,7 +151,7 @@ def _make_prompt(values: Mapping[str, Any], labels: Mapping[str, str], where: st
         prompt=out["prompt"], negative_prompt=out.get("negative_prompt", ""),
         width=out.get("width", _size(default_size[0])), height=out.get("height", _size(default_size[1])),
         seed=out.get("seed"), steps=out.get("sample_steps", DEFAULT_STEPS), scale=out.get("scale", DEFAULT_SCALE),
-        sampler=out.get("sample_sampler"), index=index)
+        sampler=out.get("sample_sampler"), index=index, guidance=out.get("guidance_scale"))
 
 
 def _split_line(line: str) -> tuple[dict[str, str], dict[str, str], list[str]]:
@@ -266,22 +268,28 @@ def prompt_seed(prompt: SamplePrompt, base_seed: int) -> int:
 @torch.no_grad()
 def generate_image(prompt: SamplePrompt, models: SamplingModels, seed: int, sampler: str = "ddim") -> Any:
     """Render one prompt to a PIL image. Call inside `sampling_mode`; the modules must be on their device."""
-    scheduler = build_scheduler(prompt.sampler or sampler, models.scheduler_config, models.prediction_type)
-    pipe = models.family.pipeline(models.denoiser, models.vae, models.text_encoders, models.tokenizers, scheduler)
+    family = models.family
+    scheduler = family.sampling_scheduler(models.scheduler_config)
+    if scheduler is None:
+        scheduler = build_scheduler(prompt.sampler or sampler, models.scheduler_config, models.prediction_type)
+    pipe = family.pipeline(models.denoiser, models.vae, models.text_encoders, models.tokenizers, scheduler)
     pipe.set_progress_bar_config(disable=True)
     # Noise drawn on CPU: the same seed gives the same starting latents on any device.
     generator = torch.Generator(device="cpu").manual_seed(seed)
+    positive: Mapping[str, torch.Tensor] = {}
     if models.encode_text is not None:
         positive, negative = models.encode_text(prompt.prompt), models.encode_text(prompt.negative_prompt)
-        text = models.family.prompt_embeds(positive, negative)
+        text = family.prompt_embeds(positive, negative)
     else:
         text = {"prompt": prompt.prompt, "negative_prompt": prompt.negative_prompt or None}
+    guidance = family.sampling_guidance(prompt.scale, prompt.guidance, positive, prompt.width, prompt.height)
     latents = pipe(**text, width=prompt.width, height=prompt.height, num_inference_steps=prompt.steps,
-                   guidance_scale=prompt.scale, generator=generator, output_type="latent", return_dict=False)[0]
+                   generator=generator, output_type="latent", return_dict=False, **guidance)[0]
     # Decoded here rather than by the pipeline: the VAE may be fp32 beside an fp16 UNet (no_half_vae), and
     # without autocast the pipeline would feed it fp16 latents.
     vae_dtype = next(models.vae.parameters()).dtype
-    pixels = models.vae.decode(latents.to(vae_dtype) / models.vae.config.scaling_factor, return_dict=False)[0]
+    vae_input = family.vae_latents(latents.to(vae_dtype), models.vae.config, prompt.width, prompt.height)
+    pixels = models.vae.decode(vae_input, return_dict=False)[0]
     return pipe.image_processor.postprocess(pixels, output_type="pil")[0]
 
 

@@ -102,12 +102,16 @@ def lora_metadata(
     tags: str | None = None,
     implementation: str = "diffusers",
     extra: Mapping[str, Any] | None = None,
+    base_model: str | None = None,
+    architecture: str | None = None,
+    family_fields: Mapping[str, Any] | None = None,
 ) -> dict[str, str]:
     """kohya's `ss_*` training metadata and ModelSpec `modelspec.*` basics, every value a string.
 
     Values are written with str() as kohya does (None -> "None", True -> "True", (512, 512) -> "(512, 512)").
     `extra` adds more keys (e.g. ss_datasets, ss_tag_frequency). The sshs_* hashes depend on the tensors and
-    are added by save_lora_file.
+    are added by save_lora_file. A family other than SD names itself with `base_model` (ss_base_model_version)
+    and `architecture` (modelspec; no prediction_type then, as kohya) and adds `family_fields` (ss_*).
     """
     now = time.time()
     finished = now if training_finished_at is None else training_finished_at
@@ -157,7 +161,10 @@ def lora_metadata(
         "ss_noise_offset": noise_offset,
         "ss_min_snr_gamma": min_snr_gamma,
         "ss_training_comment": training_comment,
+        **(family_fields or {}),
     }
+    if base_model is not None:
+        ss["ss_base_model_version"] = base_model
     if session_id is None:
         del ss["ss_session_id"]
     if vae_name is None:
@@ -173,6 +180,9 @@ def lora_metadata(
         "modelspec.date": datetime.datetime.fromtimestamp(int(finished)).isoformat(),
         "modelspec.prediction_type": "v" if v_parameterization else "epsilon",
     }
+    if architecture is not None:
+        spec["modelspec.architecture"] = architecture
+        del spec["modelspec.prediction_type"]
     optional = {
         "modelspec.author": author,
         "modelspec.description": description,

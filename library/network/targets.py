@@ -11,13 +11,21 @@ from library.network import blocks, lora, presets
 
 
 def attach_network(model: nn.Module, part: str, rank: int, alpha: float, dropout: float,
-                   net: NetworkArgs) -> list[nn.Parameter]:
+                   net: NetworkArgs,
+                   denoiser_targets: tuple[list[str], dict[str, tuple[int, float]]] | None = None
+                   ) -> list[nn.Parameter]:
     """Attach the configured adapter to the UNet (`part="unet"`) or one text encoder (`"text_encoder"`) with
     kohya's targets; conv_dim adds the ResNet blocks and samplers of the UNet, block_dims and the block lr
     weights set (or drop, at 0) each UNet block's rank and alpha. With network_module = "lycoris.kohya" the
-    LyCORIS preset chooses the layers and k x k convs take conv_dim / conv_alpha (default network_dim / alpha)."""
+    LyCORIS preset chooses the layers and k x k convs take conv_dim / conv_alpha (default network_dim / alpha).
+    A family whose denoiser is not a UNet passes its own `denoiser_targets` (module names, per-module (rank,
+    alpha))."""
     overrides: dict[str, tuple[int, float]] = {}
-    if net.lycoris:
+    if denoiser_targets is None and part == "unet" and net.flux_keys:
+        raise UserError(f"network_args {', '.join(net.flux_keys)}: only for FLUX.1 (kohya's networks.lora_flux)")
+    if denoiser_targets is not None:
+        targets, overrides = denoiser_targets
+    elif net.lycoris:
         if part == "unet":
             targets, conv = presets.unet_targets(model, net.preset, is_sdxl_unet(model))
             conv_rank_alpha = (net.conv_dim or rank, alpha if net.conv_alpha is None else net.conv_alpha)

@@ -157,7 +157,7 @@ class Trainer:
         with accelerator.accumulate(s.model):
             latents = batch_latents(batch, s.components.vae, generator, s.vae_dtype).to(s.weight_dtype)
             noise = obj.sample_noise(latents, generator)
-            timesteps = obj.sample_timesteps(latents.shape[0], generator, latents.device)
+            timesteps = obj.sample_timesteps(latents.shape[0], generator, latents.device, latents.shape[-2:])
             # Passed only when in use, so that wrappers of diffusion_loss (the tests') see the plain call.
             extra: dict[str, torch.Tensor] = {}
             input_noise = obj.input_noise(noise, generator)

@@ -58,7 +58,7 @@ def diffusion_loss(model: torch.nn.Module, latents: torch.Tensor, text: Mapping[
     """
     noisy = obj.noisy_latents(latents, noise if input_noise is None else input_noise, timesteps)
     prediction = model(noisy, timesteps, text, conditioning)
-    return obj.per_sample_loss(prediction, latents, noise, timesteps, mask)
+    return obj.per_sample_loss(prediction, latents, noise, timesteps, mask, noisy=noisy)
 
 
 @torch.no_grad()
@@ -75,15 +75,24 @@ def encode_latents(vae: torch.nn.Module, pixels: torch.Tensor, generator: torch.
     std = torch.cat([d.std for d in distributions])
     # Drawn on CPU from the step's generator, so the sample does not depend on the device or the global RNG.
     eps = torch.randn(mean.shape, generator=generator, dtype=torch.float32)
-    return (mean + std * eps.to(device=mean.device, dtype=mean.dtype)) * vae.config.scaling_factor
+    return scale_latents(mean + std * eps.to(device=mean.device, dtype=mean.dtype), vae.config)
+
+
+def scale_latents(latents: torch.Tensor, vae_config: Any) -> torch.Tensor:
+    """VAE latents -> the denoiser's range: (z - shift_factor) * scaling_factor (FLUX's VAE has a shift; SD's
+    has none, and then this is z * scaling_factor exactly)."""
+    shift = getattr(vae_config, "shift_factor", None)
+    if shift is None:
+        return latents * vae_config.scaling_factor
+    return (latents - shift) * vae_config.scaling_factor
 
 
 def batch_latents(batch: dict[str, Any], vae: torch.nn.Module, generator: torch.Generator,
                   vae_dtype: torch.dtype) -> torch.Tensor:
     """The batch's latents: a posterior sample from cached parameters, or from encoding its pixels."""
     if "latent_mean" in batch:
-        return sample_cached_latents(batch["latent_mean"], batch["latent_logvar"], generator,
-                                     vae.config.scaling_factor, vae_dtype)
+        return scale_latents(sample_cached_latents(batch["latent_mean"], batch["latent_logvar"], generator, 1.0,
+                                                   vae_dtype), vae.config)
     latents = encode_latents(vae, batch["pixels"], generator, vae_dtype)
     check_finite_latents(latents, batch["path"])
     return latents
@@ -97,11 +106,11 @@ class NetworkSpec:
     initial_weights: dict[str, torch.Tensor] | None = None
 
 
-def network_spec(config: Config) -> NetworkSpec:
+def network_spec(config: Config, family: Family) -> NetworkSpec:
     if config.network_weights is None:
         return NetworkSpec(config.network_dim, config.network_alpha)
     try:
-        state_dict, _ = kohya_format.load_kohya_lora(config.network_weights)
+        state_dict = family.import_lora_keys(kohya_format.load_kohya_lora(config.network_weights)[0])
         dim, alpha = kohya_format.dims_from_state_dict(state_dict)
     except (OSError, ValueError, SafetensorError) as e:
         raise UserError(f"network_weights {config.network_weights}: {_unreadable(e)}") from None
@@ -140,17 +149,20 @@ def build_model(config: Config, components: Components, device: torch.device,
 
     groups: list[dict[str, Any]] = []
     net = network_args_of(config)
+    family = components.family
     if train_unet:
-        network_setup.attach_network(unet, "unet", spec.dim, spec.alpha, config.network_dropout, net)
+        network_setup.attach_network(unet, "unet", spec.dim, spec.alpha, config.network_dropout, net,
+                                     family.denoiser_lora_targets(unet, spec.dim, spec.alpha, net))
         groups += adapter_training.optimizer_groups([unet], config.unet_lr if config.unet_lr is not None
                                                     else config.learning_rate, "unet", net.loraplus_ratio("unet"),
                                                     network_setup.block_lr(unet, spec.dim, spec.alpha, net))
     if train_text_encoder:
-        for text_encoder in text_encoders:
+        for text_encoder in family.lora_text_encoders(text_encoders):
             network_setup.attach_network(text_encoder, "text_encoder", spec.dim, spec.alpha, config.network_dropout,
                                          net)
         groups += adapter_training.optimizer_groups(
-            text_encoders, config.text_encoder_lr if config.text_encoder_lr is not None else config.learning_rate,
+            family.lora_text_encoders(text_encoders),
+            config.text_encoder_lr if config.text_encoder_lr is not None else config.learning_rate,
             "text_encoder", net.loraplus_ratio("text_encoder"))
     if config.full_fp16 or config.full_bf16:
         for group in groups:
@@ -159,12 +171,14 @@ def build_model(config: Config, components: Components, device: torch.device,
     if config.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
         if train_text_encoder:
-            for text_encoder in text_encoders:
+            for text_encoder in family.lora_text_encoders(text_encoders):
                 # Non-reentrant: with a frozen base the inputs need no grad, which reentrant checkpointing needs.
                 text_encoder.activation_checkpointing_enable({"use_reentrant": False})
     unet.train(train_unet)
+    trained_encoders = family.lora_text_encoders(text_encoders) if train_text_encoder else []
     for text_encoder in text_encoders:
-        text_encoder.train(train_text_encoder)
+        # A frozen encoder stays in eval mode: FLUX's T5 has dropout, which would otherwise perturb its states.
+        text_encoder.train(any(text_encoder is trained for trained in trained_encoders))
     model = DiffusionModel(components.family, unet, text_encoders, train_text_encoder, config.clip_skip)
     if spec.initial_weights is not None:
         load_adapter(config, model, spec.initial_weights, strict=False, source=str(config.network_weights))
@@ -180,6 +194,7 @@ def load_adapter(config: Config, model: DiffusionModel, state_dict: dict[str, to
                  source: str) -> None:
     """Kohya-format weights into the attached LoRA. Keys for a part that is not trained are left out."""
     modules = lora_modules(model, config)
+    state_dict = model.family.import_lora_keys(dict(state_dict))
     if not strict:
         state_dict = {k: v for k, v in state_dict.items() if k.startswith(tuple(f"{p}_" for p in modules))}
     try:
@@ -206,8 +221,8 @@ def save_lora(config: Config, model: DiffusionModel, spec: NetworkSpec, path: Pa
     # the rest.
     uniform = net.conv_dim is None and net.block_alphas is None and net.conv_block_dims is None
     alpha = spec.alpha if uniform and net.variant != "lokr" else None
-    state_dict = kohya_format.kohya_state_dict(lora_modules(model, config), alpha, dtype,
-                                               rename=model.family.kohya_module_path)
+    state_dict = model.family.export_lora_keys(kohya_format.kohya_state_dict(
+        lora_modules(model, config), alpha, dtype, rename=model.family.kohya_module_path))
     broken = [key for key, tensor in state_dict.items()
               if tensor.is_floating_point() and not bool(tensor.isfinite().all())]
     if broken:

@@ -123,14 +123,15 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     set_seed(seed)  # LoRA initialisation; the training path itself uses step generators
     weight_dtype = WEIGHT_DTYPES[config.mixed_precision]
     vae_dtype = torch.float32 if config.no_half_vae else weight_dtype
-    spec = network_spec(config)
 
     prompts = sample_prompts(config)
     # The images are checked before the model is loaded, so data problems surface in seconds.
     data = build_training_data(config, None, seed, accelerator.num_processes)
     components = load_components(config.pretrained_model_name_or_path, config.v2, config.v_parameterization,
-                                 weight_dtype, vae_dtype, config.model_config, config.allow_pickle_checkpoints)
-    family = components.family
+                                 weight_dtype, vae_dtype, config.model_config, config.allow_pickle_checkpoints,
+                                 clip_l=config.clip_l, t5xxl=config.t5xxl, ae=config.ae)
+    family = components.family = components.family.configured(config)
+    spec = network_spec(config, family)
     data.set_tokenizer(family.tokenizer(components, config.max_token_length))
     objective = family.objective(components, config, accelerator.device)
 
@@ -288,7 +289,9 @@ PATH_OPTIONS = ("seed", "train_batch_size", "gradient_accumulation_steps", "reso
                 "ip_noise_gamma_random_strength", "loss_type", "huber_schedule", "huber_c", "huber_scale",
                 "debiased_estimation_loss", "scale_v_pred_loss_like_noise_pred", "v_pred_like_loss",
                 "zero_terminal_snr", "masked_loss", "alpha_mask", "loraplus_lr_ratio", "loraplus_unet_lr_ratio",
-                "loraplus_text_encoder_lr_ratio", "scale_weight_norms", "ema_decay")
+                "loraplus_text_encoder_lr_ratio", "scale_weight_norms", "ema_decay", "timestep_sampling",
+                "sigmoid_scale", "discrete_flow_shift", "model_prediction_type", "weighting_scheme", "logit_mean",
+                "logit_std", "mode_scale", "guidance_scale", "t5xxl_max_token_length", "apply_t5_attn_mask")
 
 
 def path_settings(config: Config, seed: int, data: TrainingData) -> dict[str, Any]:
@@ -306,6 +309,7 @@ def training_metadata(session: Session) -> dict[str, str]:
     return lora_metadata(
         network_dim=session.spec.dim, network_alpha=session.spec.alpha,
         **session.components.family.metadata_flags(session.components.v_prediction),
+        family_fields=session.components.family.metadata_fields(config),
         network_module=config.network_module, network_dropout=config.network_dropout,
         network_args=dict(arg.split("=", 1) for arg in config.network_args),
         learning_rate=config.learning_rate, unet_lr=config.unet_lr, text_encoder_lr=config.text_encoder_lr,
