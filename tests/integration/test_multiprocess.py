@@ -99,7 +99,10 @@ def test_launcher_and_accelerate_disagreeing_on_process_count_exits_2(tiny_sd1_d
 
 
 def test_deepspeed_zero2_cpu_offload_saves_adapter_only_and_resumes_exactly(tiny_sd1_dir, data, tmp_path):
-    deepspeed = ["--deepspeed", "--zero_stage", "2", "--offload_optimizer_device", "cpu", "--max_grad_norm", "1.0"]
+    # Input-axis DoRA and conv LoRA on top of plain LoRA: the DoRA magnitude is one more ordinary parameter that
+    # ZeRO-2 must shard, offload, save and restore. (FLUX's ZeRO-2 test covers plain LoRA alone.)
+    deepspeed = ["--deepspeed", "--zero_stage", "2", "--offload_optimizer_device", "cpu", "--max_grad_norm", "1.0",
+                 "--network_args", "dora_wd=true", "conv_dim=2"]
     args = common(tiny_sd1_dir, data, tmp_path / "a") + deepspeed + ["--max_train_steps", "5",
                                                                        "--save_every_n_steps", "3", "--save_state"]
     straight = launch(2, args)
@@ -115,6 +118,7 @@ def test_deepspeed_zero2_cpu_offload_saves_adapter_only_and_resumes_exactly(tiny
     engine = load_file(tmp_path / "a" / "rank0.safetensors")
     written = load_file(tmp_path / "a" / "last.safetensors")
     assert engine.keys() == written.keys() and all(torch.equal(engine[k], written[k]) for k in engine)
+    assert any(k.endswith(".dora_scale") for k in written)
 
     resumed = launch(2, common(tiny_sd1_dir, data, tmp_path / "b") + deepspeed +
                      ["--max_train_steps", "5", "--resume", str(state_dir)])
