@@ -101,7 +101,10 @@ class Family(ABC):
         if train_denoiser:
             modules[self.lora_denoiser_prefix] = denoiser
         if train_text_encoder:
-            modules.update(zip(self.lora_text_prefixes, text_encoders, strict=True))
+            trained = self.lora_text_encoders(text_encoders)
+            modules.update((prefix, encoder) for prefix, encoder in zip(self.lora_text_prefixes, text_encoders,
+                                                                         strict=True)
+                           if any(encoder is other for other in trained))
         return modules
 
     def kohya_module_path(self, prefix: str, path: str, model: torch.nn.Module) -> str:

@@ -147,15 +147,6 @@ class Flux(Family):
     def lora_text_encoders(self, text_encoders: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
         return [text_encoders[0]]  # CLIP-L; T5 stays frozen (kohya's train_t5xxl is not offered)
 
-    def lora_prefixes(self, train_denoiser: bool, train_text_encoder: bool, denoiser: torch.nn.Module,
-                      text_encoders: Sequence[torch.nn.Module]) -> dict[str, torch.nn.Module]:
-        modules: dict[str, torch.nn.Module] = {}
-        if train_denoiser:
-            modules[self.lora_denoiser_prefix] = denoiser
-        if train_text_encoder:
-            modules[self.lora_text_prefixes[0]] = text_encoders[0]
-        return modules
-
     def denoiser_lora_targets(self, denoiser: torch.nn.Module, rank: int, alpha: float,
                               net: Any) -> tuple[list[str], dict[str, tuple[int, float]]]:
         try:
