@@ -60,14 +60,17 @@ class Preemption:
         logger.warning("%s received: finishing this step, then saving and stopping (send it again to stop at once)",
                        signal.Signals(signum).name)
 
-    def requested(self, accelerator) -> int | None:
-        """The signal that asks to stop, agreed by every process (any one that got it stops them all)."""
-        if accelerator.num_processes == 1:
-            return self.signum
-        signals = list(EXIT_STATUS)
-        flags = torch.tensor([float(self.signum == s) for s in signals], device=accelerator.device)
-        counts = accelerator.reduce(flags, reduction="sum").tolist()
-        return next((int(s) for s, count in zip(signals, counts, strict=True) if count), None)
+
+def agree(accelerator, bad: bool, signum: int | None) -> tuple[bool, int | None]:
+    """What every process must act on together at this step: whether any one saw a non-finite value, and the
+    signal any one of them received. One collective for both, only with several processes (else a process that
+    stops alone leaves the others waiting for it forever)."""
+    if accelerator.num_processes == 1:
+        return bad, signum
+    signals = list(EXIT_STATUS)
+    flags = torch.tensor([float(bad)] + [float(signum == s) for s in signals], device=accelerator.device)
+    counts = accelerator.reduce(flags, reduction="sum").tolist()
+    return bool(counts[0]), next((int(s) for s, count in zip(signals, counts[1:], strict=True) if count), None)
 
 
 def raise_interrupted(signum: int, frame: FrameType | None) -> None:

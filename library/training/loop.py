@@ -23,7 +23,7 @@ from library.monitoring.tracking import Trackers
 from library.monitoring.validation import evaluating, should_validate, validation_loss, validation_metrics
 from library.training import adapters as adapter_training
 from library.training.accelerator import prepare_accelerator
-from library.training.faults import Interrupted, Preemption, non_finite, non_finite_error, reported_save
+from library.training.faults import Interrupted, Preemption, agree, non_finite, non_finite_error, reported_save
 from library.training.model import DiffusionModel, batch_latents, diffusion_loss, lora_modules, save_lora
 from library.training.optim import schedule_free_eval
 from library.training.setup import Session, build_session, claim_output_dir
@@ -75,6 +75,7 @@ class Trainer:
         self.validated_at = -1
         self.state_saved_at = -1
         self.preemption = Preemption()
+        self.stop_signal: int | None = None  # agreed by every process before the optimizer step
         # Per-batch losses and (per-sample loss, timesteps) of the optimizer step being accumulated.
         self.step_losses: list[torch.Tensor] = []
         self.step_samples: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -123,9 +124,8 @@ class Trainer:
                 if state.global_step >= s.plan.total_steps:
                     break
                 self.maybe_save()
-                signum = self.preemption.requested(accelerator)
-                if signum is not None:
-                    self.stop_for(signum)
+                if self.stop_signal is not None:
+                    self.stop_for(self.stop_signal)
             else:
                 # The loader ran out without the step counter wrapping the epoch (an empty remainder).
                 if state.epoch == epoch:
@@ -187,8 +187,8 @@ class Trainer:
         s, accelerator = self.s, self.accelerator
         losses = [*self.step_losses, loss.detach()]
         bad = non_finite(losses, s.trainable, check_gradients=accelerator.scaler is None)
-        if accelerator.num_processes > 1:  # every process must stop, or the others wait for it forever
-            bad = bool(accelerator.reduce(torch.tensor([float(bad)], device=accelerator.device), "sum").item())
+        # A signal is agreed on here too, with the same collective; the loop stops after this step completes.
+        bad, self.stop_signal = agree(accelerator, bad, self.preemption.signum)
         if bad:
             raise non_finite_error(self.state.global_step, torch.stack(losses).float().mean().item(),
                                    [group["lr"] for group in s.optimizer.param_groups], s.output_dir)
