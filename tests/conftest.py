@@ -51,6 +51,18 @@ def small_dataset(sample_data_dir: Path):
 
 
 @pytest.fixture(scope="session")
+def tiny() -> dict:
+    """The tiny SD1 components (seed 0) in memory, frozen and in eval mode. Shared: copy a module before attaching
+    anything to it."""
+    from library.models.tiny import build_tiny_sd1
+
+    components = build_tiny_sd1(seed=0)
+    for name in ("unet", "text_encoder", "vae"):
+        components[name].eval().requires_grad_(False)
+    return components
+
+
+@pytest.fixture(scope="session")
 def tiny_sd1_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny SD1-shaped diffusers pipeline folder (seed 0, epsilon), written once per session. Read-only."""
     from library.models.tiny import save_tiny_sd1

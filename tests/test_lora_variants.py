@@ -23,16 +23,6 @@ from library.network import targets as network_setup
 RANK = 4
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from library.models.tiny import build_tiny_sd1
-
-    components = build_tiny_sd1(seed=0)
-    for name in ("unet", "text_encoder", "vae"):
-        components[name].eval().requires_grad_(False)
-    return components
-
-
 def fixed_inputs() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(123)
     return dict(sample=torch.randn(2, 4, 8, 8, generator=gen), timestep=torch.tensor([10, 700]),

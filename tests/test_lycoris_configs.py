@@ -16,16 +16,6 @@ from library.network import targets as network_setup
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from library.models.tiny import build_tiny_sd1
-
-    parts = build_tiny_sd1(seed=0)
-    for name in ("unet", "text_encoder"):
-        parts[name].eval().requires_grad_(False)
-    return parts
-
-
 def lycoris(*args: str) -> NetworkArgs:
     settings, problems = parse_network_args(list(args), network_module="lycoris.kohya")
     assert problems == []

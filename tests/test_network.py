@@ -21,16 +21,6 @@ RANK = 4
 # --------------------------------------------------------------------------------------------- tiny models
 
 
-@pytest.fixture(scope="session")
-def tiny():
-    from library.models.tiny import build_tiny_sd1
-
-    components = build_tiny_sd1(seed=0)
-    for name in ("unet", "text_encoder", "vae"):
-        components[name].eval().requires_grad_(False)
-    return components
-
-
 # --------------------------------------------------------------------------------------------- helpers
 
 # Written out by hand from diffusers' module layout, independently of network.py's walk.

@@ -28,16 +28,6 @@ from library.network import targets as network_setup
 RANK = 4
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from library.models.tiny import build_tiny_sd1
-
-    parts = build_tiny_sd1(seed=0)
-    for name in ("unet", "text_encoder"):
-        parts[name].eval().requires_grad_(False)
-    return parts
-
-
 def trained(tiny, net: NetworkArgs, seed: int = 1) -> dict[str, nn.Module]:
     """Adapters with every tensor random (as after training), so that each factor shows in the comparison."""
     unet, te = copy.deepcopy(tiny["unet"]), copy.deepcopy(tiny["text_encoder"])
