@@ -30,6 +30,7 @@ from library.training.setup import Session, build_session, claim_output_dir
 from library.training.state import epoch_name, prune_epochs, prune_steps, state_dir_name, step_name
 
 logger = logging.getLogger(__name__)
+_PREPARED_FOR_LIFE: list[torch.nn.Module] = []  # see run()
 
 
 @dataclass
@@ -52,6 +53,12 @@ def run(config: Config) -> RunResult:
     try:
         lock = claim_output_dir(Path(config.output_dir), accelerator)
         session = build_session(config, accelerator, started_at)
+        if accelerator.num_processes > 1:
+            # Freeing DDP's reducer while gloo's worker thread still releases a finished all-reduce can deadlock
+            # (the main thread holds the GIL waiting for the process group's mutex, the worker holds the mutex
+            # waiting for the GIL; seen once in a few dozen two-process runs). Keep the wrapped module for the life
+            # of the process: multi-process runs end with os._exit, so it is never torn down.
+            _PREPARED_FOR_LIFE.append(session.model)
         if accelerator.is_main_process:
             trackers.start(config, started_at)
         return Trainer(session, trackers).train()
