@@ -1,0 +1,178 @@
+"""Full-size model files with random weights, written piece by piece (used by bench/real_size.py).
+
+The architectures are the released models' configs shipped in `library/models/configs` (SD1.5, SDXL base,
+FLUX.1 dev). Every component is first built on the meta device, which gives the names and shapes of the whole
+file, so the safetensors header can be written before any weight exists; then one component at a time is built
+for real, directly in the file's dtype (the default dtype is set while it is initialised, so no float32 copy is
+ever made), its tensors are appended, and it is dropped. The peak memory of writing is the largest component
+(the SDXL UNet: 5.1 GB in fp16; the FLUX transformer: 23.8 GB in bf16).
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "library" / "models" / "configs"
+_SAFETENSORS_DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.int64: "I64"}
+
+
+class StreamingSafetensors:
+    """A safetensors file whose header is known up front and whose tensors are appended in that order."""
+
+    def __init__(self, path: Path, entries: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name, shape, dtype in entries:
+            size = math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + size]}
+            offset += size
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        self.pending = [(name, shape, dtype) for name, shape, dtype in entries]
+        self.path = path
+        self.file = path.open("wb")
+        self.file.write(struct.pack("<Q", len(blob)) + blob)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        expected, shape, dtype = self.pending.pop(0)
+        if (name, tuple(tensor.shape), tensor.dtype) != (expected, shape, dtype):
+            raise ValueError(f"expected {expected} {shape} {dtype}, got {name} {tuple(tensor.shape)} {tensor.dtype}")
+        self.file.write(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.pending:
+            raise ValueError(f"{self.path}: {len(self.pending)} tensors were never written, e.g. {self.pending[0][0]}")
+
+
+@contextmanager
+def _building(dtype: torch.dtype, meta: bool, seed: int) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    torch.manual_seed(seed)
+    try:
+        if meta:
+            with torch.device("meta"):
+                yield
+        else:
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _sd_builders(arch: str) -> dict[str, Callable[[], Any]]:
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    folder = CONFIGS / arch
+    builders: dict[str, Callable[[], Any]] = {
+        "unet": lambda: UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(folder / "unet")),
+        "vae": lambda: AutoencoderKL.from_config(AutoencoderKL.load_config(folder / "vae")),
+        "text_encoder": lambda: CLIPTextModel(CLIPTextConfig.from_pretrained(folder / "text_encoder")),
+    }
+    if arch == "sdxl":
+        builders["text_encoder_2"] = lambda: CLIPTextModelWithProjection(
+            CLIPTextConfig.from_pretrained(folder / "text_encoder_2"))
+    return builders
+
+
+def _sd_state(parts: dict[str, Any]) -> dict[str, torch.Tensor]:
+    from library.models.ldm_export import ldm_state_dict
+
+    return ldm_state_dict(parts["unet"], parts["vae"], parts["text_encoder"],
+                          text_encoder_2=parts.get("text_encoder_2"))
+
+
+def _sd_owner(key: str) -> str:
+    from library.models.single_file import SDXL_OPEN_CLIP_PREFIX, UNET_PREFIX, VAE_PREFIX
+
+    if key.startswith(UNET_PREFIX):
+        return "unet"
+    if key.startswith(VAE_PREFIX):
+        return "vae"
+    return "text_encoder_2" if key.startswith(SDXL_OPEN_CLIP_PREFIX) else "text_encoder"
+
+
+def _write_pieces(path: Path, builders: dict[str, Callable[[], Any]],
+                  to_state: Callable[[dict[str, Any]], dict[str, torch.Tensor]], owner: Callable[[str], str],
+                  dtype: torch.dtype, seed: int, log: Callable[[str], None]) -> Path:
+    """One safetensors file holding the state `to_state` makes of the components `builders` build."""
+    with _building(dtype, True, seed):
+        meta = {name: build() for name, build in builders.items()}
+    layout = to_state(meta)
+    owned = {name: [k for k in layout if owner(k) == name] for name in builders}
+    tmp = path.with_name(path.name + ".partial")
+    writer = StreamingSafetensors(tmp, [(k, tuple(layout[k].shape), layout[k].dtype)
+                                        for name in builders for k in owned[name]])
+    try:
+        for index, name in enumerate(builders):
+            with _building(dtype, False, seed + index):
+                real = builders[name]()
+            state = to_state({**meta, name: real})
+            for key in owned[name]:
+                writer.write(key, state[key])
+            count = sum(p.numel() for p in real.parameters())
+            log(f"  {name}: {count / 1e6:.1f} M parameters")
+            del real, state
+    finally:
+        writer.close()
+    tmp.replace(path)
+    return path
+
+
+def write_sd_checkpoint(arch: str, path: Path, dtype: torch.dtype = torch.float16, seed: int = 0,
+                        log: Callable[[str], None] = print) -> Path:
+    """An SD1.x ("sd1") or SDXL ("sdxl") single-file checkpoint in the original layout, random weights."""
+    return _write_pieces(path, _sd_builders(arch), _sd_state, _sd_owner, dtype, seed, log)
+
+
+def write_flux_files(folder: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                     log: Callable[[str], None] = print) -> dict[str, Path]:
+    """FLUX.1 dev as kohya's four files (BFL transformer, ae, clip_l, t5xxl), random weights: the layouts
+    `library.models.tiny_flux.save_tiny_flux_files` writes, at full size."""
+    from diffusers import AutoencoderKL, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    from library.models.flux_files import BFL_PREFIX, bfl_state_dict
+    from library.models.ldm_export import _vae_key_to_ldm
+
+    config = CONFIGS / "flux1"
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def ae_state(parts: dict[str, Any]) -> dict[str, torch.Tensor]:
+        vae, out = parts["ae"], {}
+        for key, value in vae.state_dict().items():
+            ldm = _vae_key_to_ldm(key, len(vae.config.block_out_channels))
+            out[ldm] = value[:, :, None, None] if ".mid.attn_1." in ldm and value.dim() == 2 else value
+        return out
+
+    files = {
+        "transformer": ("flux1-dev-random.safetensors",
+                        lambda: FluxTransformer2DModel.from_config(FluxTransformer2DModel.load_config(
+                            config / "transformer")),
+                        lambda parts: {BFL_PREFIX + k: v for k, v in bfl_state_dict(parts["transformer"]).items()}),
+        "ae": ("ae.safetensors", lambda: AutoencoderKL.from_config(AutoencoderKL.load_config(config / "vae")),
+               ae_state),
+        "clip_l": ("clip_l.safetensors",
+                   lambda: CLIPTextModel(CLIPTextConfig.from_pretrained(config / "text_encoder")),
+                   lambda parts: dict(parts["clip_l"].state_dict())),
+        "t5xxl": ("t5xxl.safetensors",
+                  lambda: T5EncoderModel(T5Config.from_pretrained(config / "text_encoder_2")),
+                  lambda parts: {k: v for k, v in parts["t5xxl"].state_dict().items()
+                                 if k != "encoder.embed_tokens.weight"}),
+    }
+    paths = {}
+    for index, (name, (filename, build, to_state)) in enumerate(files.items()):
+        paths[name] = folder / filename
+        if not paths[name].exists():
+            _write_pieces(paths[name], {name: build}, to_state, lambda _key, _n=name: _n, dtype, seed + 10 * index,
+                          log)
+    return paths
