@@ -107,6 +107,43 @@ def test_sdxl_single_file_loads_the_same_weights_as_the_folder(tmp_path):
     assert components.tokenizers[1].pad_token == reference.tokenizers[1].pad_token == "!"
 
 
+@pytest.mark.parametrize("file_fixture", ["tiny_file", "tiny_sd2_file"])
+def test_reading_component_by_component_gives_the_bits_of_the_whole_file_read(file_fixture, tiny_sd1_dir, request):
+    """The file is read one component at a time, each tensor cast to the training dtype as it is read; the
+    weights must equal those diffusers makes when it converts and casts the whole file's state dict (the load
+    before this reader), for every component and in a dtype other than the file's."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from diffusers.loaders.single_file_utils import create_diffusers_clip_model_from_ldm
+    from transformers import CLIPTextModel
+
+    path = request.getfixturevalue(file_fixture)
+    v2 = file_fixture == "tiny_sd2_file"
+    with safe_open(path, "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}
+    loaded = load_single_file(path, model_config=tiny_sd1_dir, v2=v2, weight_dtype=torch.bfloat16,
+                              vae_dtype=torch.float16).parts
+    whole = read_checkpoint(path)
+    common = {"config": str(tiny_sd1_dir), "local_files_only": True}
+    prefix = "cond_stage_model.model." if v2 else CLIP_PREFIX
+    references = {
+        "unet": UNet2DConditionModel.from_single_file(whole, subfolder="unet", torch_dtype=torch.bfloat16, **common),
+        "vae": AutoencoderKL.from_single_file(whole, subfolder="vae", torch_dtype=torch.float16, **common),
+        "text_encoder": create_diffusers_clip_model_from_ldm(
+            CLIPTextModel, {k: v for k, v in whole.items() if k.startswith(prefix)}, subfolder="text_encoder",
+            torch_dtype=torch.bfloat16, **common),
+    }
+    for name, reference in references.items():
+        assert {p.dtype for p in loaded[name].parameters()} == {torch.float16 if name == "vae" else torch.bfloat16}
+        assert_same_weights(loaded[name], reference)
+
+
+def test_a_truncated_safetensors_file_is_a_user_error(tiny_file, tiny_sd1_dir, tmp_path):
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(tiny_file.read_bytes()[:-1000])
+    with pytest.raises(UserError, match="not a readable safetensors file"):
+        load_single_file(cut, model_config=tiny_sd1_dir)
+
+
 def test_v2_flag_on_an_sd1_file_is_an_error(tiny_file, tiny_sd1_dir):
     with pytest.raises(UserError, match="v2 is set, but .* Stable Diffusion 1.x"):
         load_components(tiny_file, v2=True, model_config=tiny_sd1_dir)
