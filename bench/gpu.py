@@ -172,11 +172,20 @@ def cell_config(model: str, cell: dict[str, Any], resolution: int, folder: str) 
 
 def count_forward_flops(model: torch.nn.Module, latents: torch.Tensor, text: dict, conditioning: dict,
                         objective: Any, accelerator: Any) -> int:
-    from torch.utils.flop_counter import FlopCounterMode
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
     timesteps = objective.sample_timesteps(latents.shape[0], torch.Generator().manual_seed(0), latents.device,
                                            latents.shape[-2:])
-    with torch.no_grad(), accelerator.autocast(), FlopCounterMode(display=False) as counter:
+    # torch counts the CUDA attention kernels (flash, memory-efficient, cuDNN) but not the CPU one, which would
+    # leave attention out of the tiny CPU mode's count; it costs what the others do.
+    custom = {}
+    cpu_attention = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if cpu_attention is not None:
+        def attention_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:  # noqa: ARG001
+            return sdpa_flop_count(query, key, value)
+
+        custom[cpu_attention] = attention_flops
+    with torch.no_grad(), accelerator.autocast(), FlopCounterMode(display=False, custom_mapping=custom) as counter:
         model(latents, timesteps, text, conditioning)
     return int(counter.get_total_flops())
 

@@ -68,11 +68,10 @@ def _building(dtype: torch.dtype, meta: bool, seed: int) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def _sd_builders(arch: str) -> dict[str, Callable[[], Any]]:
+def _sd_builders(arch: str, folder: Path) -> dict[str, Callable[[], Any]]:
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    folder = CONFIGS / arch
     builders: dict[str, Callable[[], Any]] = {
         "unet": lambda: UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(folder / "unet")),
         "vae": lambda: AutoencoderKL.from_config(AutoencoderKL.load_config(folder / "vae")),
@@ -129,13 +128,16 @@ def _write_pieces(path: Path, builders: dict[str, Callable[[], Any]],
 
 
 def write_sd_checkpoint(arch: str, path: Path, dtype: torch.dtype = torch.float16, seed: int = 0,
-                        log: Callable[[str], None] = print) -> Path:
-    """An SD1.x ("sd1") or SDXL ("sdxl") single-file checkpoint in the original layout, random weights."""
-    return _write_pieces(path, _sd_builders(arch), _sd_state, _sd_owner, dtype, seed, log)
+                        log: Callable[[str], None] = print, config_dir: Path | None = None) -> Path:
+    """An SD1.x ("sd1") or SDXL ("sdxl") single-file checkpoint in the original layout, random weights, of the
+    architecture in `config_dir` (a diffusers folder's unet/, vae/, text_encoder(_2)/ configs; default the
+    shipped released configs)."""
+    builders = _sd_builders(arch, Path(config_dir) if config_dir else CONFIGS / arch)
+    return _write_pieces(path, builders, _sd_state, _sd_owner, dtype, seed, log)
 
 
 def write_flux_files(folder: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                     log: Callable[[str], None] = print) -> dict[str, Path]:
+                     log: Callable[[str], None] = print, config_dir: Path | None = None) -> dict[str, Path]:
     """FLUX.1 dev as kohya's four files (BFL transformer, ae, clip_l, t5xxl), random weights: the layouts
     `library.models.tiny_flux.save_tiny_flux_files` writes, at full size."""
     from diffusers import AutoencoderKL, FluxTransformer2DModel
@@ -144,7 +146,7 @@ def write_flux_files(folder: Path, dtype: torch.dtype = torch.bfloat16, seed: in
     from library.models.flux_files import BFL_PREFIX, bfl_state_dict
     from library.models.ldm_export import _vae_key_to_ldm
 
-    config = CONFIGS / "flux1"
+    config = Path(config_dir) if config_dir else CONFIGS / "flux1"
     folder.mkdir(parents=True, exist_ok=True)
 
     def ae_state(parts: dict[str, Any]) -> dict[str, torch.Tensor]:
