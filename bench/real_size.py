@@ -1,7 +1,7 @@
 """Training at real model sizes: load time, launch -> first step, s/step and peak RSS of `train_network.py`.
 
     python bench/real_size.py [--models sd15,sdxl] [--steps 2] [--resolution 512,1024] [--threads 2]
-                              [--work DIR] [--keep] [--json PATH]
+                              [--images N] [--work DIR] [--json PATH]
 
 For each model the script writes a single-file checkpoint of the released architecture with random weights
 (fp16, original layout, built piece by piece by bench/real_size_files.py; nothing is downloaded), a few images of
@@ -11,12 +11,15 @@ latents and text-encoder outputs, UNet-only LoRA rank 16, AdamW, batch 1), then 
 
 - load: the wall seconds of `load_components` (reading the checkpoint into the training dtype), and the RSS and
   peak RSS right after it;
+- caching: the seconds of encoding the latents and text-encoder outputs, and the peak RSS up to its end; the
+  kernel's high-water mark (VmHWM) is then restarted (`/proc/self/clear_refs`), so that
+- peak RSS in training is the training steps' own (with the weights, which stay resident);
 - launch -> first step: from starting the process to the end of the first optimizer step;
-- s/step: wall seconds between the ends of consecutive optimizer steps (the first step is left out);
-- peak RSS: the kernel's high-water mark (VmHWM) of the training process.
+- s/step: wall seconds between the ends of consecutive optimizer steps (the first step is left out).
 
 `flux` writes FLUX.1 dev's four kohya files (transformer 11.9 B parameters, T5-XXL 4.8 B) in bf16 and trains the
-transformer; it needs about 60 GB of RAM (the bf16 weights alone are 33 GB) and is never chosen by default.
+transformer; the bf16 weights alone are 34 GB, so it needs a machine with well over that much RAM and is not
+chosen by default.
 Resolutions pair with models in order (`--resolution 512,1024` for `--models sd15,sdxl`). Nothing is asserted.
 """
 from __future__ import annotations
@@ -57,10 +60,27 @@ def load_components(*args, **kwargs):
     record["load"] = {"seconds": time.time() - started, "rss_mib": memory["VmRSS"], "peak_rss_mib": memory["VmHWM"]}
     return result
 setup.load_components = load_components
+original_cache = setup.cache_inputs
+def cache_inputs(*args, **kwargs):
+    started = time.time()
+    result = original_cache(*args, **kwargs)
+    memory = status()
+    record["caching"] = {"seconds": time.time() - started, "peak_rss_mib": memory["VmHWM"]}
+    try:  # restart the high-water mark, so that the training's own peak can be read at the end
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        record["caching"]["reset"] = True
+    except OSError:
+        record["caching"]["reset"] = False
+    record["caching"]["rss_mib"] = status()["VmRSS"]
+    return result
+setup.cache_inputs = cache_inputs
 original_log_step = loop.Trainer.log_step
 def log_step(self, *args, **kwargs):
     original_log_step(self, *args, **kwargs)
+    t = os.times()
     record["marks"].append(time.time())
+    record.setdefault("cpu_marks", []).append(t.user + t.system)
     record.setdefault("losses", []).append(self.result.losses[-1])
 loop.Trainer.log_step = log_step
 import train_network
@@ -152,7 +172,13 @@ def run_model(model: str, resolution: int, args: argparse.Namespace, work: Path)
             "peak_rss_at_load_mib": round(record["load"]["peak_rss_mib"]),
             "first_step_s": round(marks[0] - launched, 1) if marks else None,
             "s_per_step": round(sum(steps) / len(steps), 1) if steps else None,
-            "peak_rss_mib": round(record["peak_rss_mib"]), "losses": record.get("losses"), "wall_s": round(wall, 1),
+            "cpu_s_per_step": round((record["cpu_marks"][-1] - record["cpu_marks"][0]) / len(steps), 1)
+            if steps else None,
+            "caching_s": round(record["caching"]["seconds"], 1),
+            "peak_rss_through_caching_mib": round(record["caching"]["peak_rss_mib"]),
+            "peak_rss_training_mib": round(record["peak_rss_mib"]) if record["caching"]["reset"] else None,
+            "peak_rss_mib": max(round(record["peak_rss_mib"]), round(record["caching"]["peak_rss_mib"])),
+            "losses": record.get("losses"), "wall_s": round(wall, 1),
             "config": str(config),
             "log": str(log)}
 
@@ -195,11 +221,13 @@ def main(argv: list[str] | None = None) -> int:
             result["load_average_after"] = load_average()
             results.append(result)
             print(json.dumps(result), flush=True)
-    print("\n| model | px | steps | threads | file GiB | load s | RSS after load MiB | launch -> 1st step s | "
-          "s/step | peak RSS MiB |\n|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| model | px | steps | threads | file GiB | load s | RSS after load MiB | caching s | peak RSS to end of "
+          "caching MiB | peak RSS in training MiB | launch -> 1st step s | s/step |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['model']} | {r['resolution']} | {r['steps']} | {r['threads']} | {r['file_gib']} | {r['load_s']} "
-              f"| {r['rss_after_load_mib']} | {r['first_step_s']} | {r['s_per_step']} | {r['peak_rss_mib']} |")
+              f"| {r['rss_after_load_mib']} | {r['caching_s']} | {r['peak_rss_through_caching_mib']} | "
+              f"{r['peak_rss_training_mib']} | {r['first_step_s']} | {r['s_per_step']} |")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

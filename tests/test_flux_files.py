@@ -33,6 +33,22 @@ def test_the_files_load_to_the_folders_weights(files, tiny_flux_dir):
         loaded.text_encoders[1].shared.weight.data_ptr()
 
 
+def test_casting_while_reading_gives_the_bits_of_a_cast_after_loading(files, tiny_flux_dir):
+    """The files are fp32 and cast to the training dtypes tensor by tensor as they are read; every weight must
+    equal the folder's weights cast by from_pretrained (what a cast of the whole loaded file gave before)."""
+    loaded = load_components(files["transformer"], model_config=tiny_flux_dir, clip_l=str(files["clip_l"]),
+                             t5xxl=str(files["t5xxl"]), ae=str(files["ae"]), weight_dtype=torch.bfloat16,
+                             vae_dtype=torch.float16)
+    folder = load_components(tiny_flux_dir, weight_dtype=torch.bfloat16, vae_dtype=torch.float16)
+    for ours, theirs in zip([loaded.denoiser, loaded.vae, *loaded.text_encoders],
+                            [folder.denoiser, folder.vae, *folder.text_encoders], strict=True):
+        got, expected = ours.state_dict(), theirs.state_dict()
+        assert set(got) == set(expected)
+        for key, tensor in expected.items():
+            assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), key
+    assert loaded.vae.encoder.conv_in.weight.dtype == torch.float16
+
+
 def test_the_files_load_in_the_training_dtype(files, tiny_flux_dir):
     loaded = load_components(files["transformer"], model_config=tiny_flux_dir, clip_l=str(files["clip_l"]),
                              t5xxl=str(files["t5xxl"]), ae=str(files["ae"]), weight_dtype=torch.bfloat16)

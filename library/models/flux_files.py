@@ -3,8 +3,9 @@
 configs shipped in configs/flux1/ (dev or schnell is the file's), or from `model_config`, a diffusers FLUX folder
 whose configs, tokenizers and scheduler describe the files (its weights are not read).
 
-Weights are built on the meta device and assigned from the files, cast to the training dtype (fp8-stored files
-are upcast, as kohya does without fp8_base), so a 12 B transformer is never initialised in fp32 first.
+Weights are built on the meta device and assigned from the files, cast to the training dtype tensor by tensor as
+they are read (fp8-stored files are upcast, as kohya does without fp8_base), so a 12 B transformer is never
+initialised in fp32 first and the file's copy never sits beside the cast one.
 """
 from __future__ import annotations
 
@@ -85,11 +86,11 @@ def load_flux_files(path: Path, clip_l: str | None, t5xxl: str | None, ae: str |
     from accelerate import init_empty_weights
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
-    from safetensors.torch import load_file
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     from library.models.clip_tokenizer import load_tokenizer
     from library.models.flux import Flux
+    from library.models.single_file import read_safetensors
 
     missing = [name for name, value in (("clip_l", clip_l), ("t5xxl", t5xxl), ("ae", ae)) if not value]
     if missing:
@@ -98,7 +99,7 @@ def load_flux_files(path: Path, clip_l: str | None, t5xxl: str | None, ae: str |
     config_dir = Path(str(model_config)) if model_config else SHIPPED_CONFIG
     local = {"local_files_only": True}
     try:
-        state = {k.removeprefix(BFL_PREFIX): v for k, v in load_file(str(path)).items()}
+        state = {k.removeprefix(BFL_PREFIX): v for k, v in read_safetensors(path, dtype=weight_dtype).items()}
         guidance = BFL_GUIDANCE in state
         config = dict(FluxTransformer2DModel.load_config(config_dir, subfolder="transformer", **local))
         config["guidance_embeds"] = guidance  # dev or schnell is the file's, not the folder's
@@ -109,16 +110,18 @@ def load_flux_files(path: Path, clip_l: str | None, t5xxl: str | None, ae: str |
         vae_config = dict(AutoencoderKL.load_config(config_dir, subfolder="vae", **local))
         with init_empty_weights():
             vae = AutoencoderKL.from_config(vae_config)
-        _assign(vae, _cast(convert_ldm_vae_checkpoint(load_file(str(ae)), vae_config), vae_dtype), str(ae))
+        ae_state = convert_ldm_vae_checkpoint(read_safetensors(Path(ae), dtype=vae_dtype), vae_config)
+        _assign(vae, _cast(ae_state, vae_dtype), str(ae))
 
         with init_empty_weights():
             clip = CLIPTextModel(CLIPTextConfig.from_pretrained(config_dir, subfolder="text_encoder", **local))
-        clip_state = {k.removeprefix("text_model."): v for k, v in load_file(str(clip_l)).items()}
+        clip_state = {k.removeprefix("text_model."): v
+                      for k, v in read_safetensors(Path(clip_l), dtype=weight_dtype).items()}
         _assign(clip, _cast(clip_state, weight_dtype), str(clip_l))
 
         with init_empty_weights():
             t5 = T5EncoderModel(T5Config.from_pretrained(config_dir, subfolder="text_encoder_2", **local))
-        t5_state = load_file(str(t5xxl))
+        t5_state = read_safetensors(Path(t5xxl), dtype=weight_dtype)
         _assign(t5, _cast(t5_state, weight_dtype), str(t5xxl), tied=("encoder.embed_tokens.weight",))
 
         tokenizers = [load_tokenizer(config_dir, "tokenizer"), load_t5_tokenizer(config_dir / "tokenizer_2")]

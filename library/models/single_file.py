@@ -119,8 +119,9 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.
                        "BOOL": torch.bool}
 
 
-def _read_prefix(path: Path, prefix: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file whose keys start with `prefix`, floating ones cast to `dtype` one by one.
+def read_safetensors(path: Path, prefix: str = "", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file whose keys start with `prefix`, floating ones cast to `dtype` (when given)
+    one by one.
 
     Read with plain file reads rather than safetensors' memory map: the mapped pages a load touches count as the
     process's memory until the file is closed, which would put the file's copy of a component beside its cast
@@ -151,15 +152,15 @@ def _read_prefix(path: Path, prefix: str, dtype: torch.dtype) -> dict[str, torch
         raise UserError(f"{path}: not a readable safetensors file ({e})") from None
 
 
-def _read_prefix_mapped(path: Path, keys: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _read_prefix_mapped(path: Path, keys: list[str], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     with safe_open(path, "pt") as f:
         return {k: _cast(f.get_tensor(k), dtype) for k in keys}
 
 
-def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return tensor.to(dtype) if tensor.is_floating_point() else tensor
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
 
 def _safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]] | None:
@@ -346,7 +347,7 @@ def load_single_file(path: str | os.PathLike[str], *, v2: bool = False, v_parame
         # floating tensors), so the weights are the same bits.
         if checkpoint is not None:
             return {k: v for k, v in checkpoint.items() if k.startswith(prefix)}
-        state = _read_prefix(path, prefix, dtype)
+        state = read_safetensors(path, prefix, dtype)
         _with_text_model_level(state, CLIP_PREFIX)
         return state
 
