@@ -90,7 +90,7 @@ def load_flux_files(path: Path, clip_l: str | None, t5xxl: str | None, ae: str |
 
     from library.models.clip_tokenizer import load_tokenizer
     from library.models.flux import Flux
-    from library.models.single_file import read_safetensors
+    from library.models.safetensors_io import read_safetensors
 
     missing = [name for name, value in (("clip_l", clip_l), ("t5xxl", t5xxl), ("ae", ae)) if not value]
     if missing:

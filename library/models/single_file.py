@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import logging
 import os
 import pickle
@@ -31,6 +30,7 @@ import torch
 
 from library.config import PICKLE_CHECKPOINT_SUFFIXES, UserError, checkpoint_file_problem
 from library.models.clip_tokenizer import load_tokenizer
+from library.models.safetensors_io import read_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -112,55 +112,6 @@ def _read_pickle(path: Path) -> dict[str, Any]:
     if not isinstance(state, Mapping):
         raise UserError(f"{path}: the pickle holds a {type(state).__name__}, not a state dict")
     return dict(state)
-
-
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                       "BOOL": torch.bool}
-
-
-def read_safetensors(path: Path, prefix: str = "", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file whose keys start with `prefix`, floating ones cast to `dtype` (when given)
-    one by one.
-
-    Read with plain file reads rather than safetensors' memory map: the mapped pages a load touches count as the
-    process's memory until the file is closed, which would put the file's copy of a component beside its cast
-    copy (1.7 GB more at the peak for SD1.5's UNet from fp16 to bf16). Here only one tensor of the file is held
-    at a time."""
-    try:
-        with path.open("rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size))
-            base = 8 + size
-            out: dict[str, torch.Tensor] = {}
-            for key, entry in header.items():
-                if key == "__metadata__" or not key.startswith(prefix):
-                    continue
-                stored = _SAFETENSORS_DTYPES.get(entry["dtype"])
-                if stored is None:  # float8 and other rare dtypes: safetensors' own reader
-                    out.update(_read_prefix_mapped(path, [key], dtype))
-                    continue
-                start, end = entry["data_offsets"]
-                f.seek(base + start)
-                data = bytearray(end - start)
-                if f.readinto(data) != end - start:
-                    raise OSError(f"{key}: the file ends inside its data")
-                tensor = torch.frombuffer(data, dtype=stored) if data else torch.empty(0, dtype=stored)
-                out[key] = _cast(tensor.reshape(entry["shape"]), dtype)
-            return out
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
-        raise UserError(f"{path}: not a readable safetensors file ({e})") from None
-
-
-def _read_prefix_mapped(path: Path, keys: list[str], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    with safe_open(path, "pt") as f:
-        return {k: _cast(f.get_tensor(k), dtype) for k in keys}
-
-
-def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
 
 def _safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]] | None:
