@@ -1,7 +1,7 @@
 """Training at real model sizes: load time, launch -> first step, s/step and peak RSS of `train_network.py`.
 
     python bench/real_size.py [--models sd15,sdxl] [--steps 2] [--resolution 512,1024] [--threads 2]
-                              [--images N] [--work DIR] [--json PATH]
+                              [--images N] [--work DIR] [--json PATH] [--load_only]
 
 For each model the script writes a single-file checkpoint of the released architecture with random weights
 (fp16, original layout, built piece by piece by bench/real_size_files.py; nothing is downloaded), a few images of
@@ -88,6 +88,37 @@ record["status"] = train_network.main(argv)
 record["peak_rss_mib"] = status()["VmHWM"]
 json.dump(record, open(out, "w"))
 """
+
+
+# Runs inside the child with --load_only: load_components alone, as the trainer calls it for a bf16 run.
+LOAD_CHILD = r"""
+import json, os, sys, time
+sys.path.insert(0, os.getcwd())
+import torch
+from library.models.loading import load_components
+path, vae_dtype = sys.argv[1], getattr(torch, sys.argv[2])
+extra = json.loads(sys.argv[3])
+started = time.time()
+components = load_components(path, weight_dtype=torch.bfloat16, vae_dtype=vae_dtype, **extra)  # kept for the RSS
+seconds = time.time() - started
+found = {}
+for line in open("/proc/self/status"):
+    if line.startswith(("VmHWM:", "VmRSS:")):
+        found[line.split(":")[0]] = int(line.split()[1]) / 1024
+print(json.dumps({"load_s": round(seconds, 1), "peak_rss_mib": round(found["VmHWM"]),
+                  "rss_after_mib": round(found["VmRSS"])}))
+"""
+
+
+def load_only(model: str, files: dict[str, Path], threads: int) -> dict:
+    """Load the model the way the trainer does for a bf16 run (SDXL's VAE in fp32, as with no_half_vae) in a fresh
+    process: seconds, peak RSS and RSS after."""
+    extra = {k: str(files[k]) for k in ("clip_l", "t5xxl", "ae") if k in files}
+    vae_dtype = "float32" if model == "sdxl" else "bfloat16"
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", LOAD_CHILD, str(files["model"]), vae_dtype, json.dumps(extra)],
+                         cwd=REPO, env=env, capture_output=True, text=True, check=True).stdout
+    return {"model": model, **json.loads(out.strip().splitlines()[-1])}
 
 
 def write_images(folder: Path, resolution: int, count: int) -> Path:
@@ -198,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=int, default=4 * 3600, help="most seconds one training run may take")
     parser.add_argument("--work", type=Path, default=None, help="folder for the files (kept; reused when present)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--load_only", action="store_true", help="only load each model as the trainer does: "
+                        "seconds, peak RSS and RSS after the load")
     args = parser.parse_args(argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in models if m not in DEFAULT_RESOLUTION]
@@ -214,6 +247,14 @@ def main(argv: list[str] | None = None) -> int:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         results = []
+        if args.load_only:
+            for model in models:
+                result = load_only(model, model_files(model, work), args.threads)
+                results.append(result)
+                print(json.dumps(result), flush=True)
+            if args.json:
+                args.json.write_text(json.dumps(results, indent=1))
+            return 0
         for model, resolution in zip(models, resolutions, strict=True):
             print(f"{model} at {resolution} px, {args.steps} steps, {args.threads} threads; load average "
                   f"{load_average()}", flush=True)

@@ -40,11 +40,10 @@ def read_safetensors(path: Path, prefix: str = "", dtype: torch.dtype | None = N
                     continue
                 start, end = entry["data_offsets"]
                 f.seek(base + start)
-                data = bytearray(end - start)
-                if f.readinto(data) != end - start:
+                raw = torch.empty(end - start, dtype=torch.uint8)  # not zero-filled, unlike a bytearray
+                if f.readinto(raw.numpy()) != end - start:
                     raise OSError(f"{key}: the file ends inside its data")
-                tensor = torch.frombuffer(data, dtype=stored) if data else torch.empty(0, dtype=stored)
-                out[key] = _cast(tensor.reshape(entry["shape"]), dtype)
+                out[key] = _cast(raw.view(stored).reshape(entry["shape"]), dtype)
             return out
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as e:
         raise UserError(f"{path}: not a readable safetensors file ({e})") from None
