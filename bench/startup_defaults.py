@@ -40,7 +40,7 @@ def log_step(self, *args, **kwargs):
     marks.append((time.time(), t.user + t.system))
 loop.Trainer.log_step = log_step
 import train_network
-status = train_network.main(argv)
+status = train_network.main(argv, own_process=True)
 peak = None
 for line in open("/proc/self/status"):
     if line.startswith("VmHWM:"):
