@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -20,6 +21,8 @@ from library.models import flux_lora
 from library.models.clip_text import tokenize
 from library.models.family import Components, Family, Tokenizer
 from library.models.flow_matching import FlowMatchingObjective, unsupported
+
+logger = logging.getLogger(__name__)
 
 FOLDERS = ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler")
 GUIDANCE_KEY = "time_text_embed.guidance_embedder."  # present in dev's weights, absent in schnell's
@@ -61,6 +64,7 @@ class Flux(Family):
     text_encoder_folders = ("text_encoder", "text_encoder_2")
     tokenizer_folders = ("tokenizer", "tokenizer_2")
     lora_text_prefixes = ("lora_te1", "lora_te3")  # CLIP-L, T5 (kohya's names; T5 is not trained here)
+    default_sampling_scale = 1.0  # kohya's: no true CFG unless a prompt asks with --l
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -188,9 +192,17 @@ class Flux(Family):
 
     def sampling_guidance(self, scale: float, guidance: float | None, positive: Mapping[str, torch.Tensor],
                           width: int, height: int) -> dict[str, Any]:
-        """--g (default 3.5, kohya's) is dev's guidance input; --l and --n (kohya's true CFG) are not offered."""
-        arguments: dict[str, Any] = {"guidance_scale": 3.5 if guidance is None else guidance}
+        """--g (default 3.5, kohya's) is dev's guidance input. --l above 1 turns on kohya's true CFG, the negative
+        prompt (--n, else the empty one) run beside the positive: neg + (pos - neg) * scale. The pipeline does that
+        for scales above 1 only, so a scale below 1 is reported and treated as 1."""
+        arguments: dict[str, Any] = {"guidance_scale": 3.5 if guidance is None else guidance,
+                                     "true_cfg_scale": scale}
+        if scale < 1:
+            logger.warning("sample prompt --l %g: FLUX's true CFG needs a scale above 1; sampling without it", scale)
         if self.apply_t5_attn_mask and "t5_attn_mask" in positive:
+            if scale > 1:
+                logger.warning("sample prompt --l %g with apply_t5_attn_mask: the negative prompt is masked like the "
+                               "positive one", scale)
             # The pipeline places the image at height // 16 x width // 16 tokens after the text.
             image = torch.ones(1, (height // 16) * (width // 16), dtype=torch.bool)
             mask = torch.cat([positive["t5_attn_mask"].cpu().bool(), image], dim=1)
@@ -204,7 +216,9 @@ class Flux(Family):
 
     def prompt_embeds(self, positive: Mapping[str, torch.Tensor],
                       negative: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {"prompt_embeds": positive["encoder_hidden_states"], "pooled_prompt_embeds": positive["pooled"]}
+        return {"prompt_embeds": positive["encoder_hidden_states"], "pooled_prompt_embeds": positive["pooled"],
+                "negative_prompt_embeds": negative["encoder_hidden_states"],
+                "negative_pooled_prompt_embeds": negative["pooled"]}
 
 
 def is_flux_folder(path: Path) -> bool:
