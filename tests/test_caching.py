@@ -14,12 +14,16 @@ from library.training import loop
 pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
 
 
-def train(tiny_sd1_dir, sample_data_dir, out, *extra: str) -> dict[str, torch.Tensor]:
+def run(tiny_sd1_dir, sample_data_dir, out, *extra: str) -> loop.RunResult:
     config, _ = parse_config([
         "--pretrained_model_name_or_path", str(tiny_sd1_dir), "--train_data_dir", str(sample_data_dir),
         "--output_dir", str(out), "--resolution", "64", "--caption_extension", ".txt", "--train_batch_size", "3",
         "--seed", "7", "--max_train_steps", "4", "--learning_rate", "1e-2", *extra])
-    return load_file(loop.run(config).output_file)
+    return loop.run(config)
+
+
+def train(tiny_sd1_dir, sample_data_dir, out, *extra: str) -> dict[str, torch.Tensor]:
+    return load_file(run(tiny_sd1_dir, sample_data_dir, out, *extra).output_file)
 
 
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -39,6 +43,15 @@ def test_default_caching_is_bit_identical_to_encoding_each_step(tiny_sd1_dir, sa
                          "--cache_latents", "false", "--cache_text_encoder_outputs", "false")
     assert "cached" not in caplog.text  # explicit settings are taken as they are
     assert_same(cached, uncached)
+
+
+def test_validation_images_use_the_text_cache_and_the_kept_vae(tiny_sd1_dir, sample_data_dir, tmp_path):
+    args = ("--network_train_unet_only", "--validation_split", "0.2")
+    cached = run(tiny_sd1_dir, sample_data_dir, tmp_path / "default", *args)
+    uncached = run(tiny_sd1_dir, sample_data_dir, tmp_path / "off", *args, "--cache_latents", "false",
+                   "--cache_text_encoder_outputs", "false")
+    assert cached.validation and cached.validation == uncached.validation
+    assert_same(load_file(cached.output_file), load_file(uncached.output_file))
 
 
 def test_what_changes_each_step_is_not_cached(tiny_sd1_dir, sample_data_dir, tmp_path, caplog):

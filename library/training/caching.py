@@ -79,17 +79,18 @@ def cache_inputs(config: Config, data: TrainingData, components: Components, acc
 
 
 def release_encoders(components: Components, model: DiffusionModel, plan: CachePlan, train_text_encoder: bool,
-                     sampling: bool, device: torch.device) -> None:
+                     sampling: bool, device: torch.device, validating: bool = False) -> None:
     """Once the VAE's and the frozen text encoders' outputs are cached, only sampling needs them. Without sample
     prompts their weights are dropped (moved to the meta device: the modules and configs stay, the memory goes);
     with them they wait on the CPU between sampling rounds (`on_device`). A cached encoder also leaves the trained
-    module, which then holds only what each step runs."""
+    module, which then holds only what each step runs. Validation images are encoded when validated (`validating`),
+    so the VAE then stays."""
     parked: list[str] = []
     if plan.text and not train_text_encoder:
         model.text_encoders = torch.nn.ModuleList()
         parked += [f"text encoder {i + 1}" for i in range(len(components.text_encoders))]
         _park(components.text_encoders, sampling)
-    if plan.latents:
+    if plan.latents and not validating:
         parked.append("VAE")
         _park([components.vae], sampling)
     if parked and not sampling:

@@ -143,7 +143,8 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     train_text_encoder = trained_parts(config)[1]
     caching = plan_caching(config, data, train_text_encoder)
     cache_inputs(config, data, components, accelerator, vae_dtype, caching)
-    release_encoders(components, model, caching, train_text_encoder, bool(prompts), accelerator.device)
+    release_encoders(components, model, caching, train_text_encoder, bool(prompts), accelerator.device,
+                     validating=data.validation is not None)
     dataloader = data.dataloader(config.max_data_loader_n_workers, config.persistent_data_loader_workers)
     optimizer = build_optimizer(config.optimizer_type, groups, config.learning_rate, config.optimizer_args,
                                 use_8bit_adam=config.use_8bit_adam, use_lion_optimizer=config.use_lion_optimizer)
