@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from library.config import UserError
+from library.config.network_args import network_args_of
 from library.models import flux_lora
 from library.models.clip_text import tokenize
 from library.models.family import Components, Family, Tokenizer
@@ -60,10 +61,11 @@ class Flux(Family):
     t5_max_length: int | None = None  # None: kohya's default, 256 for schnell and 512 for dev
     apply_t5_attn_mask: bool = False
     guidance_scale: float = 3.5
+    train_t5xxl: bool = False  # kohya's network_args train_t5xxl: T5 gets LoRA when the text encoders train
 
     text_encoder_folders = ("text_encoder", "text_encoder_2")
     tokenizer_folders = ("tokenizer", "tokenizer_2")
-    lora_text_prefixes = ("lora_te1", "lora_te3")  # CLIP-L, T5 (kohya's names; T5 is not trained here)
+    lora_text_prefixes = ("lora_te1", "lora_te3")  # CLIP-L, T5 (kohya's names)
     default_sampling_scale = 1.0  # kohya's: no true CFG unless a prompt asks with --l
 
     @property
@@ -84,10 +86,15 @@ class Flux(Family):
             problems.append(f"resolution {config.resolution}: FLUX needs sides that are multiples of 16")
         if config.enable_bucket and config.bucket_reso_steps % 16:
             problems.append(f"bucket_reso_steps {config.bucket_reso_steps}: FLUX needs a multiple of 16")
+        train_t5xxl = bool(network_args_of(config).train_t5xxl)
+        if train_t5xxl and config.network_train_unet_only:
+            problems.append("network_args train_t5xxl: T5 trains with the text encoders, and network_train_unet_only "
+                            "trains the transformer only; drop one")
         if problems:
             raise UserError(problems)
         return dataclasses.replace(self, t5_max_length=config.t5xxl_max_token_length,
-                                   apply_t5_attn_mask=config.apply_t5_attn_mask, guidance_scale=config.guidance_scale)
+                                   apply_t5_attn_mask=config.apply_t5_attn_mask, guidance_scale=config.guidance_scale,
+                                   train_t5xxl=train_t5xxl)
 
     @property
     def t5_length(self) -> int:
@@ -149,7 +156,7 @@ class Flux(Family):
 
     # --- LoRA files and metadata -------------------------------------------------------------------------------
     def lora_text_encoders(self, text_encoders: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
-        return [text_encoders[0]]  # CLIP-L; T5 stays frozen (kohya's train_t5xxl is not offered)
+        return list(text_encoders) if self.train_t5xxl else [text_encoders[0]]  # T5 only when asked, as kohya
 
     def denoiser_lora_targets(self, denoiser: torch.nn.Module, rank: int, alpha: float,
                               net: Any) -> tuple[list[str], dict[str, tuple[int, float]]]:
