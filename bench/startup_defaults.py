@@ -56,17 +56,19 @@ def build_model(kind: str, folder: Path) -> Path:
     return folder
 
 
-def run_once(model: Path, kind: str, steps: int, caching_off: bool, work: Path) -> dict:
+def run_once(model: Path, kind: str, steps: int, caching_off: bool, work: Path, extra: tuple[str, ...] = (),
+             timeout: int = 900) -> dict:
+    """One training process; launch -> first step (wall s), median CPU s per later step, peak RSS (MiB)."""
     out = work / "result.json"
     argv = ["--pretrained_model_name_or_path", str(model), "--train_data_dir", str(REPO / "data" / "quickstart"),
             "--resolution", str(RESOLUTION[kind]), "--train_batch_size", "4", "--max_train_steps", str(steps),
-            "--output_dir", str(work / "out"), "--output_name", "bench", "--seed", "0"]
+            "--output_dir", str(work / "out"), "--output_name", "bench", "--seed", "0", *extra]
     if caching_off:
         argv += ["--cache_latents", "false", "--cache_text_encoder_outputs", "false"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     started = time.time()
     subprocess.run([sys.executable, "-c", CHILD, str(out), *argv], cwd=REPO, env=env, check=True,
-                   capture_output=True, timeout=900)
+                   capture_output=True, timeout=timeout)
     result = json.loads(out.read_text())
     marks = result["marks"]
     cpu = [b[1] - a[1] for a, b in zip(marks, marks[1:], strict=False)]

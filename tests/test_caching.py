@@ -95,3 +95,13 @@ def test_trained_text_encoders_stay(tiny_sd1_dir):
                      sampling=False, device=torch.device("cpu"))
     assert list(model.text_encoders) == components.text_encoders
     assert {p.device.type for p in components.vae.parameters()} == {"cpu"}
+
+
+def test_torch_compile_compiles_each_repeated_block_and_trains_the_same_lora(tiny_sd1_dir, sample_data_dir,
+                                                                               tmp_path, caplog):
+    # The eager backend runs what dynamo captured with the same kernels, so the LoRA must not move by a bit.
+    with caplog.at_level(logging.INFO, logger="library.training.model"):
+        compiled = train(tiny_sd1_dir, sample_data_dir, tmp_path / "compiled", "--torch_compile",
+                         "--dynamo_backend", "eager", "--max_train_steps", "2")
+    assert "blocks (BasicTransformerBlock) compiled with the eager backend" in caplog.text
+    assert_same(compiled, train(tiny_sd1_dir, sample_data_dir, tmp_path / "eager", "--max_train_steps", "2"))

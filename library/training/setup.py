@@ -31,6 +31,7 @@ from library.training.model import (
     DiffusionModel,
     NetworkSpec,
     build_model,
+    compile_repeated_blocks,
     load_adapter,
     lora_modules,
     network_spec,
@@ -136,6 +137,8 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     objective = family.objective(components, config, accelerator.device)
 
     model, groups = build_model(config, components, accelerator.device, spec)
+    if config.torch_compile and config.dynamo_backend != "no":
+        compile_repeated_blocks(model.denoiser, config.dynamo_backend)
     trainable = [p for group in groups for p in group["params"]]
     on_main_process(accelerator, lambda: check_free_space(
         output_dir, sum(p.numel() * p.element_size() for p in trainable),
