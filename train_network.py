@@ -75,7 +75,9 @@ def hide_unused_packages(config: Config) -> list[str]:
     from library.training.optim import uses_bitsandbytes
 
     hidden = []
-    if not uses_bitsandbytes(config) and "bitsandbytes" not in sys.modules:
+    # Once imported, those libraries have recorded what is installed and would fail to import a hidden package.
+    askers = ("diffusers", "transformers", "peft", "accelerate", "bitsandbytes")
+    if not uses_bitsandbytes(config) and not any(name in sys.modules for name in askers):
         sys.modules["bitsandbytes"] = None
         hidden.append("bitsandbytes")
     return hidden

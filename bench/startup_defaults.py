@@ -32,6 +32,9 @@ import json, os, resource, sys, time
 sys.path.insert(0, os.getcwd())
 out, argv = sys.argv[1], sys.argv[2:]
 marks = []
+import train_network
+from library.config import parse_config
+train_network.hide_unused_packages(parse_config(argv)[0])  # as train_network.py does before any library loads
 from library.training import loop
 original = loop.Trainer.log_step
 def log_step(self, *args, **kwargs):
@@ -39,7 +42,6 @@ def log_step(self, *args, **kwargs):
     t = os.times()
     marks.append((time.time(), t.user + t.system))
 loop.Trainer.log_step = log_step
-import train_network
 status = train_network.main(argv, own_process=True)
 peak = None
 for line in open("/proc/self/status"):

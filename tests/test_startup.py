@@ -48,3 +48,14 @@ def test_a_run_without_its_optimizers_never_imports_bitsandbytes(tiny_sd1_dir, s
     assert result.returncode == 0, result.stderr
     # diffusers, peft and transformers ask importlib.util.find_spec before importing it.
     assert result.stdout.strip().splitlines()[-1] == "['bitsandbytes'] False False"
+
+
+def test_nothing_is_hidden_once_the_libraries_that_ask_are_loaded(tiny_sd1_dir, sample_data_dir, tmp_path):
+    import diffusers  # noqa: F401 - loaded: it has recorded what is installed
+
+    import train_network
+
+    config, _ = parse_config(["--pretrained_model_name_or_path", str(tiny_sd1_dir), "--train_data_dir",
+                              str(sample_data_dir), "--output_dir", str(tmp_path)])
+    assert train_network.hide_unused_packages(config) == []
+    assert sys.modules.get("bitsandbytes", "absent") is not None
