@@ -32,6 +32,9 @@ import json, os, resource, sys, time
 sys.path.insert(0, os.getcwd())
 out, argv = sys.argv[1], sys.argv[2:]
 marks = []
+import train_network
+from library.config import parse_config
+train_network.hide_unused_packages(parse_config(argv)[0])  # as train_network.py does before any library loads
 from library.training import loop
 original = loop.Trainer.log_step
 def log_step(self, *args, **kwargs):
@@ -39,8 +42,7 @@ def log_step(self, *args, **kwargs):
     t = os.times()
     marks.append((time.time(), t.user + t.system))
 loop.Trainer.log_step = log_step
-import train_network
-status = train_network.main(argv)
+status = train_network.main(argv, own_process=True)
 peak = None
 for line in open("/proc/self/status"):
     if line.startswith("VmHWM:"):
@@ -56,17 +58,19 @@ def build_model(kind: str, folder: Path) -> Path:
     return folder
 
 
-def run_once(model: Path, kind: str, steps: int, caching_off: bool, work: Path) -> dict:
+def run_once(model: Path, kind: str, steps: int, caching_off: bool, work: Path, extra: tuple[str, ...] = (),
+             timeout: int = 900) -> dict:
+    """One training process; launch -> first step (wall s), median CPU s per later step, peak RSS (MiB)."""
     out = work / "result.json"
     argv = ["--pretrained_model_name_or_path", str(model), "--train_data_dir", str(REPO / "data" / "quickstart"),
             "--resolution", str(RESOLUTION[kind]), "--train_batch_size", "4", "--max_train_steps", str(steps),
-            "--output_dir", str(work / "out"), "--output_name", "bench", "--seed", "0"]
+            "--output_dir", str(work / "out"), "--output_name", "bench", "--seed", "0", *extra]
     if caching_off:
         argv += ["--cache_latents", "false", "--cache_text_encoder_outputs", "false"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     started = time.time()
     subprocess.run([sys.executable, "-c", CHILD, str(out), *argv], cwd=REPO, env=env, check=True,
-                   capture_output=True, timeout=900)
+                   capture_output=True, timeout=timeout)
     result = json.loads(out.read_text())
     marks = result["marks"]
     cpu = [b[1] - a[1] for a, b in zip(marks, marks[1:], strict=False)]

@@ -8,17 +8,22 @@ import torch
 from safetensors.torch import load_file
 
 from library.config import parse_config
+from library.models.loading import load_components
 from library.training import loop
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
 
 
-def train(tiny_sd1_dir, sample_data_dir, out, *extra: str) -> dict[str, torch.Tensor]:
+def run(tiny_sd1_dir, sample_data_dir, out, *extra: str) -> loop.RunResult:
     config, _ = parse_config([
         "--pretrained_model_name_or_path", str(tiny_sd1_dir), "--train_data_dir", str(sample_data_dir),
         "--output_dir", str(out), "--resolution", "64", "--caption_extension", ".txt", "--train_batch_size", "3",
         "--seed", "7", "--max_train_steps", "4", "--learning_rate", "1e-2", *extra])
-    return load_file(loop.run(config).output_file)
+    return loop.run(config)
+
+
+def train(tiny_sd1_dir, sample_data_dir, out, *extra: str) -> dict[str, torch.Tensor]:
+    return load_file(run(tiny_sd1_dir, sample_data_dir, out, *extra).output_file)
 
 
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -31,12 +36,22 @@ def test_default_caching_is_bit_identical_to_encoding_each_step(tiny_sd1_dir, sa
         cached = train(tiny_sd1_dir, sample_data_dir, tmp_path / "default", "--network_train_unet_only")
     assert "latents are cached in memory" in caplog.text
     assert "text-encoder outputs are cached" in caplog.text
+    assert "text encoder 1, VAE: outputs cached and no sample prompts, so the weights are freed" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="library.training.caching"):
         uncached = train(tiny_sd1_dir, sample_data_dir, tmp_path / "off", "--network_train_unet_only",
                          "--cache_latents", "false", "--cache_text_encoder_outputs", "false")
     assert "cached" not in caplog.text  # explicit settings are taken as they are
     assert_same(cached, uncached)
+
+
+def test_validation_images_use_the_text_cache_and_the_kept_vae(tiny_sd1_dir, sample_data_dir, tmp_path):
+    args = ("--network_train_unet_only", "--validation_split", "0.2")
+    cached = run(tiny_sd1_dir, sample_data_dir, tmp_path / "default", *args)
+    uncached = run(tiny_sd1_dir, sample_data_dir, tmp_path / "off", *args, "--cache_latents", "false",
+                   "--cache_text_encoder_outputs", "false")
+    assert cached.validation and cached.validation == uncached.validation
+    assert_same(load_file(cached.output_file), load_file(uncached.output_file))
 
 
 def test_what_changes_each_step_is_not_cached(tiny_sd1_dir, sample_data_dir, tmp_path, caplog):
@@ -49,3 +64,44 @@ def test_what_changes_each_step_is_not_cached(tiny_sd1_dir, sample_data_dir, tmp
     with caplog.at_level(logging.INFO, logger="library.training.caching"):
         train(tiny_sd1_dir, sample_data_dir, tmp_path / "te", "--cache_latents", "false")
     assert caplog.text == ""  # the text encoder is trained: nothing to say about its cache
+
+
+@pytest.mark.parametrize("sampling", [False, True])
+def test_cached_encoders_leave_the_trained_module_and_free_their_weights(tiny_sd1_dir, sampling):
+    from library.training.caching import CachePlan, release_encoders
+    from library.training.model import DiffusionModel
+
+    components = load_components(tiny_sd1_dir)
+    model = DiffusionModel(components.family, components.denoiser, components.text_encoders, False)
+    before = components.vae.encoder.conv_in.weight.clone()
+    release_encoders(components, model, CachePlan(latents=True, text=True, notes=()), train_text_encoder=False,
+                     sampling=sampling, device=torch.device("cpu"))
+    assert len(model.text_encoders) == 0 and len(components.text_encoders) == 1
+    assert model.denoiser is components.denoiser
+    for module in (components.vae, components.text_encoder):
+        assert {p.device.type for p in module.parameters()} == {"cpu" if sampling else "meta"}
+    if sampling:  # kept as they were, for the sampling rounds
+        assert torch.equal(components.vae.encoder.conv_in.weight, before)
+    assert components.vae.config.scaling_factor > 0  # the config stays: cached latents are scaled by it
+
+
+def test_trained_text_encoders_stay(tiny_sd1_dir):
+    from library.training.caching import CachePlan, release_encoders
+    from library.training.model import DiffusionModel
+
+    components = load_components(tiny_sd1_dir)
+    model = DiffusionModel(components.family, components.denoiser, components.text_encoders, True)
+    release_encoders(components, model, CachePlan(latents=False, text=False, notes=()), train_text_encoder=True,
+                     sampling=False, device=torch.device("cpu"))
+    assert list(model.text_encoders) == components.text_encoders
+    assert {p.device.type for p in components.vae.parameters()} == {"cpu"}
+
+
+def test_torch_compile_compiles_each_repeated_block_and_trains_the_same_lora(tiny_sd1_dir, sample_data_dir,
+                                                                               tmp_path, caplog):
+    # The eager backend runs what dynamo captured with the same kernels, so the LoRA must not move by a bit.
+    with caplog.at_level(logging.INFO, logger="library.training.model"):
+        compiled = train(tiny_sd1_dir, sample_data_dir, tmp_path / "compiled", "--torch_compile",
+                         "--dynamo_backend", "eager", "--max_train_steps", "2")
+    assert "blocks (BasicTransformerBlock) compiled with the eager backend" in caplog.text
+    assert_same(compiled, train(tiny_sd1_dir, sample_data_dir, tmp_path / "eager", "--max_train_steps", "2"))

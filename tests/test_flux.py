@@ -172,3 +172,42 @@ def test_t5_stays_in_eval_mode_while_clip_l_trains(tiny_flux_dir):
     clip, t5 = model.text_encoders
     assert clip.training and not t5.training and model.denoiser.training
     assert t5.config.dropout_rate > 0
+
+
+def test_true_cfg_runs_the_negative_prompt_beside_the_positive_as_kohya_does(components, tmp_path):
+    """--l above 1 with --n: neg + (pos - neg) * scale at every step, the pipeline's true CFG; without --l FLUX
+    samples with one pass (kohya's default scale 1.0), so --n alone changes nothing."""
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+    from library.monitoring.sampling import SamplingModels, generate_image, load_prompts
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a photo of sks dog --s 2 --w 64 --h 64 --d 3\n"
+                       "a photo of sks dog --n a red digit --s 2 --w 64 --h 64 --d 3\n"
+                       "a photo of sks dog --n a red digit --l 4 --s 2 --w 64 --h 64 --d 3\n")
+    plain, negative_only, cfg = load_prompts(prompts)
+    family = dataclasses.replace(components.family, t5_max_length=16)
+    tokenize = family.tokenizer(components, None)
+
+    def encode_text(text):
+        tokens = {k: v[None] for k, v in tokenize(text).items()}
+        return family.encode_text(components.text_encoders, tokens, None)
+
+    models = SamplingModels(components.denoiser, components.text_encoders, components.vae, components.tokenizers,
+                            components.noise_scheduler.config, family, None, encode_text)
+    with torch.no_grad():
+        images = [np.asarray(generate_image(p, models, seed=3)) for p in (plain, negative_only, cfg)]
+        pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(components.noise_scheduler.config),
+                            vae=components.vae, text_encoder=components.text_encoders[0],
+                            tokenizer=components.tokenizers[0], text_encoder_2=components.text_encoders[1],
+                            tokenizer_2=components.tokenizers[1], transformer=components.denoiser)
+        pos, neg = encode_text(cfg.prompt), encode_text(cfg.negative_prompt)
+        theirs = np.asarray(pipe(prompt_embeds=pos["encoder_hidden_states"], pooled_prompt_embeds=pos["pooled"],
+                                 negative_prompt_embeds=neg["encoder_hidden_states"],
+                                 negative_pooled_prompt_embeds=neg["pooled"], true_cfg_scale=4.0, width=64, height=64,
+                                 num_inference_steps=2, guidance_scale=3.5,
+                                 generator=torch.Generator().manual_seed(3)).images[0])
+    assert np.array_equal(images[0], images[1])
+    assert not np.array_equal(images[0], images[2])
+    assert np.abs(images[2].astype(int) - theirs.astype(int)).max() <= 1

@@ -55,7 +55,7 @@ def test_per_part_dims_rerank_or_drop_parts(transformer):
 
 
 @pytest.mark.parametrize("arg,message", [("conv_dim=4", "conv_dim"), ("split_qkv=False", "split_qkv"),
-                                         ("train_t5xxl=True", "train_t5xxl"), ("algo=loha", "algo"),
+                                         ("algo=loha", "algo"),
                                          ("in_dims=[4,0,0,0,0]", "unknown key"),
                                          ("train_single_block_indices=3-1", "increasing range")])
 def test_what_is_not_offered_is_an_error_naming_it(transformer, arg, message):

@@ -71,9 +71,9 @@ def test_txt_every_option_defaults_and_comments(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="library.monitoring.sampling"):
         prompts = sampling.load_prompts(path, default_size=(96, 80))
     assert prompts == [
-        SamplePrompt("a red circle", "", 96, 80, None, 30, 7.5, None, 0),
+        SamplePrompt("a red circle", "", 96, 80, None, 30, None, None, 0),
         SamplePrompt("a blue square", "blurry, dark", 96, 136, 42, 12, 4.5, "euler_a", 1),
-        SamplePrompt("sks shape", "", 72, 80, None, 30, 7.5, "dpm++ 2m karras", 2),
+        SamplePrompt("sks shape", "", 72, 80, None, 30, None, "dpm++ 2m karras", 2),
     ]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "--foo" in warnings[0] and "--q" in warnings[0] and "line 7" in warnings[0]
@@ -126,7 +126,7 @@ def test_json_objects_and_kohya_lines(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="library.monitoring.sampling"):
         prompts = sampling.load_prompts(path, default_size=64)
     assert prompts == [SamplePrompt("a red circle", "x", 64, 64, 1, 2, 3.0, "ddim", 0),
-                       SamplePrompt("a blue square", "", 80, 64, 3, 30, 7.5, None, 1)]
+                       SamplePrompt("a blue square", "", 80, 64, 3, 30, None, None, 1)]
     assert "did you mean 'sample_steps'" in caplog.text
 
 

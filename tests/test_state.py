@@ -177,7 +177,7 @@ def test_saves_cut_short_by_a_kill_are_removed_by_the_next_run(tmp_path, monkeyp
         kohya_format.save_lora_file(out / "lora.safetensors", {"w": torch.zeros(2)})
         chart.save_png(Image.new("RGB", (4, 4)), out / "lora_loss_by_timestep.png")
         prompt = sampling.SamplePrompt(index=0, prompt="p")
-        sampling._write_png(Image.new("RGB", (4, 4)), out / "sample" / "lora_0.png", prompt, 1, "ddim")
+        sampling._write_png(Image.new("RGB", (4, 4)), out / "sample" / "lora_0.png", prompt, 1, "ddim", 7.5)
     left = [p for p in out.rglob(".*") if atomic.STALE_TEMPORARY.fullmatch(p.name)]
     assert sorted(p.parent.name for p in left) == ["out", "out", "out", "sample"], left
 

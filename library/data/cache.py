@@ -357,7 +357,8 @@ def fixed_caption(record: ImageRecord) -> str:
 
 
 def cache_text_encoder_outputs(data: TrainingData, encode: Callable[[Any], Any], batch_size: int = 16) -> int:
-    """Encode every caption the dataset can produce once (in memory); items then carry the encoded text.
+    """Encode every caption the dataset and its validation images can produce once (in memory); items then carry
+    the encoded text.
 
     `encode` maps a dict of batched token ids to the family's dict of outputs with the frozen text encoders
     (encoder_hidden_states, and for SDXL pooled), cached per caption. Whole-caption dropout
@@ -372,7 +373,8 @@ def cache_text_encoder_outputs(data: TrainingData, encode: Callable[[Any], Any],
         raise UserError([f"{d}: shuffle_caption / caption_tag_dropout_rate change the caption each time and "
                          "cannot use cache_text_encoder_outputs" for d in bad])
     captions: set[str] = set()
-    for record in data.records:
+    held_out = data.validation.records if data.validation is not None else []
+    for record in [*data.records, *held_out]:
         captions.add(fixed_caption(record))
         if record.subset.caption_dropout_rate > 0 or record.subset.caption_dropout_every_n_epochs > 0:
             captions.add("")
@@ -386,5 +388,7 @@ def cache_text_encoder_outputs(data: TrainingData, encode: Callable[[Any], Any],
             for i, caption in enumerate(chunk):
                 outputs[caption] = {key: value[i].detach().cpu().clone() for key, value in encoded.items()}
     data.dataset.text_encoder_outputs = outputs
+    if data.validation is not None:
+        data.validation.text_encoder_outputs = outputs
     logger.info("text encoder outputs cached for %d distinct captions", len(outputs))
     return len(outputs)

@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from library.config import UserError
+from library.config.network_args import network_args_of
 from library.models import flux_lora
 from library.models.clip_text import tokenize
 from library.models.family import Components, Family, Tokenizer
 from library.models.flow_matching import FlowMatchingObjective, unsupported
+
+logger = logging.getLogger(__name__)
 
 FOLDERS = ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler")
 GUIDANCE_KEY = "time_text_embed.guidance_embedder."  # present in dev's weights, absent in schnell's
@@ -57,10 +61,12 @@ class Flux(Family):
     t5_max_length: int | None = None  # None: kohya's default, 256 for schnell and 512 for dev
     apply_t5_attn_mask: bool = False
     guidance_scale: float = 3.5
+    train_t5xxl: bool = False  # kohya's network_args train_t5xxl: T5 gets LoRA when the text encoders train
 
     text_encoder_folders = ("text_encoder", "text_encoder_2")
     tokenizer_folders = ("tokenizer", "tokenizer_2")
-    lora_text_prefixes = ("lora_te1", "lora_te3")  # CLIP-L, T5 (kohya's names; T5 is not trained here)
+    lora_text_prefixes = ("lora_te1", "lora_te3")  # CLIP-L, T5 (kohya's names)
+    default_sampling_scale = 1.0  # kohya's: no true CFG unless a prompt asks with --l
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -80,10 +86,15 @@ class Flux(Family):
             problems.append(f"resolution {config.resolution}: FLUX needs sides that are multiples of 16")
         if config.enable_bucket and config.bucket_reso_steps % 16:
             problems.append(f"bucket_reso_steps {config.bucket_reso_steps}: FLUX needs a multiple of 16")
+        train_t5xxl = bool(network_args_of(config).train_t5xxl)
+        if train_t5xxl and config.network_train_unet_only:
+            problems.append("network_args train_t5xxl: T5 trains with the text encoders, and network_train_unet_only "
+                            "trains the transformer only; drop one")
         if problems:
             raise UserError(problems)
         return dataclasses.replace(self, t5_max_length=config.t5xxl_max_token_length,
-                                   apply_t5_attn_mask=config.apply_t5_attn_mask, guidance_scale=config.guidance_scale)
+                                   apply_t5_attn_mask=config.apply_t5_attn_mask, guidance_scale=config.guidance_scale,
+                                   train_t5xxl=train_t5xxl)
 
     @property
     def t5_length(self) -> int:
@@ -145,7 +156,7 @@ class Flux(Family):
 
     # --- LoRA files and metadata -------------------------------------------------------------------------------
     def lora_text_encoders(self, text_encoders: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
-        return [text_encoders[0]]  # CLIP-L; T5 stays frozen (kohya's train_t5xxl is not offered)
+        return list(text_encoders) if self.train_t5xxl else [text_encoders[0]]  # T5 only when asked, as kohya
 
     def denoiser_lora_targets(self, denoiser: torch.nn.Module, rank: int, alpha: float,
                               net: Any) -> tuple[list[str], dict[str, tuple[int, float]]]:
@@ -188,9 +199,17 @@ class Flux(Family):
 
     def sampling_guidance(self, scale: float, guidance: float | None, positive: Mapping[str, torch.Tensor],
                           width: int, height: int) -> dict[str, Any]:
-        """--g (default 3.5, kohya's) is dev's guidance input; --l and --n (kohya's true CFG) are not offered."""
-        arguments: dict[str, Any] = {"guidance_scale": 3.5 if guidance is None else guidance}
+        """--g (default 3.5, kohya's) is dev's guidance input. --l above 1 turns on kohya's true CFG, the negative
+        prompt (--n, else the empty one) run beside the positive: neg + (pos - neg) * scale. The pipeline does that
+        for scales above 1 only, so a scale below 1 is reported and treated as 1."""
+        arguments: dict[str, Any] = {"guidance_scale": 3.5 if guidance is None else guidance,
+                                     "true_cfg_scale": scale}
+        if scale < 1:
+            logger.warning("sample prompt --l %g: FLUX's true CFG needs a scale above 1; sampling without it", scale)
         if self.apply_t5_attn_mask and "t5_attn_mask" in positive:
+            if scale > 1:
+                logger.warning("sample prompt --l %g with apply_t5_attn_mask: the negative prompt is masked like the "
+                               "positive one", scale)
             # The pipeline places the image at height // 16 x width // 16 tokens after the text.
             image = torch.ones(1, (height // 16) * (width // 16), dtype=torch.bool)
             mask = torch.cat([positive["t5_attn_mask"].cpu().bool(), image], dim=1)
@@ -204,7 +223,9 @@ class Flux(Family):
 
     def prompt_embeds(self, positive: Mapping[str, torch.Tensor],
                       negative: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {"prompt_embeds": positive["encoder_hidden_states"], "pooled_prompt_embeds": positive["pooled"]}
+        return {"prompt_embeds": positive["encoder_hidden_states"], "pooled_prompt_embeds": positive["pooled"],
+                "negative_prompt_embeds": negative["encoder_hidden_states"],
+                "negative_pooled_prompt_embeds": negative["pooled"]}
 
 
 def is_flux_folder(path: Path) -> bool:

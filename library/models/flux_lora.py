@@ -74,8 +74,6 @@ def targets(transformer: nn.Module, rank: int, alpha: float,
     if net.split_qkv is False:
         problems.append("network_args split_qkv=False: q, k, v are always trained as separate LoRAs here (kohya's "
                         "split_qkv=True); the file still has kohya's fused keys")
-    if net.train_t5xxl:
-        problems.append("network_args train_t5xxl: training T5 is not offered")
     if problems:
         raise ValueError("; ".join(problems))
     blocks = {"all": ("double_blocks", "single_blocks"), "single": ("single_blocks",),

@@ -31,7 +31,6 @@ from library.core.atomic import write_atomically
 logger = logging.getLogger(__name__)
 
 DEFAULT_STEPS = 30
-DEFAULT_SCALE = 7.5
 MAX_STEPS = 1000  # kohya clamps --s to 1..1000; outside that range it is reported as a mistake here
 
 # Keys of a TOML / JSON prompt entry (kohya's names), and the .txt options that set them.
@@ -50,7 +49,7 @@ class SamplePrompt:
     height: int = 512
     seed: int | None = None
     steps: int = DEFAULT_STEPS
-    scale: float = DEFAULT_SCALE
+    scale: float | None = None  # kohya's --l; None: the family's default (SD 7.5, FLUX 1.0: no true CFG)
     sampler: str | None = None
     index: int = 0
     guidance: float | None = None  # kohya's --g: the guidance input of FLUX.1 dev (None: the family's default)
@@ -150,7 +149,7 @@ def _make_prompt(values: Mapping[str, Any], labels: Mapping[str, str], where: st
     return SamplePrompt(
         prompt=out["prompt"], negative_prompt=out.get("negative_prompt", ""),
         width=out.get("width", _size(default_size[0])), height=out.get("height", _size(default_size[1])),
-        seed=out.get("seed"), steps=out.get("sample_steps", DEFAULT_STEPS), scale=out.get("scale", DEFAULT_SCALE),
+        seed=out.get("seed"), steps=out.get("sample_steps", DEFAULT_STEPS), scale=out.get("scale"),
         sampler=out.get("sample_sampler"), index=index, guidance=out.get("guidance_scale"))
 
 
@@ -282,7 +281,8 @@ def generate_image(prompt: SamplePrompt, models: SamplingModels, seed: int, samp
         text = family.prompt_embeds(positive, negative)
     else:
         text = {"prompt": prompt.prompt, "negative_prompt": prompt.negative_prompt or None}
-    guidance = family.sampling_guidance(prompt.scale, prompt.guidance, positive, prompt.width, prompt.height)
+    guidance = family.sampling_guidance(sampling_scale(prompt, family), prompt.guidance, positive, prompt.width,
+                                        prompt.height)
     latents = pipe(**text, width=prompt.width, height=prompt.height, num_inference_steps=prompt.steps,
                    generator=generator, output_type="latent", return_dict=False, **guidance)[0]
     # Decoded here rather than by the pipeline: the VAE may be fp32 beside an fp16 UNet (no_half_vae), and
@@ -336,14 +336,19 @@ def sample_file_name(output_name: str | None, index: int, seed: int, step: int |
     return f"{output_name + '_' if output_name else ''}{when}_{index:02d}_{seed}.png"
 
 
-def _write_png(image: Any, path: Path, prompt: SamplePrompt, seed: int, sampler: str) -> None:
+def sampling_scale(prompt: SamplePrompt, family: Any) -> float:
+    """The prompt's --l, else the family's default."""
+    return family.default_sampling_scale if prompt.scale is None else prompt.scale
+
+
+def _write_png(image: Any, path: Path, prompt: SamplePrompt, seed: int, sampler: str, scale: float) -> None:
     from PIL.PngImagePlugin import PngInfo
 
     # AUTOMATIC1111's "parameters" text chunk: image viewers and web UIs show how the sample was made.
     info = PngInfo()
     negative = f"\nNegative prompt: {prompt.negative_prompt}" if prompt.negative_prompt else ""
     info.add_text("parameters", f"{prompt.prompt}{negative}\nSteps: {prompt.steps}, Sampler: {sampler}, "
-                                f"CFG scale: {prompt.scale:g}, Seed: {seed}, Size: {prompt.width}x{prompt.height}")
+                                f"CFG scale: {scale:g}, Seed: {seed}, Size: {prompt.width}x{prompt.height}")
     write_atomically(path, lambda tmp: image.save(tmp, format="PNG", pnginfo=info))
 
 
@@ -381,7 +386,7 @@ def sample_images(prompts: Sequence[SamplePrompt], models: SamplingModels, out_d
     for i, seed, image in sorted(rendered, key=lambda r: r[0]):
         prompt = prompts[i]
         path = directory / sample_file_name(output_name, prompt.index, seed, step, epoch)
-        _write_png(image, path, prompt, seed, prompt.sampler or default_sampler)
+        _write_png(image, path, prompt, seed, prompt.sampler or default_sampler, sampling_scale(prompt, models.family))
         samples.append(Sample(prompt, seed, path, image))
     logger.info("wrote %d sample images to %s", len(samples), directory)
     return samples

@@ -61,10 +61,11 @@ Rename = Callable[[str, str, nn.Module], str]
 def kohya_lora_name(prefix: str, module_name: str) -> str:
     """kohya's name for one LoRA module: `<prefix>_<module path with "." -> "_">`.
 
-    Text-encoder paths are written from `text_model.` on, as kohya, ComfyUI and AUTOMATIC1111 expect, even
-    though transformers >= 5 flattened CLIPTextModel (its modules now start at `encoder.`).
+    CLIP text-encoder paths are written from `text_model.` on, as kohya, ComfyUI and AUTOMATIC1111 expect, even
+    though transformers >= 5 flattened CLIPTextModel (its layers now start at `encoder.layers.`). T5's paths
+    (`encoder.block.`) are kohya's as they are.
     """
-    if prefix.startswith(PREFIX_TE) and not module_name.startswith("text_model."):
+    if prefix.startswith(PREFIX_TE) and module_name.startswith("encoder.layers."):
         module_name = "text_model." + module_name
     return f"{prefix}_{module_name.replace('.', '_')}"
 

@@ -20,7 +20,8 @@ UNET_TARGET_BLOCKS = ("Transformer2DModel",)
 # kohya's LoRA_TARGET_REPLACE_MODULE_CONV2D_3X3, used with conv_dim: 3x3 convs get conv_dim / conv_alpha, the
 # Linear and 1x1 convs there (time_emb_proj, conv_shortcut) network_dim / network_alpha.
 UNET_CONV_TARGET_BLOCKS = ("ResnetBlock2D", "Downsample2D", "Upsample2D")
-TEXT_ENCODER_TARGET_BLOCKS = ("CLIPAttention", "CLIPSdpaAttention", "CLIPFlashAttention2", "CLIPMLP")
+TEXT_ENCODER_TARGET_BLOCKS = ("CLIPAttention", "CLIPSdpaAttention", "CLIPFlashAttention2", "CLIPMLP",
+                              "T5Attention", "T5DenseGatedActDense")  # T5: FLUX's train_t5xxl (kohya's lora_flux)
 
 _DOWN = "lora_down.weight"
 _UP = "lora_up.weight"
@@ -99,13 +100,14 @@ def unet_conv_target_modules(unet: nn.Module) -> tuple[list[str], list[str]]:
 
 
 def text_encoder_target_modules(text_encoder: nn.Module) -> list[str]:
-    """Exact module names kohya's default LoRA trains in a CLIP text encoder.
-
-    q_proj, k_proj, v_proj, out_proj and mlp.fc1 / mlp.fc2 of every encoder layer.
+    """Exact module names kohya's default LoRA trains in a CLIP text encoder (q_proj, k_proj, v_proj, out_proj and
+    mlp.fc1 / mlp.fc2 of every encoder layer) or in T5 (SelfAttention q, k, v, o and DenseReluDense wi_0, wi_1,
+    wo of every block).
     """
     names = _targets_inside(text_encoder, TEXT_ENCODER_TARGET_BLOCKS, allow_conv_1x1=False)
     if not names:
-        raise ValueError(f"no CLIP attention/MLP blocks found in {type(text_encoder).__name__}: not a CLIP text model?")
+        raise ValueError(f"no CLIP or T5 attention/MLP blocks found in {type(text_encoder).__name__}: not a text "
+                         "encoder kohya trains?")
     return names
 
 

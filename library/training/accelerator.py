@@ -39,7 +39,9 @@ def accelerator_kwargs(config: Config) -> dict[str, Any]:
         "mixed_precision": config.mixed_precision,
         "gradient_accumulation_steps": config.gradient_accumulation_steps,
         "kwargs_handlers": handlers,
-        "dynamo_backend": config.dynamo_backend if config.torch_compile else "no",
+        # torch_compile compiles the denoiser's repeated blocks (training.model.compile_repeated_blocks), not the
+        # whole model as accelerate's dynamo_backend would: compile time is paid once per block type.
+        "dynamo_backend": "no",
         # The LR schedule counts optimizer steps; the trainer steps it once per optimizer step on every rank.
         "step_scheduler_with_optimizer": False,
     }

@@ -8,8 +8,10 @@ An explicit `cache_latents` / `cache_text_encoder_outputs` (true or false) alway
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
+from typing import Iterator, Sequence
 
 import torch
 from accelerate import Accelerator
@@ -19,6 +21,7 @@ from library.config import Config
 from library.data.cache import cache_latents, cache_text_encoder_outputs
 from library.data.dataset import TrainingData
 from library.models.family import Components
+from library.training.model import DiffusionModel
 
 logger = logging.getLogger(__name__)
 
@@ -73,3 +76,42 @@ def cache_inputs(config: Config, data: TrainingData, components: Components, acc
             return send_to_device(encoded, "cpu")
 
         cache_text_encoder_outputs(data, encode)
+
+
+def release_encoders(components: Components, model: DiffusionModel, plan: CachePlan, train_text_encoder: bool,
+                     sampling: bool, device: torch.device, validating: bool = False) -> None:
+    """Once the VAE's and the frozen text encoders' outputs are cached, only sampling needs them. Without sample
+    prompts their weights are dropped (moved to the meta device: the modules and configs stay, the memory goes);
+    with them they wait on the CPU between sampling rounds (`on_device`). A cached encoder also leaves the trained
+    module, which then holds only what each step runs. Validation images are encoded when validated (`validating`),
+    so the VAE then stays."""
+    parked: list[str] = []
+    if plan.text and not train_text_encoder:
+        model.text_encoders = torch.nn.ModuleList()
+        parked += [f"text encoder {i + 1}" for i in range(len(components.text_encoders))]
+        _park(components.text_encoders, sampling)
+    if plan.latents and not validating:
+        parked.append("VAE")
+        _park([components.vae], sampling)
+    if parked and not sampling:
+        logger.info("%s: outputs cached and no sample prompts, so the weights are freed", ", ".join(parked))
+    elif parked and device.type != "cpu":
+        logger.info("%s: outputs cached, so they wait on the CPU between sampling rounds", ", ".join(parked))
+
+
+def _park(modules: Sequence[torch.nn.Module], sampling: bool) -> None:
+    for module in modules:
+        module.to("cpu" if sampling else "meta")
+
+
+@contextlib.contextmanager
+def on_device(modules: Sequence[torch.nn.Module], device: torch.device) -> Iterator[None]:
+    """Bring modules parked on the CPU to `device` for the block, then back."""
+    moved = [m for m in modules if next(m.parameters()).device != device]
+    for module in moved:
+        module.to(device)
+    try:
+        yield
+    finally:
+        for module in moved:
+            module.to("cpu")

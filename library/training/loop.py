@@ -23,6 +23,7 @@ from library.monitoring.tracking import Trackers
 from library.monitoring.validation import evaluating, should_validate, validation_loss, validation_metrics
 from library.training import adapters as adapter_training
 from library.training.accelerator import prepare_accelerator
+from library.training.caching import on_device
 from library.training.faults import Interrupted, Preemption, agree, non_finite, non_finite_error, reported_save
 from library.training.model import DiffusionModel, batch_latents, diffusion_loss, lora_modules, save_lora
 from library.training.optim import schedule_free_eval
@@ -303,12 +304,14 @@ class Trainer:
 
         def encode_text(text: str) -> Mapping[str, torch.Tensor]:
             tokens = {k: v[None] for k, v in send_to_device(tokenize(text), device).items()}
-            return components.family.encode_text(list(unwrapped.text_encoders), tokens, config.clip_skip)
+            return components.family.encode_text(components.text_encoders, tokens, config.clip_skip)
 
-        models = SamplingModels(unwrapped.denoiser, list(unwrapped.text_encoders), components.vae,
+        # The components' encoders are the trained module's (LoRA attached in place) or, once cached, parked ones.
+        models = SamplingModels(unwrapped.denoiser, components.text_encoders, components.vae,
                                 components.tokenizers, components.noise_scheduler.config, components.family,
                                 "v_prediction" if components.v_prediction else None, encode_text)
-        with schedule_free_eval(s.optimizer), reported_save(s.output_dir / "sample", s.output_dir):
+        with (schedule_free_eval(s.optimizer), on_device([*components.text_encoders, components.vae], device),
+              reported_save(s.output_dir / "sample", s.output_dir)):
             samples = sample_images(
                 s.prompts, models, s.output_dir / "sample", config.output_name, base_seed=s.seed,
                 step=None if epoch is not None else self.state.global_step, epoch=epoch,

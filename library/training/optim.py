@@ -133,6 +133,15 @@ def optimizer_spec(name: str) -> OptimizerSpec:
     return OptimizerSpec(module or "torch.optim", cls)
 
 
+def uses_bitsandbytes(config: Any) -> bool:
+    """Whether the configured optimizer comes from bitsandbytes (kohya's names, use_8bit_adam, "module.Class")."""
+    try:
+        name = resolve_optimizer_type(config.optimizer_type, config.use_8bit_adam, config.use_lion_optimizer)
+    except UserError:
+        return True  # the optimizer's own check reports it; nothing is hidden meanwhile
+    return optimizer_spec(name).module.split(".")[0] == "bitsandbytes"
+
+
 def _find_class(module_name: str, cls_name: str, pip: str | None, what: str) -> type:
     try:
         module = importlib.import_module(module_name)

@@ -24,13 +24,14 @@ from library.monitoring.tracking import StepMetrics, TimestepLoss, lr_names
 from library.network import kohya_format, lora
 from library.network.metadata import lora_metadata, model_file_hashes
 from library.training import adapters as adapter_training
-from library.training.caching import cache_inputs, plan_caching
+from library.training.caching import cache_inputs, plan_caching, release_encoders
 from library.training.model import (
     SAVE_DTYPES,
     WEIGHT_DTYPES,
     DiffusionModel,
     NetworkSpec,
     build_model,
+    compile_repeated_blocks,
     load_adapter,
     lora_modules,
     network_spec,
@@ -136,12 +137,17 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     objective = family.objective(components, config, accelerator.device)
 
     model, groups = build_model(config, components, accelerator.device, spec)
+    if config.torch_compile and config.dynamo_backend != "no":
+        compile_repeated_blocks(model.denoiser, config.dynamo_backend)
     trainable = [p for group in groups for p in group["params"]]
     on_main_process(accelerator, lambda: check_free_space(
         output_dir, sum(p.numel() * p.element_size() for p in trainable),
         config.save_state or config.save_state_on_train_end or config.save_state_on_preemption))
-    cache_inputs(config, data, components, accelerator, vae_dtype,
-                 plan_caching(config, data, trained_parts(config)[1]))
+    train_text_encoder = trained_parts(config)[1]
+    caching = plan_caching(config, data, train_text_encoder)
+    cache_inputs(config, data, components, accelerator, vae_dtype, caching)
+    release_encoders(components, model, caching, train_text_encoder, bool(prompts), accelerator.device,
+                     validating=data.validation is not None)
     dataloader = data.dataloader(config.max_data_loader_n_workers, config.persistent_data_loader_workers)
     optimizer = build_optimizer(config.optimizer_type, groups, config.learning_rate, config.optimizer_args,
                                 use_8bit_adam=config.use_8bit_adam, use_lion_optimizer=config.use_lion_optimizer)

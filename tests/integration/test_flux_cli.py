@@ -100,6 +100,32 @@ def test_unet_network_args_are_refused_for_flux(flux_toml, tmp_path):
     assert_user_error(run_cli("--config", str(config)), "conv_dim: not for FLUX")
 
 
+def test_train_t5xxl_trains_t5_under_kohyas_lora_te3_names(flux_toml, tiny_flux_dir, tmp_path):
+    from transformers import T5EncoderModel
+
+    config = write(tmp_path / "lora.toml", flux_toml + f'output_dir = "{tmp_path}"\nmax_train_steps = 2\n'
+                   'network_args = ["train_t5xxl=True"]\n')
+    result = run_cli("--config", str(config))
+    assert result.returncode == 0, result.stderr
+    state_dict, metadata = load_kohya_lora(tmp_path / "last.safetensors")
+    t5 = T5EncoderModel.from_pretrained(tiny_flux_dir, subfolder="text_encoder_2")
+    expected = {f"lora_te3_encoder_block_{i}_layer_0_SelfAttention_{x}" for i in range(len(t5.encoder.block))
+                for x in "qkvo"}
+    expected |= {f"lora_te3_encoder_block_{i}_layer_1_DenseReluDense_{x}" for i in range(len(t5.encoder.block))
+                 for x in ("wi_0", "wi_1", "wo")}
+    modules = {key.split(".")[0] for key in state_dict}
+    assert {m for m in modules if m.startswith("lora_te3_")} == expected
+    assert any(m.startswith("lora_te1_") for m in modules)
+    assert all(state_dict[f"{m}.lora_up.weight"].abs().sum() > 0 for m in expected)  # T5's LoRA trained
+    assert "train_t5xxl" in metadata["ss_network_args"]
+
+
+def test_train_t5xxl_needs_the_text_encoders_trained(flux_toml, tmp_path):
+    config = write(tmp_path / "lora.toml", flux_toml + f'output_dir = "{tmp_path}"\nmax_train_steps = 1\n'
+                   'network_args = ["train_t5xxl=True"]\nnetwork_train_unet_only = true\n')
+    assert_user_error(run_cli("--config", str(config)), "train_t5xxl", "network_train_unet_only")
+
+
 def test_kohyas_separate_files_train_like_the_folder(reference, flux_toml, tiny_flux_dir, tmp_path):
     from library.models.tiny_flux import save_tiny_flux_files
 

@@ -1,0 +1,62 @@
+"""torch_compile on CPU: what compiling the repeated blocks costs and what it buys on the bench models.
+
+    python bench/compile.py [--models small] [--steps N] [--repeats R] [--backend inductor] [--json PATH]
+
+Each run is `train_network.py` in its own process (one thread) on the offline bench model and data/quickstart, with
+the minimal config of bench/startup_defaults.py (UNet-only LoRA, so the text cache is on), with and without
+`--torch_compile`. Reported: launch -> end of the first optimizer step (wall seconds; with torch_compile this holds
+the compile time of the first forward and backward), and the median CPU seconds per step over the later steps.
+Nothing is asserted; read the numbers next to the machine's load, which is printed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from startup_defaults import RESOLUTION, build_model, run_once  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=tuple(RESOLUTION), default=["small"])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--json", type=Path, help="write the raw results here")
+    args = parser.parse_args()
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    common = ("--network_train_unet_only",)
+    variants = {"eager": common, f"compiled ({args.backend})": (*common, "--torch_compile", "--dynamo_backend",
+                                                                 args.backend)}
+    results: dict[str, dict[str, list[dict]]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-compile-") as tmp:
+        for kind in args.models:
+            model = build_model(kind, Path(tmp) / f"model-{kind}")
+            runs: dict[str, list[dict]] = {name: [] for name in variants}
+            for repeat in range(args.repeats):
+                for name, extra in (variants.items() if repeat % 2 == 0 else reversed(variants.items())):
+                    work = Path(tmp) / f"{kind}-{len(runs[name])}-{name.split()[0]}"
+                    work.mkdir()
+                    runs[name].append(run_once(model, kind, args.steps, False, work, extra, timeout=3600))
+            results[kind] = runs
+    print(f"{'model':6s} {'variant':22s} {'first step s':>12s} {'cpu s/step':>11s}")
+    for kind, runs in results.items():
+        for name, rows in runs.items():
+            print(f"{kind:6s} {name:22s} {statistics.median(r['first_step_s'] for r in rows):12.1f} "
+                  f"{statistics.median(r['cpu_per_step_s'] for r in rows):11.3f}")
+        eager, compiled = (statistics.median(r["cpu_per_step_s"] for r in rows) for rows in runs.values())
+        print(f"{kind:6s} cpu s/step, compiled / eager: {compiled / eager:.2f}x")
+    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
