@@ -5,8 +5,10 @@
 
 For each config, `python train_network.py --config CONFIG` runs in a subprocess (output to a temporary folder;
 `--set` adds command-line overrides such as `max_train_steps=300`), timed. Then the base model named in the config
-is judged with and without the LoRA by library/judge.py: `--n` images per prompt from fixed seeds, the same noise
-for both. The report, per config:
+is judged with and without the LoRA by library/digits/judge.py: `--n` images per prompt from fixed seeds, the same
+noise for both, rendered as the base's family renders (SD: DDIM with classifier-free guidance 3; FLUX.1, such as
+models/digits-flux with configs/digits_flux_lora.toml: flow-matching Euler with the embedded guidance 3.5). The
+report, per config:
 
 - the trigger prompt ("a photo of sks"): the share of images judged to be the held-out digit, before -> after;
 - each trained digit's prompt: the share judged to be that digit, before -> after, and the change (leakage: how
@@ -20,6 +22,7 @@ See bench/README.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -74,7 +77,7 @@ def load_average() -> float | None:
 
 
 def measure(config: Path, overrides: list[str], settings: judge.Settings, workdir: Path,
-            base_cache: dict[str, dict[str, float]]) -> dict:
+            base_cache: dict[str, dict]) -> dict:
     resolved, _ = parse_config(["--config", str(config), *[f"--{o}" for o in overrides]])
     model = Path(resolved.pretrained_model_name_or_path)
     if not model.is_absolute():
@@ -82,13 +85,16 @@ def measure(config: Path, overrides: list[str], settings: judge.Settings, workdi
     asked = judge.prompts()
     key = str(model.resolve())
     if key not in base_cache:
-        base_cache[key], _ = judge.rates(judge.load_pipeline(model), asked, settings)
-    before = base_cache[key]
+        pipe = judge.load_pipeline(model)
+        rates, _ = judge.rates(pipe, asked, settings)
+        base_cache[key] = {"rates": rates, "settings": dataclasses.asdict(judge.settings_for(pipe, settings))}
+    before = base_cache[key]["rates"]
 
     load = load_average()
     lora, wall, cpu, status = train(config, workdir / config.stem, overrides)
     result = {"config": str(config), "overrides": overrides, "model": str(model), "train_seconds": wall,
-              "train_cpu_seconds": cpu, "load_average_before": load, "status": status, "before": before}
+              "train_cpu_seconds": cpu, "load_average_before": load, "status": status, "before": before,
+              "judge": base_cache[key]["settings"]}
     if status != 0 or not lora.is_file():
         result["error"] = f"train_network.py exited with status {status}"
         return result
@@ -111,6 +117,8 @@ def measure(config: Path, overrides: list[str], settings: judge.Settings, workdi
 
 def report(result: dict) -> str:
     lines = [f"== {Path(result['config']).name} {' '.join(result['overrides'])}".rstrip()]
+    rendered = result["judge"]
+    lines.append(f"   judged: {rendered['sampler']} {rendered['steps']} steps, guidance {rendered['scale']:g}")
     if "error" in result:
         return "\n".join(lines + [f"   {result['error']}"])
     load = result["load_average_before"]
@@ -140,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(REPO_ROOT)  # the configs' paths are relative to the repository root
     settings = judge.Settings(n=args.n, seed=args.seed)
     print(f"python {platform.python_version()}, {os.cpu_count()} CPUs; {settings.n} images per prompt, seed "
-          f"{settings.seed}, {settings.sampler} {settings.steps} steps, guidance {settings.scale:g}", flush=True)
+          f"{settings.seed}, {settings.steps} steps", flush=True)
     results = []
-    base_cache: dict[str, dict[str, float]] = {}
+    base_cache: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="quality-") as tmp:
         workdir = keep or Path(tmp)
         for config in configs:

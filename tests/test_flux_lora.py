@@ -224,3 +224,41 @@ def test_block_indices_choose_blocks(two_block_transformer):
     assert {n.split("_")[4] for n in names if "single" in n} == {"0", "2"}
     names, _, _ = kohya_names(two_block_transformer, "train_double_block_indices=none")
     assert not any("double" in name for name in names)
+
+
+def test_to_peft_loads_single_blocks_too_and_matches_our_output(tiny_flux_dir, tmp_path):
+    """diffusers cannot read kohya's single-block keys at the tiny model's widths; to_peft hands it peft keys that
+    give every trained layer (double, single, CLIP-L) the delta the trainer's LoRA has."""
+    from diffusers import FluxPipeline
+
+    from library.models.flux import Flux
+
+    pipe = FluxPipeline.from_pretrained(tiny_flux_dir, local_files_only=True)
+    ours = FluxPipeline.from_pretrained(tiny_flux_dir, local_files_only=True)
+    model = trained(ours.transformer)  # all blocks
+    lora.attach_lora(ours.text_encoder, lora.text_encoder_target_modules(ours.text_encoder), RANK, ALPHA)
+    with torch.no_grad():
+        for _, layer in lora.lora_layers(ours.text_encoder):
+            layer.lora_B["default"].weight.normal_()
+    state = Flux().export_lora_keys(kohya_format.kohya_state_dict({"lora_unet": model,
+                                                                   "lora_te1": ours.text_encoder}, ALPHA))
+    assert any(key.startswith("lora_unet_single_blocks_0_linear1") for key in state)
+    converted = flux_lora.to_peft(state, {"transformer": pipe.transformer, "text_encoder": pipe.text_encoder})
+    assert len(converted) == 2 * (len(lora_names(model)) + len(lora_names(ours.text_encoder)))
+    pipe.load_lora_weights(converted)
+    assert len(lora_names(pipe.transformer)) == len(lora_names(model)) == 20
+
+    g = torch.Generator().manual_seed(5)
+    inputs = dict(hidden_states=torch.randn(1, 16, 64, generator=g), encoder_hidden_states=torch.randn(1, 8, 32,
+                  generator=g), pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.4]),
+                  guidance=torch.tensor([3.5]), img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(8, 3),
+                  return_dict=False)
+    with torch.no_grad():
+        expected, got = model(**inputs)[0], pipe.transformer(**inputs)[0]
+        ids = torch.randint(0, 50, (1, 77), generator=g)
+        te_expected, te_got = ours.text_encoder(ids).pooler_output, pipe.text_encoder(ids).pooler_output
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(te_got, te_expected, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="fit no module"):
+        flux_lora.to_peft({"lora_unet_nowhere.lora_down.weight": torch.zeros(4, 8),
+                           "lora_unet_nowhere.lora_up.weight": torch.zeros(8, 4)}, {"transformer": pipe.transformer})

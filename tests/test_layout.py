@@ -14,7 +14,7 @@ ALLOWED = {
     "network": {"config", "core"},
     "monitoring": {"config", "core"},
     "training": {"config", "core", "data", "models", "network", "monitoring"},
-    "digits": {"config", "core", "monitoring"},
+    "digits": {"config", "core", "models", "monitoring"},  # models: FLUX LoRA keys for the judge
 }
 
 

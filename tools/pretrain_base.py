@@ -235,9 +235,11 @@ def evaluate(model: Path, recipe: Recipe) -> dict[str, Any]:
     asked = {digits.caption(d): d for d in digits.trained_digits()}
     asked[digits.TRIGGER_CAPTION] = digits.HELD_OUT
     asked[digits.caption(digits.HELD_OUT)] = digits.HELD_OUT
-    rates, _ = judge.rates(judge.load_pipeline(model), asked, settings)
+    pipe = judge.load_pipeline(model)
+    rates, _ = judge.rates(pipe, asked, settings)
     trained = [rates[digits.caption(d)] for d in digits.trained_digits()]
-    return {"settings": dataclasses.asdict(settings), "rates": rates, "mean_trained": float(np.mean(trained)),
+    return {"settings": dataclasses.asdict(judge.settings_for(pipe, settings)), "rates": rates,
+            "mean_trained": float(np.mean(trained)),
             "min_trained": float(np.min(trained))}
 
 

@@ -1,4 +1,4 @@
-"""The digits that models/digits-base was pretrained on, as images and captions.
+"""The digits that models/digits-base and models/digits-flux were pretrained on, as images and captions.
 
 scikit-learn ships 1,797 handwritten digits of 8x8 pixels (`sklearn.datasets.load_digits`, no download). Here each
 is upscaled to a 32x32 RGB image, dark ink on white, and captioned "a photo of <word>". One digit (`HELD_OUT`) is
@@ -10,7 +10,7 @@ import functools
 
 import numpy as np
 
-SIZE = 32  # pixels per side; the base's VAE downsamples 4x to 8x8 latents
+SIZE = 32  # pixels per side; both bases' VAEs downsample 4x to 8x8 latents (8x8x16 for FLUX: 16 packed tokens)
 SOURCE_SIZE = 8  # pixels per side in scikit-learn's digits
 SOURCE_MAX = 16  # ink values run 0..16
 WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")

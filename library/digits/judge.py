@@ -1,16 +1,22 @@
 """A judge for the digits base model: a classifier trained on the real digits, applied to generated images.
 
     python -m library.digits.judge [--model models/digits-base] [--lora FILE] [--n 100] [--seed 0] [--grids DIR]
+    python -m library.digits.judge --model models/digits-flux [--lora FILE] ...
 
 Each prompt is rendered `n` times from fixed seeds, in batches, with the base model's sampler, and each image is
 classified by a support-vector machine fitted on scikit-learn's real digits (seen through the same 32x32 upscaling
 the training images went through). A prompt's rate is the share of its images judged to be the digit it asks for;
 for the trigger prompt that is the held-out digit. With `--lora` the same images are rendered with and without the
 LoRA and both rates are shown.
+
+The family is told from the folder: a `transformer/` folder is a FLUX.1 model (models/digits-flux), rendered by
+FluxPipeline with flow-matching Euler and its embedded guidance (no classifier-free guidance, as FLUX.1 dev
+samples); otherwise a Stable Diffusion model rendered by StableDiffusionPipeline with classifier-free guidance.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import logging
 import sys
@@ -27,8 +33,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "digits-base"
 DEFAULT_STEPS = 20
-DEFAULT_SCALE = 3.0
+DEFAULT_SCALE = 3.0  # SD: classifier-free guidance
 DEFAULT_SAMPLER = "ddim"
+FLUX_GUIDANCE = 3.5  # FLUX.1 dev: the embedded guidance (FluxPipeline's and kohya's default)
+FLUX_SAMPLER = "euler"  # flow-matching Euler, FLUX's only sampler here
 BATCH = 100
 
 
@@ -76,26 +84,58 @@ class Settings:
     n: int = 100  # images per prompt
     seed: int = 0  # image i of every prompt starts from the same noise
     steps: int = DEFAULT_STEPS
-    scale: float = DEFAULT_SCALE
-    sampler: str = DEFAULT_SAMPLER
+    scale: float | None = None  # None: the family's default (DEFAULT_SCALE for SD, FLUX_GUIDANCE for FLUX)
+    sampler: str | None = None  # None: the family's default (DEFAULT_SAMPLER for SD, FLUX_SAMPLER for FLUX)
+
+
+def is_flux(pipe_or_folder: Any) -> bool:
+    """A FLUX.1 pipeline, or a folder holding one (told by its transformer/ folder)."""
+    if isinstance(pipe_or_folder, (str, Path)):
+        return (Path(pipe_or_folder) / "transformer").is_dir()
+    return hasattr(pipe_or_folder, "transformer")
+
+
+def settings_for(pipe: Any, settings: Settings) -> Settings:
+    """`settings` with the family's defaults filled in; FLUX has one sampler."""
+    if is_flux(pipe):
+        if settings.sampler not in (None, FLUX_SAMPLER):
+            raise ValueError(f"FLUX renders with flow-matching {FLUX_SAMPLER!r}, not {settings.sampler!r}")
+        defaults = (FLUX_GUIDANCE, FLUX_SAMPLER)
+    else:
+        defaults = (DEFAULT_SCALE, DEFAULT_SAMPLER)
+    return dataclasses.replace(settings, scale=defaults[0] if settings.scale is None else settings.scale,
+                               sampler=settings.sampler or defaults[1])
 
 
 def load_pipeline(model: str | Path = DEFAULT_MODEL, lora: str | Path | None = None) -> Any:
-    """The base model as a diffusers StableDiffusionPipeline on CPU, with a kohya-format LoRA loaded if given."""
-    from diffusers import StableDiffusionPipeline
+    """The base model as a diffusers StableDiffusionPipeline or FluxPipeline (told from the folder) on CPU, with a
+    kohya-format LoRA loaded if given."""
+    from diffusers import FluxPipeline, StableDiffusionPipeline
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
     diffusers_logging.disable_progress_bar()
     transformers_logging.disable_progress_bar()
-    pipe = StableDiffusionPipeline.from_pretrained(model, local_files_only=True, safety_checker=None,
-                                                   requires_safety_checker=False)
+    if is_flux(model):
+        pipe = FluxPipeline.from_pretrained(model, local_files_only=True)
+    else:
+        pipe = StableDiffusionPipeline.from_pretrained(model, local_files_only=True, safety_checker=None,
+                                                       requires_safety_checker=False)
     if lora is not None:
         # diffusers warns when a LoRA has no text-encoder part, which is how network_train_unet_only saves it.
         verbosity = diffusers_logging.get_verbosity()
         diffusers_logging.set_verbosity_error()
         try:
-            pipe.load_lora_weights(str(lora))
+            if is_flux(pipe):
+                # diffusers reads kohya's FLUX single-block keys only at FLUX.1's own widths: hand it peft keys.
+                from safetensors.torch import load_file
+
+                from library.models.flux_lora import to_peft
+
+                pipe.load_lora_weights(to_peft(load_file(str(lora)), {"transformer": pipe.transformer,
+                                                                      "text_encoder": pipe.text_encoder}))
+            else:
+                pipe.load_lora_weights(str(lora))
         finally:
             diffusers_logging.set_verbosity(verbosity)
     pipe.set_progress_bar_config(disable=True)
@@ -106,6 +146,9 @@ def load_pipeline(model: str | Path = DEFAULT_MODEL, lora: str | Path | None = N
 def render(pipe: Any, prompt: str, settings: Settings = Settings()) -> np.ndarray:
     """`settings.n` images of `prompt` -> (n, H, W) grey uint8. Image i starts from noise i of `settings.seed`,
     whatever n, the batch size or the prompt."""
+    settings = settings_for(pipe, settings)
+    if is_flux(pipe):
+        return _render_flux(pipe, prompt, settings)
     from library.monitoring.sampling import build_scheduler
 
     pipe.scheduler = build_scheduler(settings.sampler, pipe.scheduler.config)
@@ -120,9 +163,34 @@ def render(pipe: Any, prompt: str, settings: Settings = Settings()) -> np.ndarra
                        height=digits.SIZE, width=digits.SIZE, num_inference_steps=settings.steps,
                        guidance_scale=settings.scale, output_type="latent", return_dict=False)[0]
         pixels = vae.decode(latents / vae.config.scaling_factor, return_dict=False)[0]
-        # The pipeline's own 0..255 rounding, then the channel mean: the images a user would save, in grey.
-        rgb = ((pixels.float().clamp(-1, 1) + 1) * 127.5).round()
-        out.append(rgb.mean(dim=1).round().to(torch.uint8).numpy())
+        out.append(_grey(pixels))
+    return np.concatenate(out)
+
+
+def _grey(pixels: torch.Tensor) -> np.ndarray:
+    # The pipeline's own 0..255 rounding, then the channel mean: the images a user would save, in grey.
+    rgb = ((pixels.float().clamp(-1, 1) + 1) * 127.5).round()
+    return rgb.mean(dim=1).round().to(torch.uint8).numpy()
+
+
+def _render_flux(pipe: Any, prompt: str, settings: Settings) -> np.ndarray:
+    """FluxPipeline with the embedded guidance, T5 read to its tokenizer's model_max_length; the noise is drawn
+    unpacked ([n, 16, h, w]) and packed 2x2 as the pipeline packs its own."""
+    vae = pipe.vae
+    side = 2 * (digits.SIZE // (pipe.vae_scale_factor * 2))
+    channels = pipe.transformer.config.in_channels // 4
+    noise = torch.randn((settings.n, channels, side, side), generator=torch.Generator().manual_seed(settings.seed))
+    out = []
+    for start in range(0, settings.n, BATCH):
+        batch = noise[start:start + BATCH]
+        packed = pipe._pack_latents(batch, len(batch), channels, side, side)
+        latents = pipe(prompt, num_images_per_prompt=len(batch), latents=packed, height=digits.SIZE,
+                       width=digits.SIZE, num_inference_steps=settings.steps, guidance_scale=settings.scale,
+                       max_sequence_length=min(512, pipe.tokenizer_2.model_max_length), output_type="latent",
+                       return_dict=False)[0]
+        latents = pipe._unpack_latents(latents, digits.SIZE, digits.SIZE, pipe.vae_scale_factor)
+        latents = latents / vae.config.scaling_factor + vae.config.shift_factor
+        out.append(_grey(vae.decode(latents, return_dict=False)[0]))
     return np.concatenate(out)
 
 
@@ -182,8 +250,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=Settings.n, help="images per prompt")
     parser.add_argument("--seed", type=int, default=Settings.seed)
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
-    parser.add_argument("--scale", type=float, default=DEFAULT_SCALE, help="classifier-free guidance scale")
-    parser.add_argument("--sampler", default=DEFAULT_SAMPLER)
+    parser.add_argument("--scale", type=float, help=f"SD: classifier-free guidance scale (default {DEFAULT_SCALE:g}); "
+                        f"FLUX: the embedded guidance (default {FLUX_GUIDANCE:g})")
+    parser.add_argument("--sampler", help=f"SD: a kohya sampler name (default {DEFAULT_SAMPLER}); FLUX: "
+                        f"{FLUX_SAMPLER} only")
     parser.add_argument("--grids", type=Path, help="write base.png (and lora.png) sample grids into this folder")
     args = parser.parse_args(argv)
     from library.config import UserError
@@ -205,14 +275,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError, KeyError, RuntimeError) as error:
         parser.exit(2, f"error: cannot load {args.model}{f' with {args.lora}' if args.lora else ''}: {error}\n")
     try:
-        build_scheduler(settings.sampler, base.scheduler.config)
-    except UserError as error:
+        settings = settings_for(base, settings)
+        if not is_flux(base):
+            build_scheduler(settings.sampler, base.scheduler.config)
+    except (UserError, ValueError) as error:
         parser.exit(2, f"error: {error}\n")
     before, before_images = rates(base, asked, settings)
     after = after_images = None
     if with_lora is not None:
         after, after_images = rates(with_lora, asked, settings)
-    print(f"{settings.n} images per prompt, seed {settings.seed}; trigger {digits.TRIGGER_CAPTION!r} asks for the "
+    print(f"{settings.n} images per prompt, seed {settings.seed}, {settings.sampler} {settings.steps} steps, "
+          f"guidance {settings.scale:g}; trigger {digits.TRIGGER_CAPTION!r} asks for the "
           f"held-out digit {digits.HELD_OUT}")
     print(table(before, after, asked))
     if args.grids is not None:

@@ -218,7 +218,9 @@ class Flux(Family):
         return arguments
 
     def vae_latents(self, latents: torch.Tensor, vae_config: Any, width: int, height: int) -> torch.Tensor:
-        unpacked = unpack_latents(latents, 2 * (height // 16), 2 * (width // 16))
+        # FluxPipeline's latent side: 2 * (side // (2 * VAE factor)); FLUX's VAE is 8x, a tiny one may be 4x.
+        factor = 2 * 2 ** (len(vae_config.block_out_channels) - 1)
+        unpacked = unpack_latents(latents, 2 * (height // factor), 2 * (width // factor))
         return unpacked / vae_config.scaling_factor + vae_config.shift_factor
 
     def prompt_embeds(self, positive: Mapping[str, torch.Tensor],

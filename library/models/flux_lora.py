@@ -235,3 +235,36 @@ def _block_diagonal(up: torch.Tensor, offsets: list[int], rank: int) -> bool:
     for part in range(len(offsets) - 1):
         mask[offsets[part]:offsets[part + 1], part * rank:(part + 1) * rank] = False
     return not bool(up[mask].any())
+
+
+def to_peft(state_dict: dict[str, torch.Tensor], modules: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
+    """A kohya FLUX LoRA file's tensors -> diffusers' peft-format keys (`transformer.<path>.lora_A.weight`,
+    `text_encoder.<path>.lora_B.weight`) for `FluxPipeline.load_lora_weights`, which reads kohya's single-block
+    keys only at FLUX.1's own widths. `modules`: {"transformer": ..., "text_encoder": CLIP-L}; alpha / rank is
+    folded into B. Raises ValueError on a key no module of theirs takes."""
+    prefixes = {PREFIX: "transformer", "lora_te1": "text_encoder"}
+    names = {}
+    for prefix, component in prefixes.items():
+        if component in modules:
+            for path, module in modules[component].named_modules():
+                if isinstance(module, nn.Linear):
+                    names[f"{prefix}_{path.replace('.', '_')}"] = f"{component}.{path}"
+                    if component == "text_encoder" and not path.startswith("text_model."):
+                        # kohya names CLIP's layers under text_model (transformers < 5 kept that wrapper)
+                        names[f"{prefix}_text_model_{path.replace('.', '_')}"] = f"{component}.{path}"
+    grouped: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in from_kohya(state_dict).items():
+        name, role = _split_key(key)
+        grouped.setdefault(name, {})[role] = tensor
+    out, unknown = {}, []
+    for name, tensors in grouped.items():
+        if name not in names or DOWN not in tensors or UP not in tensors:
+            unknown.append(name)
+            continue
+        rank = tensors[DOWN].shape[0]
+        scale = float(tensors[ALPHA]) / rank if ALPHA in tensors else 1.0
+        out[f"{names[name]}.lora_A.weight"] = tensors[DOWN]
+        out[f"{names[name]}.lora_B.weight"] = tensors[UP] * scale
+    if unknown:
+        raise ValueError(f"LoRA keys that fit no module: {', '.join(sorted(unknown)[:5])}")
+    return out

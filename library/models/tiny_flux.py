@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -25,13 +25,13 @@ _T5_WORDS = ("a an the photo picture image of in on with and sks dog cat person 
              "digit zero one two three four five six seven eight nine number written drawn small large")
 
 
-def build_t5_tokenizer() -> Any:
-    """A T5 tokenizer (Unigram, T5's special ids: pad 0, eos 1, unk 2) over a small word list plus single
-    characters, so any ASCII caption tokenizes."""
+def build_t5_tokenizer(words: Sequence[str] | None = None) -> Any:
+    """A T5 tokenizer (Unigram, T5's special ids: pad 0, eos 1, unk 2) over a small word list (`words`, else a
+    built-in one) plus single characters, so any ASCII caption tokenizes."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import T5TokenizerFast
 
-    words = sorted(set(_T5_WORDS.split()))
+    words = sorted(set(_T5_WORDS.split() if words is None else words))
     chars = [chr(c) for c in range(33, 127)]
     vocab = [(T5_PAD, 0.0), (T5_EOS, 0.0), (T5_UNK, 0.0), ("▁", -3.0)]
     vocab += [("▁" + word, -2.0) for word in words] + [(c, -6.0) for c in chars]
