@@ -120,17 +120,10 @@ def test_guidance_and_timestep_reach_the_transformer(components):
     assert not torch.allclose(denoise(family, components, encoded, (301.0, 700.0))[0], base[0])
 
 
-def test_sampling_uses_flow_match_euler_and_the_g_guidance(components, tmp_path):
-    """Our round's image equals FluxPipeline's own decode of the same prompt embeddings, seed and --g."""
-    import numpy as np
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+def sampling_models(components):
+    """The tiny FLUX's sampling modules with a 16-token T5, prompts encoded as training encodes them."""
+    from library.monitoring.sampling import SamplingModels
 
-    from library.monitoring.sampling import SamplePrompt, SamplingModels, generate_image, load_prompts
-
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a photo of sks dog --g 2.0 --s 3 --w 64 --h 64 --d 5\n")
-    prompt = load_prompts(prompts)[0]
-    assert prompt.guidance == 2.0 and prompt.steps == 3
     family = dataclasses.replace(components.family, t5_max_length=16)
     tokenize = family.tokenizer(components, None)
 
@@ -138,8 +131,23 @@ def test_sampling_uses_flow_match_euler_and_the_g_guidance(components, tmp_path)
         tokens = {k: v[None] for k, v in tokenize(text).items()}
         return family.encode_text(components.text_encoders, tokens, None)
 
-    models = SamplingModels(components.denoiser, components.text_encoders, components.vae, components.tokenizers,
-                            components.noise_scheduler.config, family, None, encode_text)
+    return family, encode_text, SamplingModels(components.denoiser, components.text_encoders, components.vae,
+                                               components.tokenizers, components.noise_scheduler.config, family,
+                                               None, encode_text)
+
+
+def test_sampling_uses_flow_match_euler_and_the_g_guidance(components, tmp_path):
+    """Our round's image equals FluxPipeline's own decode of the same prompt embeddings, seed and --g."""
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+    from library.monitoring.sampling import SamplePrompt, generate_image, load_prompts
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a photo of sks dog --g 2.0 --s 3 --w 64 --h 64 --d 5\n")
+    prompt = load_prompts(prompts)[0]
+    assert prompt.guidance == 2.0 and prompt.steps == 3
+    family, encode_text, models = sampling_models(components)
     with torch.no_grad():
         ours = np.asarray(generate_image(prompt, models, seed=5))
         other_g = np.asarray(generate_image(dataclasses.replace(prompt, guidance=6.0), models, seed=5))
@@ -180,22 +188,14 @@ def test_true_cfg_runs_the_negative_prompt_beside_the_positive_as_kohya_does(com
     import numpy as np
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
-    from library.monitoring.sampling import SamplingModels, generate_image, load_prompts
+    from library.monitoring.sampling import generate_image, load_prompts
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a photo of sks dog --s 2 --w 64 --h 64 --d 3\n"
                        "a photo of sks dog --n a red digit --s 2 --w 64 --h 64 --d 3\n"
                        "a photo of sks dog --n a red digit --l 4 --s 2 --w 64 --h 64 --d 3\n")
     plain, negative_only, cfg = load_prompts(prompts)
-    family = dataclasses.replace(components.family, t5_max_length=16)
-    tokenize = family.tokenizer(components, None)
-
-    def encode_text(text):
-        tokens = {k: v[None] for k, v in tokenize(text).items()}
-        return family.encode_text(components.text_encoders, tokens, None)
-
-    models = SamplingModels(components.denoiser, components.text_encoders, components.vae, components.tokenizers,
-                            components.noise_scheduler.config, family, None, encode_text)
+    family, encode_text, models = sampling_models(components)
     with torch.no_grad():
         images = [np.asarray(generate_image(p, models, seed=3)) for p in (plain, negative_only, cfg)]
         pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(components.noise_scheduler.config),

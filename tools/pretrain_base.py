@@ -247,8 +247,6 @@ def model_card(recipe: Recipe, metrics: dict[str, Any], times: dict[str, float],
                size: int, judge_accuracy: dict[int, float], scaling_factor: float) -> str:
     held = digits.HELD_OUT
     settings = metrics["settings"]
-    rows = "\n".join(f"| {d} | `{digits.caption(d)}` | {metrics['rates'][digits.caption(d)]:.0%} |"
-                     for d in digits.trained_digits())
     versions = {"torch": torch.__version__, "python": platform.python_version()}
     for name in ("diffusers", "transformers", "sklearn"):
         versions[name] = __import__(name).__version__
@@ -305,11 +303,22 @@ Time with {recipe.threads} thread(s) on a 2-core CPU shared with other jobs (wal
 {times['vae']:.0f} s, UNet and text encoder {times['denoiser']:.0f} s, {times['total']:.0f} s in all with saving and
 judging ({times['cpu']:.0f} s of CPU time).
 
-## Metrics
+{metrics_section(metrics, judge_accuracy, 'guidance scale')}\
+"""
+
+
+def metrics_section(metrics: dict[str, Any], judge_accuracy: dict[int, float], guidance: str,
+                    guidance_note: str = "") -> str:
+    """The model card's judged accuracy: the table per trained digit and the held-out digit's rates."""
+    held = digits.HELD_OUT
+    settings = metrics["settings"]
+    rows = "\n".join(f"| {d} | `{digits.caption(d)}` | {metrics['rates'][digits.caption(d)]:.0%} |"
+                     for d in digits.trained_digits())
+    return f"""## Metrics
 
 Judged by `library/digits/judge.py` (an SVM fitted on the real digits; accuracy on real digits it was not fitted on:
 {np.mean(list(judge_accuracy.values())):.1%}). {settings['n']} images per prompt from seed {settings['seed']},
-sampler {settings['sampler']}, {settings['steps']} steps, guidance scale {settings['scale']:g}:
+sampler {settings['sampler']}, {settings['steps']} steps, {guidance} {settings['scale']:g}{guidance_note}:
 
 | digit | prompt | judged as that digit |
 |---|---|---|
@@ -322,18 +331,25 @@ The held-out digit is not known to the model: `{digits.TRIGGER_CAPTION}` gives i
 """
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the model folder to write")
+def recipe_from_args(recipe_type: type, default_out: Path, doc: str | None,
+                     argv: list[str] | None) -> tuple[argparse.Namespace, Any]:
+    """The pretraining command line: --out, --overwrite and one option per recipe field; sets the thread count."""
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    parser.add_argument("--out", type=Path, default=default_out, help="the model folder to write")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing folder")
-    for field in dataclasses.fields(Recipe):
+    for field in dataclasses.fields(recipe_type):
         parser.add_argument(f"--{field.name}", type=type(field.default), default=field.default)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if args.out.exists() and not args.overwrite:
         parser.exit(2, f"error: {args.out} exists (use --overwrite)\n")
-    recipe = Recipe(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Recipe)})
+    recipe = recipe_type(**{f.name: getattr(args, f.name) for f in dataclasses.fields(recipe_type)})
     torch.set_num_threads(recipe.threads)
+    return args, recipe
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, recipe = recipe_from_args(Recipe, DEFAULT_OUT, __doc__, argv)
     started, cpu_started = time.perf_counter(), time.process_time()
     times: dict[str, float] = {}
 

@@ -20,7 +20,6 @@ library/digits/judge.py; the model card (README.md in the folder) records the re
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -45,7 +44,15 @@ from library.models.flow_matching import flux_shift_mu, time_shift  # noqa: E402
 from library.models.flux import image_ids, pack_latents  # noqa: E402
 from library.models.tiny import MODEL_MAX_LENGTH, _write_pipeline, build_tiny_tokenizer  # noqa: E402
 from library.models.tiny_flux import build_t5_tokenizer  # noqa: E402
-from tools.pretrain_base import _log_every, encode, folder_bytes, train_vae, training_set  # noqa: E402
+from tools.pretrain_base import (  # noqa: E402
+    _log_every,
+    encode,
+    folder_bytes,
+    metrics_section,
+    recipe_from_args,
+    train_vae,
+    training_set,
+)
 
 logger = logging.getLogger("pretrain_flux_base")
 
@@ -221,8 +228,6 @@ def model_card(recipe: Recipe, metrics: dict[str, Any], times: dict[str, float],
                size: int, judge_accuracy: dict[int, float], vae_factors: tuple[float, float]) -> str:
     held = digits.HELD_OUT
     settings = metrics["settings"]
-    rows = "\n".join(f"| {d} | `{digits.caption(d)}` | {metrics['rates'][digits.caption(d)]:.0%} |"
-                     for d in digits.trained_digits())
     versions = {"torch": torch.__version__, "python": platform.python_version()}
     for name in ("diffusers", "transformers", "sklearn"):
         versions[name] = __import__(name).__version__
@@ -292,35 +297,12 @@ Time with {recipe.threads} thread(s) on a 2-core CPU shared with other jobs (wal
 {times['vae']:.0f} s, transformer and text encoders {times['denoiser']:.0f} s, {times['total']:.0f} s in all with
 saving and judging ({times['cpu']:.0f} s of CPU time).
 
-## Metrics
-
-Judged by `library/digits/judge.py` (an SVM fitted on the real digits; accuracy on real digits it was not fitted on:
-{np.mean(list(judge_accuracy.values())):.1%}). {settings['n']} images per prompt from seed {settings['seed']},
-sampler {settings['sampler']}, {settings['steps']} steps, guidance {settings['scale']:g} (the embedded guidance):
-
-| digit | prompt | judged as that digit |
-|---|---|---|
-{rows}
-
-Mean over the trained digits: **{metrics['mean_trained']:.1%}** (lowest {metrics['min_trained']:.0%}).
-The held-out digit is not known to the model: `{digits.TRIGGER_CAPTION}` gives it in
-{metrics['rates'][digits.TRIGGER_CAPTION]:.0%} of images and `{digits.caption(held)}` in
-{metrics['rates'][digits.caption(held)]:.0%}.
+{metrics_section(metrics, judge_accuracy, 'guidance', ' (the embedded guidance)')}\
 """
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the model folder to write")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing folder")
-    for field in dataclasses.fields(Recipe):
-        parser.add_argument(f"--{field.name}", type=type(field.default), default=field.default)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    if args.out.exists() and not args.overwrite:
-        parser.exit(2, f"error: {args.out} exists (use --overwrite)\n")
-    recipe = Recipe(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Recipe)})
-    torch.set_num_threads(recipe.threads)
+    args, recipe = recipe_from_args(Recipe, DEFAULT_OUT, __doc__, argv)
     started, cpu_started = time.perf_counter(), time.process_time()
     times: dict[str, float] = {}
 
