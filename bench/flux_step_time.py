@@ -42,7 +42,9 @@ def run_ours(args: argparse.Namespace) -> list[float]:
         "--max_train_steps", str(args.steps), "--seed", "0", "--learning_rate", "1e-4", "--network_dim", "4",
         "--network_alpha", "4", "--network_train_unet_only", "--network_module", "networks.lora_flux",
         "--t5xxl_max_token_length", str(T5_LENGTH), "--timestep_sampling", "sigmoid",
-        "--model_prediction_type", "raw", "--max_grad_norm", "0"])
+        "--model_prediction_type", "raw", "--max_grad_norm", "0",
+        # The bare loop encodes each step; ours would cache both by default.
+        "--cache_latents", "false", "--cache_text_encoder_outputs", "false"])
     return run(config).step_times
 
 
