@@ -61,10 +61,6 @@ def is_bfl_flux(path: Path) -> bool:
     return any(key.removeprefix(BFL_PREFIX) == BFL_MARKER for key in keys)
 
 
-def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-
-
 def _assign(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str,
             tied: tuple[str, ...] = ()) -> None:
     expected = set(model.state_dict())
@@ -105,24 +101,24 @@ def load_flux_files(path: Path, clip_l: str | None, t5xxl: str | None, ae: str |
         config["guidance_embeds"] = guidance  # dev or schnell is the file's, not the folder's
         with init_empty_weights():
             transformer = FluxTransformer2DModel.from_config(config)
-        _assign(transformer, _cast(diffusers_state_dict(state, config), weight_dtype), str(path))
+        _assign(transformer, diffusers_state_dict(state, config), str(path))
 
         vae_config = dict(AutoencoderKL.load_config(config_dir, subfolder="vae", **local))
         with init_empty_weights():
             vae = AutoencoderKL.from_config(vae_config)
         ae_state = convert_ldm_vae_checkpoint(read_safetensors(Path(ae), dtype=vae_dtype), vae_config)
-        _assign(vae, _cast(ae_state, vae_dtype), str(ae))
+        _assign(vae, ae_state, str(ae))
 
         with init_empty_weights():
             clip = CLIPTextModel(CLIPTextConfig.from_pretrained(config_dir, subfolder="text_encoder", **local))
         clip_state = {k.removeprefix("text_model."): v
                       for k, v in read_safetensors(Path(clip_l), dtype=weight_dtype).items()}
-        _assign(clip, _cast(clip_state, weight_dtype), str(clip_l))
+        _assign(clip, clip_state, str(clip_l))
 
         with init_empty_weights():
             t5 = T5EncoderModel(T5Config.from_pretrained(config_dir, subfolder="text_encoder_2", **local))
         t5_state = read_safetensors(Path(t5xxl), dtype=weight_dtype)
-        _assign(t5, _cast(t5_state, weight_dtype), str(t5xxl), tied=("encoder.embed_tokens.weight",))
+        _assign(t5, t5_state, str(t5xxl), tied=("encoder.embed_tokens.weight",))
 
         tokenizers = [load_tokenizer(config_dir, "tokenizer"), load_t5_tokenizer(config_dir / "tokenizer_2")]
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(config_dir, subfolder="scheduler", **local)
