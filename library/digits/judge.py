@@ -176,6 +176,8 @@ def _grey(pixels: torch.Tensor) -> np.ndarray:
 def _render_flux(pipe: Any, prompt: str, settings: Settings) -> np.ndarray:
     """FluxPipeline with the embedded guidance, T5 read to its tokenizer's model_max_length; the noise is drawn
     unpacked ([n, 16, h, w]) and packed 2x2 as the pipeline packs its own."""
+    from library.models.flux import Flux, pack_latents
+
     vae = pipe.vae
     side = 2 * (digits.SIZE // (pipe.vae_scale_factor * 2))
     channels = pipe.transformer.config.in_channels // 4
@@ -183,13 +185,12 @@ def _render_flux(pipe: Any, prompt: str, settings: Settings) -> np.ndarray:
     out = []
     for start in range(0, settings.n, BATCH):
         batch = noise[start:start + BATCH]
-        packed = pipe._pack_latents(batch, len(batch), channels, side, side)
-        latents = pipe(prompt, num_images_per_prompt=len(batch), latents=packed, height=digits.SIZE,
+        latents = pipe(prompt, num_images_per_prompt=len(batch), latents=pack_latents(batch), height=digits.SIZE,
                        width=digits.SIZE, num_inference_steps=settings.steps, guidance_scale=settings.scale,
                        max_sequence_length=min(512, pipe.tokenizer_2.model_max_length), output_type="latent",
                        return_dict=False)[0]
-        latents = pipe._unpack_latents(latents, digits.SIZE, digits.SIZE, pipe.vae_scale_factor)
-        latents = latents / vae.config.scaling_factor + vae.config.shift_factor
+        # What the trainer's sampling decodes: unpacked, unscaled, unshifted.
+        latents = Flux().vae_latents(latents, vae.config, digits.SIZE, digits.SIZE)
         out.append(_grey(vae.decode(latents, return_dict=False)[0]))
     return np.concatenate(out)
 
