@@ -186,17 +186,15 @@ def build_model(config: Config, components: Components, device: torch.device,
 
 
 def compile_repeated_blocks(denoiser: torch.nn.Module, backend: str) -> None:
-    """torch_compile: compile each of the denoiser's repeated blocks in place (regional compilation; diffusers names
-    them in `_repeated_blocks`: SD's BasicTransformerBlock, FLUX's double and single blocks). Blocks of one type
-    and shape share one compiled graph, so compile time is paid per block type, not for the whole model."""
-    kinds = tuple(getattr(denoiser, "_repeated_blocks", ()) or ())
-    blocks = [m for m in denoiser.modules() if type(m).__name__ in kinds]
-    if not blocks:
-        raise UserError(f"torch_compile: {type(denoiser).__name__} names no repeated blocks to compile")
-    for block in blocks:
-        block.compile(backend=backend)
-    logger.info("torch_compile: %d blocks (%s) compiled with the %s backend; the first steps include compiling",
-                len(blocks), ", ".join(kinds), backend)
+    """torch_compile: diffusers' regional compilation, each of the denoiser's `_repeated_blocks` (SD's
+    BasicTransformerBlock, FLUX's double and single blocks) compiled in place. Blocks of one type and shape share
+    one compiled graph, so compile time is paid per block type, not for the whole model."""
+    try:
+        denoiser.compile_repeated_blocks(backend=backend)
+    except (AttributeError, ValueError) as e:
+        raise UserError(f"torch_compile: {type(denoiser).__name__} has no repeated blocks to compile ({e})") from None
+    logger.info("torch_compile: repeated blocks (%s) compiled with the %s backend; the first steps include compiling",
+                ", ".join(denoiser._repeated_blocks), backend)
 
 
 def lora_modules(model: DiffusionModel, config: Config) -> dict[str, torch.nn.Module]:
