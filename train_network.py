@@ -68,18 +68,24 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
 def hide_unused_packages(config: Config) -> list[str]:
     """Hide installed packages the run does not use from the libraries that import whatever is installed.
 
-    diffusers, peft and transformers import bitsandbytes whenever it is installed, and it brings torch's compiler
-    stack with it: about a second and 45 MiB at start-up. Only bitsandbytes' optimizers use it here. A name set to
-    None in sys.modules reads as not installed to importlib.util.find_spec, which is how those libraries ask.
+    A name set to None in sys.modules reads as not installed to importlib.util.find_spec, which is how diffusers,
+    transformers, peft and accelerate ask before importing an optional package. Hidden here:
+    - bitsandbytes, unless the optimizer is one of its own: those libraries import it whenever it is installed, and
+      it brings torch's compiler stack with it (about a second and 45 MiB at start-up);
+    - scipy, unless the run samples images: transformers imports it for object-detection losses (about 55 MiB);
+      here only diffusers' LMS sampler uses it, and a sample prompt may ask for that one with --ss;
+    - boto3, which accelerate imports for its SageMaker configuration (about 7 MiB).
     """
     from library.training.optim import uses_bitsandbytes
 
-    hidden = []
     # Once imported, those libraries have recorded what is installed and would fail to import a hidden package.
-    askers = ("diffusers", "transformers", "peft", "accelerate", "bitsandbytes")
-    if not uses_bitsandbytes(config) and not any(name in sys.modules for name in askers):
-        sys.modules["bitsandbytes"] = None
-        hidden.append("bitsandbytes")
+    askers = ("diffusers", "transformers", "peft", "accelerate", "bitsandbytes", "scipy", "boto3")
+    if any(name in sys.modules for name in askers):
+        return []
+    unused = {"bitsandbytes": not uses_bitsandbytes(config), "scipy": not config.sample_prompts, "boto3": True}
+    hidden = [name for name, hide in unused.items() if hide]
+    for name in hidden:
+        sys.modules[name] = None
     return hidden
 
 

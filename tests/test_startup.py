@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -15,16 +16,24 @@ from library.training.optim import uses_bitsandbytes
 REPO = Path(__file__).resolve().parent.parent
 
 CHILD = """
-import importlib.util, sys
+import json, sys
 import train_network
 from library.config import parse_config
 config, _ = parse_config(sys.argv[1:])
 hidden = train_network.hide_unused_packages(config)
-from diffusers import UNet2DConditionModel
+import accelerate
+from diffusers import LMSDiscreteScheduler, UNet2DConditionModel
+from transformers import CLIPTextModel
 from library.training import loop
-print(hidden, "bitsandbytes" in sys.modules and sys.modules["bitsandbytes"] is not None,
-      importlib.util.find_spec("bitsandbytes") is not None)
+try:
+    LMSDiscreteScheduler()  # diffusers' stand-in raises when scipy is missing
+    lms = "works"
+except ImportError:
+    lms = "needs scipy"
+loaded = [name for name in ("bitsandbytes", "scipy", "boto3") if sys.modules.get(name) is not None]
+print(json.dumps({"hidden": hidden, "loaded": loaded, "lms": lms}))
 """
+OPTIONAL = ("bitsandbytes", "scipy", "boto3")
 
 
 @pytest.mark.parametrize("args, used", [
@@ -39,15 +48,29 @@ def test_bitsandbytes_is_used_only_by_its_optimizers(args, used, tiny_sd1_dir, s
     assert uses_bitsandbytes(config) is used
 
 
-@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed")
-def test_a_run_without_its_optimizers_never_imports_bitsandbytes(tiny_sd1_dir, sample_data_dir, tmp_path):
-    argv = ["--pretrained_model_name_or_path", str(tiny_sd1_dir), "--train_data_dir", str(sample_data_dir),
-            "--output_dir", str(tmp_path)]
+def child_imports(argv: list[str]) -> dict:
     result = subprocess.run([sys.executable, "-c", CHILD, *argv], cwd=REPO, capture_output=True, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
     assert result.returncode == 0, result.stderr
-    # diffusers, peft and transformers ask importlib.util.find_spec before importing it.
-    assert result.stdout.strip().splitlines()[-1] == "['bitsandbytes'] False False"
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_a_run_that_samples_nothing_imports_no_optional_package(tiny_sd1_dir, sample_data_dir, tmp_path):
+    seen = child_imports(["--pretrained_model_name_or_path", str(tiny_sd1_dir), "--train_data_dir",
+                          str(sample_data_dir), "--output_dir", str(tmp_path)])
+    assert seen["hidden"] == list(OPTIONAL)
+    # diffusers, transformers, peft and accelerate ask importlib.util.find_spec before importing them.
+    assert seen["loaded"] == []
+
+
+@pytest.mark.skipif(importlib.util.find_spec("scipy") is None, reason="scipy is not installed")
+def test_a_run_that_samples_keeps_scipy_for_the_lms_sampler(tiny_sd1_dir, sample_data_dir, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a photo of sks --ss k_lms\n")
+    seen = child_imports(["--pretrained_model_name_or_path", str(tiny_sd1_dir), "--train_data_dir",
+                          str(sample_data_dir), "--output_dir", str(tmp_path), "--sample_prompts", str(prompts)])
+    assert seen["hidden"] == ["bitsandbytes", "boto3"]
+    assert seen["lms"] == "works"
 
 
 def test_nothing_is_hidden_once_the_libraries_that_ask_are_loaded(tiny_sd1_dir, sample_data_dir, tmp_path):
@@ -58,4 +81,4 @@ def test_nothing_is_hidden_once_the_libraries_that_ask_are_loaded(tiny_sd1_dir, 
     config, _ = parse_config(["--pretrained_model_name_or_path", str(tiny_sd1_dir), "--train_data_dir",
                               str(sample_data_dir), "--output_dir", str(tmp_path)])
     assert train_network.hide_unused_packages(config) == []
-    assert sys.modules.get("bitsandbytes", "absent") is not None
+    assert all(sys.modules.get(name, "absent") is not None for name in OPTIONAL)
