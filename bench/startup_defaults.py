@@ -25,6 +25,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RESOLUTION = {"tiny": 64, "small": 128}
+STEPS = 12  # per run: the first is launch -> first step, the other 11 give the CPU per step
 # Runs inside the child: train_network.main with a hook that records the process's CPU time and the wall clock at
 # the end of each optimizer step, then the peak RSS. Written to the JSON file named in argv[1].
 CHILD = r"""
@@ -78,27 +79,24 @@ def run_once(model: Path, kind: str, steps: int, caching_off: bool, work: Path, 
             "peak_rss_mib": result["peak_rss_mib"]}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", choices=tuple(RESOLUTION), default=["tiny", "small"])
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", type=Path, help="write the raw results here")
-    args = parser.parse_args()
-    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+def compare(models: list[str], steps: int, repeats: int) -> dict[str, dict[str, list[dict]]]:
+    """Run each model's two variants `repeats` times, alternating; the runs by model and variant."""
     results: dict[str, dict[str, list[dict]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-defaults-") as tmp:
-        for kind in args.models:
+        for kind in models:
             model = build_model(kind, Path(tmp) / f"model-{kind}")
             runs: dict[str, list[dict]] = {"defaults": [], "caching off": []}
-            for repeat in range(args.repeats):
+            for repeat in range(repeats):
                 order = ("defaults", "caching off") if repeat % 2 == 0 else ("caching off", "defaults")
                 for variant in order:
                     work = Path(tmp) / f"{kind}-{variant.replace(' ', '-')}-{repeat}"
                     work.mkdir()
-                    runs[variant].append(run_once(model, kind, args.steps, variant == "caching off",
-                                                  work))
+                    runs[variant].append(run_once(model, kind, steps, variant == "caching off", work))
             results[kind] = runs
+    return results
+
+
+def print_results(results: dict[str, dict[str, list[dict]]]) -> None:
     print("medians over the repeats; cpu s/step: user + system CPU seconds per optimizer step after the first")
     print(f"{'model':6s} {'variant':12s} {'first step s':>12s} {'cpu s/step':>11s} {'peak RSS MiB':>13s}")
     for kind, runs in results.items():
@@ -109,11 +107,22 @@ def main() -> int:
         ratio = (statistics.median(r["cpu_per_step_s"] for r in runs["defaults"])
                  / statistics.median(r["cpu_per_step_s"] for r in runs["caching off"]))
         print(f"{kind:6s} cpu s/step, defaults / caching off: {ratio:.2f}x")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=tuple(RESOLUTION), default=["tiny", "small"])
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="write the raw results here")
+    args = parser.parse_args()
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    results = compare(args.models, args.steps, args.repeats)
+    print_results(results)
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

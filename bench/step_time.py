@@ -3,7 +3,7 @@
     python bench/step_time.py [--models tiny small] [--steps N] [--repeats R]
                               [--warmup W] [--batch_size B] [--threads T] [--device auto|cpu|cuda]
                               [--mixed_precision no|fp16|bf16] [--timeout S] [--retries K] [--budget S]
-                              [--json PATH] [--profile DIR]
+                              [--json PATH] [--profile DIR] [--no-defaults]
 
 "ours" is `library.training.loop.run(config)` with a Config built by `library.config.parse_config` (the same path as
 `python train_network.py ...`); its RunResult.step_times are the wall seconds of each optimizer step. "bare" is a
@@ -18,6 +18,11 @@ stretches of a shared machine hit both. A run during which other processes kept 
 run again once; noisy runs are left out of the table when quiet runs of both variants exist. The first W steps of
 each run are dropped; the table shows the median and mean of the rest, pooled over runs, and the ratio ours / bare
 (target: within 1.05x), then per-run medians, the best-run ratio and the ratio of each same-repeat pair.
+
+Then, unless --no-defaults, the out-of-the-box comparison of bench/startup_defaults.py for the same models and
+repeats: the minimal config (model, data, resolution, batch, steps) with this trainer's defaults against the same
+config with caching off, each a `train_network.py` process with one thread: launch -> first step, CPU seconds per
+step, peak RSS.
 
 This is a benchmark, not a test: it asserts nothing about time. See bench/README.md.
 """
@@ -469,10 +474,18 @@ def parent_main(args: argparse.Namespace) -> int:
         rows.append(row)
 
     _print_table(rows, args)
+    defaults = None
+    if args.defaults:
+        import startup_defaults
+
+        print("\nout of the box (bench/startup_defaults.py): the minimal config with this trainer's defaults "
+              "against the same config with caching off, one thread")
+        defaults = startup_defaults.compare(args.models, startup_defaults.STEPS, args.repeats)
+        startup_defaults.print_results(defaults)
     print(f"total {time.perf_counter() - started:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps({"argv": sys.argv, "torch": torch.__version__, "device": args.device,
-                                               "threads": args.threads, "rows": rows,
+                                               "threads": args.threads, "rows": rows, "defaults": defaults,
                                                "runs": {f"{m}/{v}": r for (m, v), r in all_runs.items()}}, indent=1))
         print("wrote", args.json)
     return 0
@@ -543,6 +556,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--mixed_precision", choices=("no", "fp16", "bf16"), default="no")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--defaults", action=argparse.BooleanOptionalAction, default=True,
+                        help="also compare the minimal config's defaults with caching off (bench/startup_defaults.py)")
     parser.add_argument("--rank", type=int, default=4, help="LoRA rank (network_dim)")
     parser.add_argument("--alpha", type=float, default=1.0, help="LoRA alpha (network_alpha)")
     parser.add_argument("--timeout", type=float, default=60,
