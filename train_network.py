@@ -35,8 +35,7 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
         print(text)
         return 0 if usable else 2
 
-    if own_process:
-        hide_unused_packages(config)
+    hidden = hide_unused_packages(config) if own_process else []
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=config.console_log_level if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -44,6 +43,8 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
     logging.getLogger("accelerate").setLevel(logging.WARNING)
     for note in notes:
         logging.getLogger("config").info(note)
+    if hidden:
+        logging.getLogger("startup").debug("not imported, unused by this run: %s", ", ".join(hidden))
 
     from library.training import loop
     from library.training.faults import Interrupted, raise_interrupted

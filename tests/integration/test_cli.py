@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from library.config import parse_config
-from library.network.kohya_format import read_metadata
+from library.network.kohya_format import load_kohya_lora, read_metadata
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_cli(*args: str, cwd: Path = REPO, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+def run_cli(*args: str, cwd: Path = REPO, timeout: int = 300, **env_vars: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), **env_vars}
     return subprocess.run([sys.executable, str(REPO / "train_network.py"), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -87,6 +87,23 @@ def test_trains_and_writes_a_kohya_file(base_toml, tmp_path):
     assert metadata["ss_base_model_version"] == "sd_v1"
     assert metadata["modelspec.architecture"] == "stable-diffusion-v1/lora"
     assert not list((tmp_path / "out").glob("*.tmp"))
+
+
+def test_the_command_trains_the_lora_the_loop_trains_in_this_process(base_toml, tmp_path):
+    """The command hides the optional packages its run does not use before the libraries load; in this process
+    they are loaded already, so nothing is hidden. Same seed, same threads: the same LoRA, bit for bit."""
+    import torch
+
+    import train_network
+
+    config = write(tmp_path / "lora.toml", base_toml + "max_train_steps = 3\nseed = 5\n")
+    result = run_cli("--config", str(config), "--output_name", "command", "--console_log_level", "DEBUG",
+                     OMP_NUM_THREADS=str(torch.get_num_threads()))
+    assert result.returncode == 0, result.stderr
+    assert "not imported, unused by this run: bitsandbytes, scipy, boto3" in result.stderr
+    assert train_network.main(["--config", str(config), "--output_name", "here"]) == 0
+    command, here = (load_kohya_lora(tmp_path / "out" / f"{name}.safetensors")[0] for name in ("command", "here"))
+    assert command.keys() == here.keys() and all(torch.equal(command[k], here[k]) for k in command)
 
 
 def test_output_config_writes_a_reloadable_file(base_toml, tmp_path):
