@@ -1,10 +1,11 @@
 """Out of the box: a minimal config with this trainer's defaults against the same config with caching off, and
 the cost of getting to the first step.
 
-    python bench/startup_defaults.py [--models tiny small] [--steps N] [--repeats R] [--json PATH]
+    python bench/startup_defaults.py [--models tiny small quickstart] [--steps N] [--repeats R] [--json PATH]
 
 Each run is `train_network.py` in its own process (one thread), on the offline bench model and data/quickstart,
-with only the model, data, resolution, batch size and steps given; the "caching off" variant adds
+with only the model, data, resolution, batch size and steps given (`quickstart`: configs/quickstart.toml as
+shipped, with its step count cut to N); the "caching off" variant adds
 `--cache_latents false --cache_text_encoder_outputs false` (the defaults before caching became automatic). The
 variants alternate. Reported per run: launch -> end of the first optimizer step (wall seconds from starting the
 process), CPU seconds per step after the first (user + system of the process, read at each step), and peak RSS
@@ -59,13 +60,16 @@ def build_model(kind: str, folder: Path) -> Path:
     return folder
 
 
-def run_once(model: Path, kind: str, steps: int, caching_off: bool, work: Path, extra: tuple[str, ...] = (),
+def run_once(model: Path | None, kind: str, steps: int, caching_off: bool, work: Path, extra: tuple[str, ...] = (),
              timeout: int = 900) -> dict:
     """One training process; launch -> first step (wall s), median CPU s per later step, peak RSS (MiB)."""
     out = work / "result.json"
-    argv = ["--pretrained_model_name_or_path", str(model), "--train_data_dir", str(REPO / "data" / "quickstart"),
-            "--resolution", str(RESOLUTION[kind]), "--train_batch_size", "4", "--max_train_steps", str(steps),
-            "--output_dir", str(work / "out"), "--output_name", "bench", "--seed", "0", *extra]
+    if kind == "quickstart":  # the shipped config as it stands, cut to `steps` steps
+        argv = ["--config", str(REPO / "configs" / "quickstart.toml")]
+    else:
+        argv = ["--pretrained_model_name_or_path", str(model), "--train_data_dir", str(REPO / "data" / "quickstart"),
+                "--resolution", str(RESOLUTION[kind]), "--train_batch_size", "4", "--seed", "0"]
+    argv += ["--max_train_steps", str(steps), "--output_dir", str(work / "out"), "--output_name", "bench", *extra]
     if caching_off:
         argv += ["--cache_latents", "false", "--cache_text_encoder_outputs", "false"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -84,7 +88,7 @@ def compare(models: list[str], steps: int, repeats: int) -> dict[str, dict[str, 
     results: dict[str, dict[str, list[dict]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-defaults-") as tmp:
         for kind in models:
-            model = build_model(kind, Path(tmp) / f"model-{kind}")
+            model = None if kind == "quickstart" else build_model(kind, Path(tmp) / f"model-{kind}")
             runs: dict[str, list[dict]] = {"defaults": [], "caching off": []}
             for repeat in range(repeats):
                 order = ("defaults", "caching off") if repeat % 2 == 0 else ("caching off", "defaults")
@@ -98,20 +102,21 @@ def compare(models: list[str], steps: int, repeats: int) -> dict[str, dict[str, 
 
 def print_results(results: dict[str, dict[str, list[dict]]]) -> None:
     print("medians over the repeats; cpu s/step: user + system CPU seconds per optimizer step after the first")
-    print(f"{'model':6s} {'variant':12s} {'first step s':>12s} {'cpu s/step':>11s} {'peak RSS MiB':>13s}")
+    print(f"{'model':10s} {'variant':12s} {'first step s':>12s} {'cpu s/step':>11s} {'peak RSS MiB':>13s}")
     for kind, runs in results.items():
         for variant, rows in runs.items():
             med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
-            print(f"{kind:6s} {variant:12s} {med['first_step_s']:12.2f} {med['cpu_per_step_s']:11.3f} "
+            print(f"{kind:10s} {variant:12s} {med['first_step_s']:12.2f} {med['cpu_per_step_s']:11.3f} "
                   f"{med['peak_rss_mib']:13.0f}")
         ratio = (statistics.median(r["cpu_per_step_s"] for r in runs["defaults"])
                  / statistics.median(r["cpu_per_step_s"] for r in runs["caching off"]))
-        print(f"{kind:6s} cpu s/step, defaults / caching off: {ratio:.2f}x")
+        print(f"{kind:10s} cpu s/step, defaults / caching off: {ratio:.2f}x")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", choices=tuple(RESOLUTION), default=["tiny", "small"])
+    parser.add_argument("--models", nargs="+", choices=(*RESOLUTION, "quickstart"),
+                        default=["tiny", "small", "quickstart"])
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, help="write the raw results here")
