@@ -73,17 +73,23 @@ def hide_unused_packages(config: Config) -> list[str]:
     transformers, peft and accelerate ask before importing an optional package. Hidden here:
     - bitsandbytes, unless the optimizer is one of its own: those libraries import it whenever it is installed, and
       it brings torch's compiler stack with it (about a second and 45 MiB at start-up);
-    - scipy, unless the run samples images: transformers imports it for object-detection losses (about 55 MiB);
-      here only diffusers' LMS sampler uses it, and a sample prompt may ask for that one with --ss;
+    - scipy, unless the run samples images (a sample prompt may ask for the LMS sampler, which uses it) or builds
+      an optimizer or scheduler from a package not known to do without it: transformers imports it for
+      object-detection losses (about 55 MiB);
     - boto3, which accelerate imports for its SageMaker configuration (about 7 MiB).
     """
-    from library.training.optim import uses_bitsandbytes
+    from library.training.optim import optimizer_package
 
     # Once imported, those libraries have recorded what is installed and would fail to import a hidden package.
     askers = ("diffusers", "transformers", "peft", "accelerate", "bitsandbytes", "scipy", "boto3")
     if any(name in sys.modules for name in askers):
         return []
-    unused = {"bitsandbytes": not uses_bitsandbytes(config), "scipy": not config.sample_prompts, "boto3": True}
+    optimizer = optimizer_package(config)  # None: a name its own check refuses; nothing is hidden meanwhile
+    scheduler = ((config.lr_scheduler_type or "").rpartition(".")[0] or "torch").split(".")[0]  # "StepLR": torch's
+    without_scipy = {"torch", "transformers", "diffusers", "lion_pytorch", "prodigyopt", "dadaptation", "schedulefree"}
+    unused = {"bitsandbytes": optimizer not in ("bitsandbytes", None),
+              "scipy": not config.sample_prompts and optimizer in without_scipy and scheduler in without_scipy,
+              "boto3": True}
     hidden = [name for name, hide in unused.items() if hide]
     for name in hidden:
         sys.modules[name] = None

@@ -73,6 +73,31 @@ def test_a_run_that_samples_keeps_scipy_for_the_lms_sampler(tiny_sd1_dir, sample
     assert seen["lms"] == "works"
 
 
+@pytest.mark.parametrize("args, hidden", [
+    ([], ["bitsandbytes", "scipy", "boto3"]),
+    (["--optimizer_type", "AdamW8bit"], ["boto3"]),
+    (["--optimizer_type", "Prodigy", "--lr_scheduler_type", "StepLR"], ["bitsandbytes", "scipy", "boto3"]),
+    (["--lr_scheduler_type", "transformers.get_cosine_schedule_with_warmup"], ["bitsandbytes", "scipy", "boto3"]),
+    # A user's own optimizer or scheduler class may import scipy.
+    (["--optimizer_type", "pytorch_optimizer.CAME"], ["bitsandbytes", "boto3"]),
+    (["--lr_scheduler_type", "my_schedules.Warmup"], ["bitsandbytes", "boto3"]),
+])
+def test_what_is_hidden_follows_the_optimizer_scheduler_and_sampling(args, hidden, tiny_sd1_dir, sample_data_dir,
+                                                                   tmp_path, monkeypatch):
+    import train_network
+
+    config, _ = parse_config(["--pretrained_model_name_or_path", str(tiny_sd1_dir), "--train_data_dir",
+                              str(sample_data_dir), "--output_dir", str(tmp_path), *args])
+    # As in a fresh process: none of the libraries that ask is loaded yet (monkeypatch restores them).
+    for name in ("diffusers", "transformers", "peft", "accelerate", *OPTIONAL):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    try:
+        assert train_network.hide_unused_packages(config) == hidden
+    finally:
+        for name in hidden:
+            sys.modules.pop(name, None)
+
+
 def test_nothing_is_hidden_once_the_libraries_that_ask_are_loaded(tiny_sd1_dir, sample_data_dir, tmp_path):
     import diffusers  # noqa: F401 - loaded: it has recorded what is installed
 

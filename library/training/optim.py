@@ -133,13 +133,20 @@ def optimizer_spec(name: str) -> OptimizerSpec:
     return OptimizerSpec(module or "torch.optim", cls)
 
 
-def uses_bitsandbytes(config: Any) -> bool:
-    """Whether the configured optimizer comes from bitsandbytes (kohya's names, use_8bit_adam, "module.Class")."""
+def optimizer_package(config: Any) -> str | None:
+    """The top-level package of the configured optimizer (kohya's names, use_8bit_adam, "module.Class"); None for
+    a name the optimizer's own check will refuse."""
     try:
         name = resolve_optimizer_type(config.optimizer_type, config.use_8bit_adam, config.use_lion_optimizer)
     except UserError:
-        return True  # the optimizer's own check reports it; nothing is hidden meanwhile
-    return optimizer_spec(name).module.split(".")[0] == "bitsandbytes"
+        return None
+    return optimizer_spec(name).module.split(".")[0]
+
+
+def uses_bitsandbytes(config: Any) -> bool:
+    """Whether the configured optimizer comes from bitsandbytes; True for a name that will be refused, so that
+    nothing is hidden meanwhile."""
+    return optimizer_package(config) in ("bitsandbytes", None)
 
 
 def _find_class(module_name: str, cls_name: str, pip: str | None, what: str) -> type:
