@@ -18,20 +18,11 @@ REPO = Path(__file__).resolve().parent.parent
 CHILD = """
 import json, sys
 import train_network
-from library.config import parse_config
-config, _ = parse_config(sys.argv[1:])
-hidden = train_network.hide_unused_packages(config)
-import accelerate
-from diffusers import LMSDiscreteScheduler, UNet2DConditionModel
-from transformers import CLIPTextModel
-from library.training import loop
-try:
-    LMSDiscreteScheduler()  # diffusers' stand-in raises when scipy is missing
-    lms = "works"
-except ImportError:
-    lms = "needs scipy"
-loaded = [name for name in ("bitsandbytes", "scipy", "boto3") if sys.modules.get(name) is not None]
-print(json.dumps({"hidden": hidden, "loaded": loaded, "lms": lms}))
+status = train_network.main(sys.argv[1:], own_process=True)
+hidden = [name for name in sys.modules if sys.modules[name] is None and "." not in name]
+unused = ("bitsandbytes", "scipy", "boto3", "deepspeed", "wandb", "tensorboard", "diffusers.pipelines")
+loaded = [name for name in sys.modules if sys.modules[name] is not None and name.startswith(unused)]
+print(json.dumps({"status": status, "hidden": hidden, "loaded": loaded}))
 """
 OPTIONAL = ("bitsandbytes", "scipy", "boto3")
 
@@ -48,29 +39,36 @@ def test_bitsandbytes_is_used_only_by_its_optimizers(args, used, tiny_sd1_dir, s
     assert uses_bitsandbytes(config) is used
 
 
-def child_imports(argv: list[str]) -> dict:
-    result = subprocess.run([sys.executable, "-c", CHILD, *argv], cwd=REPO, capture_output=True, text=True,
+def run_child(argv: list[str]) -> dict:
+    """A tiny two-step training run in a fresh process, as train_network.py runs it: what it hid, and which
+    modules of packages it has no use for it loaded."""
+    command = [sys.executable, "-c", CHILD, *argv, "--max_train_steps", "2", "--resolution", "64"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def test_a_run_that_samples_nothing_imports_no_optional_package(tiny_sd1_dir, sample_data_dir, tmp_path):
-    seen = child_imports(["--pretrained_model_name_or_path", str(tiny_sd1_dir), "--train_data_dir",
-                          str(sample_data_dir), "--output_dir", str(tmp_path)])
-    assert seen["hidden"] == list(OPTIONAL)
-    # diffusers, transformers, peft and accelerate ask importlib.util.find_spec before importing them.
+def test_a_run_imports_nothing_it_does_not_use(tiny_sd1_dir, sample_data_dir, tmp_path):
+    seen = run_child(["--pretrained_model_name_or_path", str(tiny_sd1_dir), "--train_data_dir",
+                      str(sample_data_dir), "--output_dir", str(tmp_path)])
+    assert seen["status"] == 0
+    assert sorted(seen["hidden"]) == sorted(OPTIONAL)
+    # No optimizer, tracker, DeepSpeed or sampling pipeline asked for: none loaded.
     assert seen["loaded"] == []
 
 
 @pytest.mark.skipif(importlib.util.find_spec("scipy") is None, reason="scipy is not installed")
 def test_a_run_that_samples_keeps_scipy_for_the_lms_sampler(tiny_sd1_dir, sample_data_dir, tmp_path):
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a photo of sks --ss k_lms\n")
-    seen = child_imports(["--pretrained_model_name_or_path", str(tiny_sd1_dir), "--train_data_dir",
-                          str(sample_data_dir), "--output_dir", str(tmp_path), "--sample_prompts", str(prompts)])
-    assert seen["hidden"] == ["bitsandbytes", "boto3"]
-    assert seen["lms"] == "works"
+    prompts.write_text("a photo of sks --ss k_lms --s 2 --w 64 --h 64\n")
+    seen = run_child(["--pretrained_model_name_or_path", str(tiny_sd1_dir), "--train_data_dir",
+                      str(sample_data_dir), "--output_dir", str(tmp_path / "out"), "--sample_prompts", str(prompts),
+                      "--sample_every_n_steps", "1", "--output_name", "run"])
+    assert seen["status"] == 0
+    assert sorted(seen["hidden"]) == ["bitsandbytes", "boto3"]
+    assert "scipy" in seen["loaded"]
+    assert len(list((tmp_path / "out" / "sample").glob("*.png"))) == 2  # steps 1 and 2, with LMS
 
 
 @pytest.mark.parametrize("args, hidden", [
