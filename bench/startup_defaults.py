@@ -36,7 +36,9 @@ out, argv = sys.argv[1], sys.argv[2:]
 marks = []
 import train_network
 from library.config import parse_config
-train_network.hide_unused_packages(parse_config(argv)[0])  # as train_network.py does before any library loads
+hide = getattr(train_network, "hide_unused_packages", None)  # None in trees older than it: they import everything
+if hide is not None:
+    hide(parse_config(argv)[0])  # as train_network.py does before any library loads
 from library.training import loop
 original = loop.Trainer.log_step
 def log_step(self, *args, **kwargs):
@@ -44,7 +46,7 @@ def log_step(self, *args, **kwargs):
     t = resource.getrusage(resource.RUSAGE_SELF)  # microseconds; os.times() counts 10 ms clock ticks
     marks.append((time.time(), t.ru_utime + t.ru_stime))
 loop.Trainer.log_step = log_step
-status = train_network.main(argv, own_process=True)
+status = train_network.main(argv, own_process=True) if hide is not None else train_network.main(argv)
 peak = None
 for line in open("/proc/self/status"):
     if line.startswith("VmHWM:"):
