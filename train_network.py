@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 from typing import TYPE_CHECKING
 
@@ -47,22 +46,19 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
         logging.getLogger("startup").debug("not imported, unused by this run: %s", ", ".join(hidden))
 
     from library.training import loop
-    from library.training.faults import Interrupted, raise_interrupted
+    from library.training.faults import Interrupted, OutsideSteps
 
-    previous = signal.signal(signal.SIGTERM, raise_interrupted)
     try:
-        loop.run(config)
+        with OutsideSteps():  # SIGTERM / SIGINT while loading, caching or saving: one line, not a traceback
+            loop.run(config)
     except UserError as e:
         return _report(e)
     except Interrupted as e:
         print(e.message, file=sys.stderr)
         return e.status
-    except KeyboardInterrupt:
-        # Ctrl-C outside the step loop (loading, caching, the final save): one line, not torch's traceback.
+    except KeyboardInterrupt:  # raised by other means than our handlers
         print("stopped by SIGINT outside the training steps; the files already saved are kept", file=sys.stderr)
         return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     return 0
 
 

@@ -250,6 +250,26 @@ def test_a_second_signal_stops_at_once_and_the_handlers_are_restored():
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_a_signal_while_loading_stops_the_run_even_when_a_library_swallows_the_exception():
+    import signal
+
+    from library.training.faults import Interrupted, OutsideSteps, Preemption
+
+    before = signal.getsignal(signal.SIGINT)
+    with OutsideSteps():
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+        except BaseException:  # noqa: BLE001 - what a library catching everything while it loads does
+            pass
+        with pytest.raises(Interrupted) as info, Preemption():
+            pass  # the step loop does not start
+    assert info.value.status == 130
+    assert info.value.message == "stopped by SIGINT outside the training steps; the files already saved are kept"
+    assert signal.getsignal(signal.SIGINT) is before
+    with OutsideSteps(), Preemption() as preemption:  # the next run in this process is not refused
+        assert preemption.signum is None
+
+
 def test_gradients_are_the_grad_scalers_to_judge_under_fp16():
     import torch
 

@@ -44,6 +44,8 @@ class Preemption:
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> "Preemption":
+        if OutsideSteps.received is not None:  # stopped before the steps, and the exception was swallowed
+            raise OutsideSteps.interrupted(OutsideSteps.received)
         for signum in EXIT_STATUS:
             self._previous[signum] = signal.signal(signum, self._handle)
         return self
@@ -73,10 +75,33 @@ def agree(accelerator, bad: bool, signum: int | None) -> tuple[bool, int | None]
     return bool(counts[0]), next((int(s) for s, count in zip(signals, counts[1:], strict=True) if count), None)
 
 
-def raise_interrupted(signum: int, frame: FrameType | None) -> None:
-    """The SIGTERM handler outside the step loop (start-up, the final save): stop with one line."""
-    raise Interrupted(signum, f"stopped by {signal.Signals(signum).name} outside the training steps; the files "
-                              "already saved are kept")
+class OutsideSteps:
+    """SIGTERM / SIGINT handlers for a run outside its step loop (start-up, loading, caching, the final save): stop
+    with one line, by raising Interrupted wherever the run is.
+
+    Each signal is also recorded, and Preemption refuses to start the step loop after one: a library that catches
+    every exception while it loads cannot make a stopped run go on training."""
+
+    received: int | None = None  # the signal seen since the handlers were installed
+
+    def __enter__(self) -> "OutsideSteps":
+        OutsideSteps.received = None
+        self._previous = {signum: signal.signal(signum, self._handle) for signum in EXIT_STATUS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)  # type: ignore[arg-type]
+        OutsideSteps.received = None
+
+    @staticmethod
+    def interrupted(signum: int) -> Interrupted:
+        return Interrupted(signum, f"stopped by {signal.Signals(signum).name} outside the training steps; the files "
+                                   "already saved are kept")
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        OutsideSteps.received = signum
+        raise self.interrupted(signum)
 
 
 # --- non-finite values ----------------------------------------------------------------------------------------
