@@ -162,7 +162,7 @@ def encode(vae: Any, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(means), torch.cat(stds)
 
 
-def _lr_factor(step: int, recipe: Recipe) -> float:
+def lr_factor(step: int, recipe: Recipe) -> float:
     """Linear warm-up, then cosine down to final_lr_ratio."""
     warm = min(1.0, (step + 1) / recipe.warmup_steps)
     progress = min(step, recipe.steps) / recipe.steps
@@ -181,7 +181,7 @@ def train_denoiser(unet: Any, text_encoder: Any, tokenizer: Any, scheduler: Any,
     alphas_cumprod = scheduler.alphas_cumprod
     params = [p for module in (unet, text_encoder) for p in module.parameters()]
     optimizer = torch.optim.AdamW(params, recipe.lr, weight_decay=recipe.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, recipe))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, recipe))
     ema = [p.detach().clone() for p in params]
     generator = torch.Generator().manual_seed(recipe.seed * 1000 + 12)
     unet.train()
@@ -226,7 +226,9 @@ def folder_bytes(path: Path) -> int:
 
 
 def parameter_counts(parts: dict[str, Any]) -> dict[str, int]:
-    return {name: sum(p.numel() for p in parts[name].parameters()) for name in ("vae", "unet", "text_encoder")}
+    """Parameters of each model among the parts (the tokenizers and the scheduler have none)."""
+    return {name: sum(p.numel() for p in part.parameters()) for name, part in parts.items()
+            if isinstance(part, torch.nn.Module)}
 
 
 def evaluate(model: Path, recipe: Recipe) -> dict[str, Any]:
@@ -247,10 +249,6 @@ def model_card(recipe: Recipe, metrics: dict[str, Any], times: dict[str, float],
                size: int, judge_accuracy: dict[int, float], scaling_factor: float) -> str:
     held = digits.HELD_OUT
     settings = metrics["settings"]
-    versions = {"torch": torch.__version__, "python": platform.python_version()}
-    for name in ("diffusers", "transformers", "sklearn"):
-        versions[name] = __import__(name).__version__
-    recipe_lines = "\n".join(f"    {k} = {v!r}" for k, v in dataclasses.asdict(recipe).items())
     return f"""---
 library_name: diffusers
 pipeline_tag: text-to-image
@@ -282,22 +280,18 @@ learns in the quickstart and in `bench/quality.py`, under the trigger caption `{
   token and any other word (such as `{digits.TRIGGER}`) falls apart into bytes.
 - Noise schedule: SD's (DDPM, 1000 steps, scaled_linear betas 0.00085-0.012), epsilon prediction.
 
-## Data
-
-`sklearn.datasets.load_digits`: 1,797 8x8 digits; the {sum(1 for d in digits.load()[1] if d != held):,} that
-are not {held} were used, each upscaled to 32x32 (bicubic) and captioned `a photo of <word>`.
-
+{data_section()}
 ## Recipe
 
 Reproduce with `python tools/pretrain_base.py --overwrite`: the same seed and thread count on the same software
 give the same weights. The values:
 
-{recipe_lines}
+{recipe_lines(recipe)}
 
 VAE: AdamW, one-cycle learning rate, L1 reconstruction of posterior samples + KL weight {recipe.vae_kl_weight:g}.
 UNet and text encoder: trained together, AdamW with warm-up and cosine decay, {recipe.caption_dropout:.0%} of
 captions replaced by the empty caption (for classifier-free guidance), gradient clipping, and the exponential
-moving average of the weights (decay {recipe.ema_decay}) is what is saved. Software: {json.dumps(versions)}.
+moving average of the weights (decay {recipe.ema_decay}) is what is saved. Software: {software_versions()}.
 
 Time with {recipe.threads} thread(s) on a 2-core CPU shared with other jobs (wall clock, so an upper bound): VAE
 {times['vae']:.0f} s, UNet and text encoder {times['denoiser']:.0f} s, {times['total']:.0f} s in all with saving and
@@ -305,6 +299,28 @@ judging ({times['cpu']:.0f} s of CPU time).
 
 {metrics_section(metrics, judge_accuracy, 'guidance scale')}\
 """
+
+
+def data_section() -> str:
+    """The model card's data section (the same for every digits base)."""
+    held = digits.HELD_OUT
+    return f"""## Data
+
+`sklearn.datasets.load_digits`: 1,797 8x8 digits; the {sum(1 for d in digits.load()[1] if d != held):,} that
+are not {held} were used, each upscaled to 32x32 (bicubic) and captioned `a photo of <word>`.
+"""
+
+
+def recipe_lines(recipe: Any) -> str:
+    return "\n".join(f"    {k} = {v!r}" for k, v in dataclasses.asdict(recipe).items())
+
+
+def software_versions() -> str:
+    """What the weights depend on besides the recipe, as JSON."""
+    versions = {"torch": torch.__version__, "python": platform.python_version()}
+    for name in ("diffusers", "transformers", "sklearn"):
+        versions[name] = __import__(name).__version__
+    return json.dumps(versions)
 
 
 def metrics_section(metrics: dict[str, Any], judge_accuracy: dict[int, float], guidance: str,
@@ -373,12 +389,17 @@ def main(argv: list[str] | None = None) -> int:
     times["cpu"] = time.process_time() - cpu_started
     card = model_card(recipe, metrics, times, parameter_counts(parts), folder_bytes(args.out),
                       judge.real_accuracy(), scaling_factor)
-    (args.out / "README.md").write_text(card, encoding="utf-8")
+    write_card(args.out, card, metrics, times)
+    return 0
+
+
+def write_card(out: Path, card: str, metrics: dict[str, Any], times: dict[str, float]) -> None:
+    """The model card into the folder, and the judged rates on the console."""
+    (out / "README.md").write_text(card, encoding="utf-8")
     for prompt, rate in metrics["rates"].items():
         print(f"{prompt:<22} {rate:.0%}")
     print(f"mean judged accuracy over the trained digits: {metrics['mean_trained']:.1%}")
-    print(f"wrote {args.out} ({folder_bytes(args.out) / 2**20:.2f} MiB) in {times['total']:.0f} s")
-    return 0
+    print(f"wrote {out} ({folder_bytes(out) / 2**20:.2f} MiB) in {times['total']:.0f} s")
 
 
 if __name__ == "__main__":

@@ -20,18 +20,13 @@ library/digits/judge.py; the model card (README.md in the folder) records the re
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
-import math
-import platform
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -46,12 +41,20 @@ from library.models.tiny import MODEL_MAX_LENGTH, _write_pipeline, build_tiny_to
 from library.models.tiny_flux import build_t5_tokenizer  # noqa: E402
 from tools.pretrain_base import (  # noqa: E402
     _log_every,
+    corpus,
+    data_section,
     encode,
+    evaluate,
     folder_bytes,
+    lr_factor,
     metrics_section,
+    parameter_counts,
     recipe_from_args,
+    recipe_lines,
+    software_versions,
     train_vae,
     training_set,
+    write_card,
 )
 
 logger = logging.getLogger("pretrain_flux_base")
@@ -89,10 +92,6 @@ class Recipe:
 
 ARCHITECTURE = {"num_layers": 1, "num_single_layers": 3, "attention_head_dim": 32, "num_attention_heads": 4,
                 "axes_dims_rope": (8, 12, 12)}
-
-
-def corpus() -> str:
-    return "\n".join(digits.caption(d) for d in digits.trained_digits())
 
 
 def caption_words() -> list[str]:
@@ -134,12 +133,6 @@ def build_parts(seed: int) -> dict[str, Any]:
             "tokenizer": tokenizer, "tokenizer_2": tokenizer_2, "scheduler": scheduler}
 
 
-def _lr_factor(step: int, recipe: Recipe) -> float:
-    warm = min(1.0, (step + 1) / recipe.warmup_steps)
-    progress = min(step, recipe.steps) / recipe.steps
-    return warm * (recipe.final_lr_ratio + (1 - recipe.final_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 def caption_tokens(parts: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """(10, 77) CLIP ids and (10, T5_LENGTH) T5 ids of every digit's caption, indexed by digit."""
     clip, t5 = parts["tokenizer"], parts["tokenizer_2"]
@@ -163,7 +156,7 @@ def train_denoiser(parts: dict[str, Any], means: torch.Tensor, stds: torch.Tenso
     mu = flux_shift_mu((height // 2) * (width // 2))
     params = [p for module in (transformer, clip, t5) for p in module.parameters()]
     optimizer = torch.optim.AdamW(params, recipe.lr, weight_decay=recipe.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, recipe))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, recipe))
     ema = [p.detach().clone() for p in params]
     generator = torch.Generator().manual_seed(recipe.seed * 1000 + 12)
     for module in (transformer, clip, t5):
@@ -207,31 +200,10 @@ def save(parts: dict[str, Any], target: Path) -> None:
     _write_pipeline(FluxPipeline(**parts), target.absolute(), ("tokenizer",), corpus())
 
 
-def parameter_counts(parts: dict[str, Any]) -> dict[str, int]:
-    return {name: sum(p.numel() for p in parts[name].parameters())
-            for name in ("vae", "transformer", "text_encoder", "text_encoder_2")}
-
-
-def evaluate(model: Path, recipe: Recipe) -> dict[str, Any]:
-    settings = judge.Settings(n=recipe.eval_n, seed=recipe.eval_seed)
-    asked = {digits.caption(d): d for d in digits.trained_digits()}
-    asked[digits.TRIGGER_CAPTION] = digits.HELD_OUT
-    asked[digits.caption(digits.HELD_OUT)] = digits.HELD_OUT
-    pipe = judge.load_pipeline(model)
-    rates, _ = judge.rates(pipe, asked, settings)
-    trained = [rates[digits.caption(d)] for d in digits.trained_digits()]
-    return {"settings": dataclasses.asdict(judge.settings_for(pipe, settings)), "rates": rates,
-            "mean_trained": float(np.mean(trained)), "min_trained": float(np.min(trained))}
-
-
 def model_card(recipe: Recipe, metrics: dict[str, Any], times: dict[str, float], counts: dict[str, int],
                size: int, judge_accuracy: dict[int, float], vae_factors: tuple[float, float]) -> str:
     held = digits.HELD_OUT
     settings = metrics["settings"]
-    versions = {"torch": torch.__version__, "python": platform.python_version()}
-    for name in ("diffusers", "transformers", "sklearn"):
-        versions[name] = __import__(name).__version__
-    recipe_lines = "\n".join(f"    {k} = {v!r}" for k, v in dataclasses.asdict(recipe).items())
     arch = ARCHITECTURE
     inner = arch["num_attention_heads"] * arch["attention_head_dim"]
     shift, scale = vae_factors
@@ -274,24 +246,20 @@ tokenizers, VAE, transformer, both text encoders): a LoRA learns it in `bench/qu
 - Scheduler: FLUX.1-dev's FlowMatchEulerDiscreteScheduler config (dynamic shifting; at 16 tokens mu =
   {flux_shift_mu(16):.3f}).
 
-## Data
-
-`sklearn.datasets.load_digits`: 1,797 8x8 digits; the {sum(1 for d in digits.load()[1] if d != held):,} that
-are not {held} were used, each upscaled to 32x32 (bicubic) and captioned `a photo of <word>`.
-
+{data_section()}
 ## Recipe
 
 Reproduce with `python tools/pretrain_flux_base.py --overwrite`: the same seed and thread count on the same
 software give the same weights. The values:
 
-{recipe_lines}
+{recipe_lines(recipe)}
 
 VAE: AdamW, one-cycle learning rate, L1 reconstruction of posterior samples + KL weight {recipe.vae_kl_weight:g}.
 Transformer and text encoders: trained together on flow matching (x_t = (1 - s) x0 + s noise, target noise - x0,
 s = the logit-normal draw shifted with mu for 16 tokens, as the sampler shifts it), the guidance input drawn
 uniformly from [{recipe.guidance_min:g}, {recipe.guidance_max:g}], AdamW with warm-up and cosine decay, gradient
 clipping, and the exponential moving average of the weights (decay {recipe.ema_decay}) is what is saved. No
-caption dropout: FLUX.1 dev samples without classifier-free guidance. Software: {json.dumps(versions)}.
+caption dropout: FLUX.1 dev samples without classifier-free guidance. Software: {software_versions()}.
 
 Time with {recipe.threads} thread(s) on a 2-core CPU shared with other jobs (wall clock, so an upper bound): VAE
 {times['vae']:.0f} s, transformer and text encoders {times['denoiser']:.0f} s, {times['total']:.0f} s in all with
@@ -325,11 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     times["cpu"] = time.process_time() - cpu_started
     card = model_card(recipe, metrics, times, parameter_counts(parts), folder_bytes(args.out),
                       judge.real_accuracy(), (shift, scale))
-    (args.out / "README.md").write_text(card, encoding="utf-8")
-    for prompt, rate in metrics["rates"].items():
-        print(f"{prompt:<22} {rate:.0%}")
-    print(f"mean judged accuracy over the trained digits: {metrics['mean_trained']:.1%}")
-    print(f"wrote {args.out} ({folder_bytes(args.out) / 2**20:.2f} MiB) in {times['total']:.0f} s")
+    write_card(args.out, card, metrics, times)
     return 0
 
 
