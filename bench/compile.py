@@ -13,13 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from startup_defaults import RESOLUTION, build_model, run_once  # noqa: E402
+from startup_defaults import RESOLUTION, compare, print_results  # noqa: E402
 
 
 def main() -> int:
@@ -32,26 +30,10 @@ def main() -> int:
     args = parser.parse_args()
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     common = ("--network_train_unet_only",)
-    variants = {"eager": common, f"compiled ({args.backend})": (*common, "--torch_compile", "--dynamo_backend",
-                                                                 args.backend)}
-    results: dict[str, dict[str, list[dict]]] = {}
-    with tempfile.TemporaryDirectory(prefix="bench-compile-") as tmp:
-        for kind in args.models:
-            model = build_model(kind, Path(tmp) / f"model-{kind}")
-            runs: dict[str, list[dict]] = {name: [] for name in variants}
-            for repeat in range(args.repeats):
-                for name, extra in (variants.items() if repeat % 2 == 0 else reversed(variants.items())):
-                    work = Path(tmp) / f"{kind}-{len(runs[name])}-{name.split()[0]}"
-                    work.mkdir()
-                    runs[name].append(run_once(model, kind, args.steps, False, work, extra, timeout=3600))
-            results[kind] = runs
-    print(f"{'model':6s} {'variant':22s} {'first step s':>12s} {'cpu s/step':>11s}")
-    for kind, runs in results.items():
-        for name, rows in runs.items():
-            print(f"{kind:6s} {name:22s} {statistics.median(r['first_step_s'] for r in rows):12.1f} "
-                  f"{statistics.median(r['cpu_per_step_s'] for r in rows):11.3f}")
-        eager, compiled = (statistics.median(r["cpu_per_step_s"] for r in rows) for rows in runs.values())
-        print(f"{kind:6s} cpu s/step, compiled / eager: {compiled / eager:.2f}x")
+    variants = {f"compiled ({args.backend})": (*common, "--torch_compile", "--dynamo_backend", args.backend),
+                "eager": common}
+    results = compare(args.models, args.steps, args.repeats, variants, timeout=3600)
+    print_results(results)
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

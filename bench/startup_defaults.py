@@ -27,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 RESOLUTION = {"tiny": 64, "small": 128}
 STEPS = 12  # per run: the first is launch -> first step, the other 11 give the CPU per step
+VARIANTS = {"defaults": (), "caching off": ("--cache_latents", "false", "--cache_text_encoder_outputs", "false")}
 # Runs inside the child: train_network.main with a hook that records the process's CPU time and the wall clock at
 # the end of each optimizer step, then the peak RSS. Written to the JSON file named in argv[1].
 CHILD = r"""
@@ -62,7 +63,7 @@ def build_model(kind: str, folder: Path) -> Path:
     return folder
 
 
-def run_once(model: Path | None, kind: str, steps: int, caching_off: bool, work: Path, extra: tuple[str, ...] = (),
+def run_once(model: Path | None, kind: str, steps: int, work: Path, extra: tuple[str, ...] = (),
              timeout: int = 900) -> dict:
     """One training process; launch -> first step (wall s), median CPU s per later step, peak RSS (MiB)."""
     out = work / "result.json"
@@ -72,8 +73,6 @@ def run_once(model: Path | None, kind: str, steps: int, caching_off: bool, work:
         argv = ["--pretrained_model_name_or_path", str(model), "--train_data_dir", str(REPO / "data" / "quickstart"),
                 "--resolution", str(RESOLUTION[kind]), "--train_batch_size", "4", "--seed", "0"]
     argv += ["--max_train_steps", str(steps), "--output_dir", str(work / "out"), "--output_name", "bench", *extra]
-    if caching_off:
-        argv += ["--cache_latents", "false", "--cache_text_encoder_outputs", "false"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     started = time.time()
     subprocess.run([sys.executable, "-c", CHILD, str(out), *argv], cwd=REPO, env=env, check=True,
@@ -85,34 +84,37 @@ def run_once(model: Path | None, kind: str, steps: int, caching_off: bool, work:
             "peak_rss_mib": result["peak_rss_mib"]}
 
 
-def compare(models: list[str], steps: int, repeats: int) -> dict[str, dict[str, list[dict]]]:
-    """Run each model's two variants `repeats` times, alternating; the runs by model and variant."""
+def compare(models: list[str], steps: int, repeats: int, variants: dict[str, tuple[str, ...]] = VARIANTS,
+            timeout: int = 900) -> dict[str, dict[str, list[dict]]]:
+    """Run each model's variants (name -> extra options) `repeats` times, the order reversed every other repeat;
+    the runs by model and variant."""
     results: dict[str, dict[str, list[dict]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-defaults-") as tmp:
         for kind in models:
             model = None if kind == "quickstart" else build_model(kind, Path(tmp) / f"model-{kind}")
-            runs: dict[str, list[dict]] = {"defaults": [], "caching off": []}
+            runs: dict[str, list[dict]] = {name: [] for name in variants}
             for repeat in range(repeats):
-                order = ("defaults", "caching off") if repeat % 2 == 0 else ("caching off", "defaults")
-                for variant in order:
-                    work = Path(tmp) / f"{kind}-{variant.replace(' ', '-')}-{repeat}"
+                for name, extra in (variants.items() if repeat % 2 == 0 else reversed(variants.items())):
+                    work = Path(tmp) / f"{kind}-{name.split()[0]}-{repeat}"
                     work.mkdir()
-                    runs[variant].append(run_once(model, kind, steps, variant == "caching off", work))
+                    runs[name].append(run_once(model, kind, steps, work, extra, timeout))
             results[kind] = runs
     return results
 
 
 def print_results(results: dict[str, dict[str, list[dict]]]) -> None:
+    """Medians per model and variant, and the CPU per step of the first variant over the second."""
     print("medians over the repeats; cpu s/step: user + system CPU seconds per optimizer step after the first")
-    print(f"{'model':10s} {'variant':12s} {'first step s':>12s} {'cpu s/step':>11s} {'peak RSS MiB':>13s}")
+    width = max(12, *(len(name) for runs in results.values() for name in runs))
+    print(f"{'model':10s} {'variant':{width}s} {'first step s':>12s} {'cpu s/step':>11s} {'peak RSS MiB':>13s}")
     for kind, runs in results.items():
         for variant, rows in runs.items():
             med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
-            print(f"{kind:10s} {variant:12s} {med['first_step_s']:12.2f} {med['cpu_per_step_s']:11.3f} "
+            print(f"{kind:10s} {variant:{width}s} {med['first_step_s']:12.2f} {med['cpu_per_step_s']:11.3f} "
                   f"{med['peak_rss_mib']:13.0f}")
-        ratio = (statistics.median(r["cpu_per_step_s"] for r in runs["defaults"])
-                 / statistics.median(r["cpu_per_step_s"] for r in runs["caching off"]))
-        print(f"{kind:10s} cpu s/step, defaults / caching off: {ratio:.2f}x")
+        (first, a), (second, b) = list(runs.items())[:2]
+        ratio = statistics.median(r["cpu_per_step_s"] for r in a) / statistics.median(r["cpu_per_step_s"] for r in b)
+        print(f"{kind:10s} cpu s/step, {first} / {second}: {ratio:.2f}x")
 
 
 def main() -> int:
