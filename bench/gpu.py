@@ -38,10 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from real_size_files import CONFIGS, models_and_resolutions  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-CONFIGS = REPO / "library" / "models" / "configs"
-DEFAULT_RESOLUTION = {"sd15": 512, "sdxl": 1024, "flux": 1024}
 TINY_RESOLUTION = 64
 # Dense bf16 tensor-core peaks (TFLOPS, without sparsity) from NVIDIA's data sheets; the first name found in
 # torch.cuda.get_device_name() wins, so the more specific names come first.
@@ -295,15 +293,15 @@ def environment(device: torch.device) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    resolutions = ([int(r) for r in args.resolution.split(",")] if args.resolution else
-                   [TINY_RESOLUTION if args.tiny else DEFAULT_RESOLUTION[m] for m in models])
-    if len(resolutions) != len(models):
-        raise SystemExit("--resolution needs one value per model")
+    try:
+        pairs = models_and_resolutions(args.models, args.resolution,
+                                       (lambda model: TINY_RESOLUTION) if args.tiny else None)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     peak, peak_source = peak_of(device, args.peak_tflops)
     report: dict[str, Any] = {"environment": environment(device), "peak_tflops": peak, "peak_source": peak_source,
                               "tiny": args.tiny, "cells": []}
-    for model, resolution in zip(models, resolutions, strict=True):
+    for model, resolution in pairs:
         for cell in grid(model, args.tiny):
             if args.cells and cell["name"] not in args.cells:
                 continue

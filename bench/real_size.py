@@ -37,7 +37,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_RESOLUTION = {"sd15": 512, "sdxl": 1024, "flux": 1024}
 
 # Runs inside the child: train_network.main with hooks on the model load and on each logged optimizer step.
 CHILD = r"""
@@ -232,14 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load_only", action="store_true", help="only load each model as the trainer does: "
                         "seconds, peak RSS and RSS after the load")
     args = parser.parse_args(argv)
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = [m for m in models if m not in DEFAULT_RESOLUTION]
-    if unknown:
-        parser.error(f"unknown model(s) {unknown}; choose from {', '.join(DEFAULT_RESOLUTION)}")
-    resolutions = [int(r) for r in args.resolution.split(",")] if args.resolution else \
-        [DEFAULT_RESOLUTION[m] for m in models]
-    if len(resolutions) != len(models):
-        parser.error("--resolution needs one value per model")
+    from real_size_files import models_and_resolutions
+
+    try:
+        pairs = models_and_resolutions(args.models, args.resolution)
+    except ValueError as e:
+        parser.error(str(e))
     if args.steps < 2:
         parser.error("--steps must be at least 2 (s/step is measured between steps)")
 
@@ -248,14 +245,14 @@ def main(argv: list[str] | None = None) -> int:
         work.mkdir(parents=True, exist_ok=True)
         results = []
         if args.load_only:
-            for model in models:
+            for model, _ in pairs:
                 result = load_only(model, model_files(model, work), args.threads)
                 results.append(result)
                 print(json.dumps(result), flush=True)
             if args.json:
                 args.json.write_text(json.dumps(results, indent=1))
             return 0
-        for model, resolution in zip(models, resolutions, strict=True):
+        for model, resolution in pairs:
             print(f"{model} at {resolution} px, {args.steps} steps, {args.threads} threads; load average "
                   f"{load_average()}", flush=True)
             result = run_model(model, resolution, args, work)

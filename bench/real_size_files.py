@@ -20,6 +20,24 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "library" / "models" / "configs"
+DEFAULT_RESOLUTION = {"sd15": 512, "sdxl": 1024, "flux": 1024}  # each model's training resolution
+
+
+def models_and_resolutions(models: str, resolutions: str | None, default: Callable[[str], int] | None = None
+                           ) -> list[tuple[str, int]]:
+    """`--models sd15,sdxl --resolution 512,1024` as (model, resolution) pairs; resolutions default to
+    `default(model)` (each model's own); ValueError naming what does not fit."""
+    names = [m.strip() for m in models.split(",") if m.strip()]
+    unknown = [m for m in names if m not in DEFAULT_RESOLUTION]
+    if unknown:
+        raise ValueError(f"unknown model(s) {unknown}; choose from {', '.join(DEFAULT_RESOLUTION)}")
+    default = default or DEFAULT_RESOLUTION.__getitem__
+    sizes = [int(r) for r in resolutions.split(",")] if resolutions else [default(m) for m in names]
+    if len(sizes) != len(names):
+        raise ValueError("--resolution needs one value per model")
+    return list(zip(names, sizes, strict=True))
+
+
 _SAFETENSORS_DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.int64: "I64"}
 
 
