@@ -30,6 +30,14 @@ def kohya_names(transformer, *args):
     return {flux_lora.bfl_name(n)[0] for n in names}, names, overrides
 
 
+
+def transformer_inputs(g: torch.Generator) -> dict:
+    """One tiny FLUX transformer call's arguments (16 image tokens, 8 text tokens), drawn from `g`."""
+    return dict(hidden_states=torch.randn(1, 16, 64, generator=g), encoder_hidden_states=torch.randn(1, 8, 32,
+                generator=g), pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.4]),
+                guidance=torch.tensor([3.5]), img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(8, 3),
+                return_dict=False)
+
 def test_default_targets_are_kohyas_double_and_single_block_layers(transformer):
     names, modules, overrides = kohya_names(transformer)
     block = [f"lora_unet_double_blocks_0_{p}_{m}" for p in ("img", "txt")
@@ -180,10 +188,7 @@ def test_diffusers_load_lora_weights_consumes_every_key_and_matches_our_output(t
     assert len(lora_names(pipe.text_encoder)) == len(lora_names(ours.text_encoder))
 
     g = torch.Generator().manual_seed(5)
-    inputs = dict(hidden_states=torch.randn(1, 16, 64, generator=g), encoder_hidden_states=torch.randn(1, 8, 32,
-                  generator=g), pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.4]),
-                  guidance=torch.tensor([3.5]), img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(8, 3),
-                  return_dict=False)
+    inputs = transformer_inputs(g)
     with torch.no_grad():
         expected, got = model(**inputs)[0], pipe.transformer(**inputs)[0]
         base = FluxPipeline.from_pretrained(tiny_flux_dir, local_files_only=True).transformer(**inputs)[0]
@@ -249,10 +254,7 @@ def test_to_peft_loads_single_blocks_too_and_matches_our_output(tiny_flux_dir, t
     assert len(lora_names(pipe.transformer)) == len(lora_names(model)) == 20
 
     g = torch.Generator().manual_seed(5)
-    inputs = dict(hidden_states=torch.randn(1, 16, 64, generator=g), encoder_hidden_states=torch.randn(1, 8, 32,
-                  generator=g), pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.4]),
-                  guidance=torch.tensor([3.5]), img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(8, 3),
-                  return_dict=False)
+    inputs = transformer_inputs(g)
     with torch.no_grad():
         expected, got = model(**inputs)[0], pipe.transformer(**inputs)[0]
         ids = torch.randint(0, 50, (1, 77), generator=g)
