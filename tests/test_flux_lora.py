@@ -30,13 +30,13 @@ def kohya_names(transformer, *args):
     return {flux_lora.bfl_name(n)[0] for n in names}, names, overrides
 
 
-
 def transformer_inputs(g: torch.Generator) -> dict:
     """One tiny FLUX transformer call's arguments (16 image tokens, 8 text tokens), drawn from `g`."""
     return dict(hidden_states=torch.randn(1, 16, 64, generator=g), encoder_hidden_states=torch.randn(1, 8, 32,
                 generator=g), pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.4]),
                 guidance=torch.tensor([3.5]), img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(8, 3),
                 return_dict=False)
+
 
 def test_default_targets_are_kohyas_double_and_single_block_layers(transformer):
     names, modules, overrides = kohya_names(transformer)
