@@ -36,7 +36,7 @@ def read_safetensors(path: Path, prefix: str = "", dtype: torch.dtype | None = N
                     continue
                 stored = _SAFETENSORS_DTYPES.get(entry["dtype"])
                 if stored is None:  # float8 and other rare dtypes: safetensors' own reader
-                    out.update(_read_prefix_mapped(path, [key], dtype))
+                    out.update(_read_mapped(path, [key], dtype))
                     continue
                 start, end = entry["data_offsets"]
                 f.seek(base + start)
@@ -49,7 +49,7 @@ def read_safetensors(path: Path, prefix: str = "", dtype: torch.dtype | None = N
         raise UserError(f"{path}: not a readable safetensors file ({e})") from None
 
 
-def _read_prefix_mapped(path: Path, keys: list[str], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+def _read_mapped(path: Path, keys: list[str], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     with safe_open(path, "pt") as f:

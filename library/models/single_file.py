@@ -304,26 +304,21 @@ def load_single_file(path: str | os.PathLike[str], *, v2: bool = False, v_parame
 
     encoders, tokenizers = _component_names(architecture)
     encoder_classes = [CLIPTextModel, CLIPTextModelWithProjection][:len(encoders)]
-    common = {"config": str(config_dir), "local_files_only": True}
-    loaders: list[tuple[str, Callable[[], Any]]] = [
-        ("unet", lambda: UNet2DConditionModel.from_single_file(weights(UNET_PREFIX, weight_dtype), subfolder="unet",
-                                                               torch_dtype=weight_dtype, **common)),
-        ("vae", lambda: AutoencoderKL.from_single_file(weights(VAE_PREFIX, vae_dtype), subfolder="vae",
-                                                       torch_dtype=vae_dtype, **common)),
+    # Each encoder gets only its own keys: diffusers picks the conversion by which keys it sees and by width, which
+    # cannot tell SDXL's two encoders apart when they are equally wide.
+    components: list[tuple[str, Callable[..., Any], str, torch.dtype]] = [
+        ("unet", UNet2DConditionModel.from_single_file, UNET_PREFIX, weight_dtype),
+        ("vae", AutoencoderKL.from_single_file, VAE_PREFIX, vae_dtype),
     ]
-    for name, cls, prefix in zip(encoders, encoder_classes, architecture.text_encoder_prefixes):
-        # Only this encoder's keys: diffusers picks the conversion by which keys it sees and by width, which
-        # cannot tell SDXL's two encoders apart when they are equally wide.
-        loaders.append((name, functools.partial(
-            lambda cls, prefix, name: create_diffusers_clip_model_from_ldm(
-                cls, weights(prefix, weight_dtype), subfolder=name, torch_dtype=weight_dtype, **common),
-            cls, prefix, name)))
+    components += [(name, functools.partial(create_diffusers_clip_model_from_ldm, cls), prefix, weight_dtype)
+                   for name, cls, prefix in zip(encoders, encoder_classes, architecture.text_encoder_prefixes)]
+    common = {"config": str(config_dir), "local_files_only": True}
     parts: dict[str, Any] = {}
     started = time.perf_counter()
-    for name, load in loaders:
+    for name, load, prefix, dtype in components:
         try:
             with _quiet_dtype_cast_warning():
-                parts[name] = load()
+                parts[name] = load(weights(prefix, dtype), subfolder=name, torch_dtype=dtype, **common)
         except NotImplementedError as e:
             # Tensors the file lacks stay on the meta device, and the final cast to the dtype fails on them.
             if "meta tensor" not in str(e):
@@ -336,7 +331,6 @@ def load_single_file(path: str | os.PathLike[str], *, v2: bool = False, v_parame
                             f"{config_dir}: {_mismatch(e)}. For a checkpoint of other widths, set model_config to a "
                             "diffusers folder whose configs match it") from None
     checkpoint = None  # the whole file (pickle checkpoints) is not needed any more
-    del loaders
     for name in tokenizers:
         parts[name] = load_tokenizer(config_dir, name)
     try:
