@@ -143,12 +143,6 @@ def optimizer_package(config: Any) -> str | None:
     return optimizer_spec(name).module.split(".")[0]
 
 
-def uses_bitsandbytes(config: Any) -> bool:
-    """Whether the configured optimizer comes from bitsandbytes; True for a name that will be refused, so that
-    nothing is hidden meanwhile."""
-    return optimizer_package(config) in ("bitsandbytes", None)
-
-
 def _find_class(module_name: str, cls_name: str, pip: str | None, what: str) -> type:
     try:
         module = importlib.import_module(module_name)
