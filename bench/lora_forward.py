@@ -24,10 +24,10 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from step_time import RESOLUTION  # noqa: E402  # the bench models' training resolutions
+
 from library.models.tiny import build_tiny_sd1  # noqa: E402
 from library.network import lora  # noqa: E402
-
-RESOLUTION = {"tiny": 64, "small": 128}
 
 
 def layer_inputs(unet: nn.Module, targets: list[str], batch: int, resolution: int) -> dict[str, tuple]:

@@ -24,8 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from step_time import RESOLUTION  # the bench models' training resolutions
+
 REPO = Path(__file__).resolve().parent.parent
-RESOLUTION = {"tiny": 64, "small": 128}
 STEPS = 12  # per run: the first is launch -> first step, the other 11 give the CPU per step
 VARIANTS = {"defaults": (), "caching off": ("--cache_latents", "false", "--cache_text_encoder_outputs", "false")}
 # Runs inside the child: train_network.main with a hook that records the process's CPU time and the wall clock at
