@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from library.config import UserError
+from library.core.memory import return_free_heap
 from library.models.family import Components, Family
 from library.models.flux import is_flux_folder, load_flux_folder
 from library.models.flux_files import is_bfl_flux, load_flux_files
@@ -63,32 +64,36 @@ def load_components(model_path: str | Path, v2: bool = False, v_parameterization
     there), and tell the family.
 
     Weights are loaded straight into their training dtype (casting afterwards makes diffusers warn and doubles
-    the peak memory of the load).
+    the peak memory of the load), and the heap pages the load freed go back to the system.
     """
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
-    path = Path(model_path)
-    if path.is_file() and is_bfl_flux(path):
-        return load_flux_files(path, clip_l, t5xxl, ae, None if model_config is None else str(model_config),
-                               weight_dtype, vae_dtype)
-    if path.is_file():
-        parts = load_single_file(path, v2=v2, v_parameterization=v_parameterization, weight_dtype=weight_dtype,
-                                 vae_dtype=vae_dtype, model_config=model_config,
-                                 allow_pickle=allow_pickle_checkpoints, architectures=tuple(FAMILIES)).parts
-    elif is_flux_folder(path):
-        return load_flux_folder(path, weight_dtype, vae_dtype)
-    else:
-        parts = _load_diffusers_folder(path, weight_dtype, vae_dtype)
-    family = _family_of(parts, v2)
-    noise_scheduler = parts["scheduler"]
-    scheduled_v = noise_scheduler.config.get("prediction_type") == "v_prediction"
-    if scheduled_v and not v_parameterization:
-        logger.info("the model's scheduler uses v-prediction; training with v_parameterization")
-    return Components(denoiser=parts["unet"], vae=parts["vae"],
-                      text_encoders=[parts[name] for name in family.text_encoder_folders],
-                      tokenizers=[parts[name] for name in family.tokenizer_folders],
-                      noise_scheduler=noise_scheduler, v_prediction=v_parameterization or scheduled_v, family=family)
+    try:
+        path = Path(model_path)
+        if path.is_file() and is_bfl_flux(path):
+            return load_flux_files(path, clip_l, t5xxl, ae, None if model_config is None else str(model_config),
+                                   weight_dtype, vae_dtype)
+        if path.is_file():
+            parts = load_single_file(path, v2=v2, v_parameterization=v_parameterization, weight_dtype=weight_dtype,
+                                     vae_dtype=vae_dtype, model_config=model_config,
+                                     allow_pickle=allow_pickle_checkpoints, architectures=tuple(FAMILIES)).parts
+        elif is_flux_folder(path):
+            return load_flux_folder(path, weight_dtype, vae_dtype)
+        else:
+            parts = _load_diffusers_folder(path, weight_dtype, vae_dtype)
+        family = _family_of(parts, v2)
+        noise_scheduler = parts["scheduler"]
+        scheduled_v = noise_scheduler.config.get("prediction_type") == "v_prediction"
+        if scheduled_v and not v_parameterization:
+            logger.info("the model's scheduler uses v-prediction; training with v_parameterization")
+        return Components(denoiser=parts["unet"], vae=parts["vae"],
+                          text_encoders=[parts[name] for name in family.text_encoder_folders],
+                          tokenizers=[parts[name] for name in family.tokenizer_folders],
+                          noise_scheduler=noise_scheduler, v_prediction=v_parameterization or scheduled_v,
+                          family=family)
+    finally:
+        return_free_heap()  # the read and converted copies of the weights: 0.4-1 GiB for SDXL
 
 
 def _family_of(parts: dict[str, Any], v2: bool) -> Family:

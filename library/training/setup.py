@@ -16,6 +16,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list, set_seed
 
 from library.config import Config, UserError
+from library.core.memory import return_free_heap
 from library.data.dataset import TrainingData, build_training_data
 from library.models.family import Components
 from library.models.loading import load_components
@@ -148,6 +149,7 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     cache_inputs(config, data, components, accelerator, vae_dtype, caching)
     release_encoders(components, model, caching, train_text_encoder, bool(prompts), accelerator.device,
                      validating=data.validation is not None)
+    return_free_heap()  # the encoders' work and what of their weights was freed
     dataloader = data.dataloader(config.max_data_loader_n_workers, config.persistent_data_loader_workers)
     optimizer = build_optimizer(config.optimizer_type, groups, config.learning_rate, config.optimizer_args,
                                 use_8bit_adam=config.use_8bit_adam, use_lion_optimizer=config.use_lion_optimizer)
