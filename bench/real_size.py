@@ -1,13 +1,13 @@
 """Training at real model sizes: load time, launch -> first step, s/step and peak RSS of `train_network.py`.
 
     python bench/real_size.py [--models sd15,sdxl] [--steps 2] [--resolution 512,1024] [--threads 2]
-                              [--images N] [--work DIR] [--json PATH] [--load_only]
+                              [--images N] [--work DIR] [--json PATH] [--load_only] [--train_options="..."]
 
 For each model the script writes a single-file checkpoint of the released architecture with random weights
 (fp16, original layout, built piece by piece by bench/real_size_files.py; nothing is downloaded), a few images of
 the training resolution with captions, and a TOML config of the usual kind (bf16, gradient checkpointing, cached
 latents and text-encoder outputs, UNet-only LoRA rank 16, AdamW, batch 1), then runs `python train_network.py
---config CONFIG` in a child process that records:
+--config CONFIG [TRAIN_OPTIONS]` in a child process that records:
 
 - load: the wall seconds of `load_components` (reading the checkpoint into the training dtype), and the RSS and
   peak RSS right after it;
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -50,6 +51,9 @@ def status():
         if line.startswith(("VmHWM:", "VmRSS:")):
             found[line.split(":")[0]] = int(line.split()[1]) / 1024
     return found
+import train_network
+from library.config import parse_config
+train_network.hide_unused_packages(parse_config(argv)[0])  # as train_network.py does before any library loads
 from library.training import loop, setup
 original_load = setup.load_components
 def load_components(*args, **kwargs):
@@ -82,8 +86,7 @@ def log_step(self, *args, **kwargs):
     record.setdefault("cpu_marks", []).append(t.user + t.system)
     record.setdefault("losses", []).append(self.result.losses[-1])
 loop.Trainer.log_step = log_step
-import train_network
-record["status"] = train_network.main(argv)
+record["status"] = train_network.main(argv, own_process=True)
 record["peak_rss_mib"] = status()["VmHWM"]
 json.dump(record, open(out, "w"))
 """
@@ -187,7 +190,8 @@ def run_model(model: str, resolution: int, args: argparse.Namespace, work: Path)
     log = work / f"train-{model}-{resolution}.log"
     launched = time.time()
     with log.open("w") as handle:
-        code = subprocess.run([sys.executable, "-c", CHILD, str(out), "--config", str(config)], cwd=REPO, env=env,
+        command = [sys.executable, "-c", CHILD, str(out), "--config", str(config), *shlex.split(args.train_options)]
+        code = subprocess.run(command, cwd=REPO, env=env,
                               stdout=handle, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
     wall = time.time() - launched
     if code != 0 or not out.exists():
@@ -228,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=int, default=4 * 3600, help="most seconds one training run may take")
     parser.add_argument("--work", type=Path, default=None, help="folder for the files (kept; reused when present)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--train_options", default="", help='options added to the training command line, after '
+                        'the config (e.g. --train_options="--cache_latents false")')
     parser.add_argument("--load_only", action="store_true", help="only load each model as the trainer does: "
                         "seconds, peak RSS and RSS after the load")
     args = parser.parse_args(argv)
