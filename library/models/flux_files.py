@@ -84,6 +84,7 @@ def load_flux_files(path: Path, clip_l: str | None, t5xxl: str | None, ae: str |
     from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
+    from library.core.memory import return_free_heap
     from library.models.clip_tokenizer import load_tokenizer
     from library.models.flux import Flux
     from library.models.safetensors_io import read_safetensors
@@ -102,18 +103,22 @@ def load_flux_files(path: Path, clip_l: str | None, t5xxl: str | None, ae: str |
         with init_empty_weights():
             transformer = FluxTransformer2DModel.from_config(config)
         _assign(transformer, diffusers_state_dict(state, config), str(path))
+        del state
+        return_free_heap()  # each file's read buffers go before the next file is read
 
         vae_config = dict(AutoencoderKL.load_config(config_dir, subfolder="vae", **local))
         with init_empty_weights():
             vae = AutoencoderKL.from_config(vae_config)
         ae_state = convert_ldm_vae_checkpoint(read_safetensors(Path(ae), dtype=vae_dtype), vae_config)
         _assign(vae, ae_state, str(ae))
+        return_free_heap()
 
         with init_empty_weights():
             clip = CLIPTextModel(CLIPTextConfig.from_pretrained(config_dir, subfolder="text_encoder", **local))
         clip_state = {k.removeprefix("text_model."): v
                       for k, v in read_safetensors(Path(clip_l), dtype=weight_dtype).items()}
         _assign(clip, clip_state, str(clip_l))
+        return_free_heap()
 
         with init_empty_weights():
             t5 = T5EncoderModel(T5Config.from_pretrained(config_dir, subfolder="text_encoder_2", **local))

@@ -30,6 +30,7 @@ import torch
 
 from library.config import PICKLE_CHECKPOINT_SUFFIXES, UserError, checkpoint_file_problem
 from library.models.clip_tokenizer import load_tokenizer
+from library.core.memory import return_free_heap
 from library.models.safetensors_io import read_safetensors
 
 logger = logging.getLogger(__name__)
@@ -319,6 +320,7 @@ def load_single_file(path: str | os.PathLike[str], *, v2: bool = False, v_parame
         try:
             with _quiet_dtype_cast_warning():
                 parts[name] = load(weights(prefix, dtype), subfolder=name, torch_dtype=dtype, **common)
+            return_free_heap()  # this component's read and converted copies, before the next one's are made
         except NotImplementedError as e:
             # Tensors the file lacks stay on the meta device, and the final cast to the dtype fails on them.
             if "meta tensor" not in str(e):
