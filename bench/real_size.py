@@ -164,14 +164,14 @@ def write_config(path: Path, model: str, files: dict[str, Path], data: Path, res
 
 def model_files(model: str, work: Path) -> dict[str, Path]:
     import torch
-    from real_size_files import write_flux_files, write_sd_checkpoint
+    from real_size_files import SD_ARCHITECTURES, write_flux_files, write_sd_checkpoint
 
     if model == "flux":
         paths = write_flux_files(work / "flux1")
         return {"model": paths["transformer"], **{k: paths[k] for k in ("clip_l", "t5xxl", "ae")}}
     path = work / f"{model}-random-fp16.safetensors"
     if not path.exists():
-        write_sd_checkpoint({"sd15": "sd1", "sdxl": "sdxl"}[model], path, torch.float16)
+        write_sd_checkpoint(SD_ARCHITECTURES[model], path, torch.float16)
     return {"model": path}
 
 

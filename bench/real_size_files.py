@@ -21,6 +21,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "library" / "models" / "configs"
 DEFAULT_RESOLUTION = {"sd15": 512, "sdxl": 1024, "flux": 1024}  # each model's training resolution
+SD_ARCHITECTURES = {"sd15": "sd1", "sdxl": "sdxl"}  # model -> its configs under CONFIGS
 
 
 def models_and_resolutions(models: str, resolutions: str | None, default: Callable[[str], int] | None = None

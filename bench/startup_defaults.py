@@ -67,8 +67,9 @@ def build_model(kind: str, folder: Path) -> Path:
     (kept when already there)."""
     if kind in REAL_SIZE:
         path = folder / f"{kind}-random-fp16.safetensors"
-        code = ("import sys, torch; sys.path[:0] = ['.', 'bench']; from real_size_files import write_sd_checkpoint; "
-                f"write_sd_checkpoint('sd1', __import__('pathlib').Path({str(path)!r}), torch.float16)")
+        code = ("import sys, torch; from pathlib import Path; sys.path[:0] = ['.', 'bench']; "
+                "from real_size_files import SD_ARCHITECTURES, write_sd_checkpoint; "
+                f"write_sd_checkpoint(SD_ARCHITECTURES[{kind!r}], Path({str(path)!r}), torch.float16)")
     else:
         path = folder
         code = ("import sys; sys.path.insert(0, '.'); from library.models.tiny import save_tiny_sd1; "

@@ -22,31 +22,33 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from real_size_files import CONFIGS, DEFAULT_RESOLUTION, SD_ARCHITECTURES  # noqa: E402
 from step_time import RESOLUTION  # noqa: E402
 
-REAL_SIZE = {"sd15": ("sd1", 512), "sdxl": ("sdxl", 1024)}
+
+def resolution_of(model: str) -> int:
+    return RESOLUTION.get(model) or DEFAULT_RESOLUTION[model]
 
 
-def build(model: str) -> tuple[dict, int, torch.device]:
-    """{"vae", "unet", "text_encoders"}, the resolution and the device they are on."""
+def build(model: str) -> tuple[dict, torch.device]:
+    """{"vae", "unet", "text_encoders"} and the device they are on."""
     if model in RESOLUTION:
         from library.models.tiny import build_tiny_sd1
 
-        parts = build_tiny_sd1(model)
-        return {"vae": parts["vae"], "unet": parts["unet"], "text_encoders": [parts["text_encoder"]]}, \
-            RESOLUTION[model], torch.device("cpu")
+        tiny = build_tiny_sd1(model)
+        parts = {"vae": tiny["vae"], "unet": tiny["unet"], "text_encoders": [tiny["text_encoder"]]}
+        return parts, torch.device("cpu")
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    arch, resolution = REAL_SIZE[model]
-    folder = Path(__file__).resolve().parent.parent / "library" / "models" / "configs" / arch
-    encoders = [(CLIPTextModel, "text_encoder")] + ([(CLIPTextModelWithProjection, "text_encoder_2")]
-                                                    if arch == "sdxl" else [])
+    folder = CONFIGS / SD_ARCHITECTURES[model]
+    encoders = [(CLIPTextModel, "text_encoder"), (CLIPTextModelWithProjection, "text_encoder_2")]
     with torch.device("meta"):
         parts = {"vae": AutoencoderKL.from_config(AutoencoderKL.load_config(folder / "vae")),
                  "unet": UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(folder / "unet")),
-                 "text_encoders": [cls(CLIPTextConfig.from_pretrained(folder / name)) for cls, name in encoders]}
-    return parts, resolution, torch.device("meta")
+                 "text_encoders": [cls(CLIPTextConfig.from_pretrained(folder / name)) for cls, name in encoders
+                                   if (folder / name).is_dir()]}
+    return parts, torch.device("meta")
 
 
 def forward_flops(model: str) -> dict[str, float]:
@@ -54,7 +56,8 @@ def forward_flops(model: str) -> dict[str, float]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    parts, resolution, device = build(model)
+    parts, device = build(model)
+    resolution = resolution_of(model)
     unet = parts["unet"]
     pixels = torch.zeros(1, 3, resolution, resolution, device=device)
     latents = torch.zeros(1, unet.config.in_channels, resolution // 8, resolution // 8, device=device)
@@ -79,15 +82,15 @@ def forward_flops(model: str) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", choices=(*RESOLUTION, *REAL_SIZE), default=[*RESOLUTION, *REAL_SIZE])
+    parser.add_argument("--models", nargs="+", choices=(*RESOLUTION, *SD_ARCHITECTURES),
+                        default=[*RESOLUTION, *SD_ARCHITECTURES])
     args = parser.parse_args(argv)
     print(f"{'model':6s} {'px':>5s} {'vae encode GF':>14s} {'unet GF':>10s} {'text GF':>9s} "
           f"{'vae / (vae + 2 x (unet + text))':>32s}")
     for model in args.models:
         flops = forward_flops(model)
-        resolution = RESOLUTION.get(model) or REAL_SIZE[model][1]
         share = flops["vae encode"] / (flops["vae encode"] + 2 * (flops["unet"] + flops["text encoders"]))
-        print(f"{model:6s} {resolution:5d} {flops['vae encode']:14.2f} {flops['unet']:10.2f} "
+        print(f"{model:6s} {resolution_of(model):5d} {flops['vae encode']:14.2f} {flops['unet']:10.2f} "
               f"{flops['text encoders']:9.2f} {share:32.2f}", flush=True)
     return 0
 

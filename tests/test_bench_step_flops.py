@@ -26,7 +26,7 @@ def linear_weights(module: torch.nn.Module) -> int:
 
 @pytest.mark.parametrize("model", ["tiny", "sd15"])
 def test_the_text_encoder_costs_two_flops_per_weight_and_token_plus_attention(step_flops, model):
-    parts, _, _ = step_flops.build(model)
+    parts, _ = step_flops.build(model)
     encoder = parts["text_encoders"][0]
     config = encoder.config
     tokens = 77
@@ -38,7 +38,8 @@ def test_the_text_encoder_costs_two_flops_per_weight_and_token_plus_attention(st
 def test_attention_is_counted_in_the_unet(step_flops):
     from torch.utils.flop_counter import FlopCounterMode
 
-    parts, resolution, _ = step_flops.build("tiny")
+    parts, _ = step_flops.build("tiny")
+    resolution = step_flops.resolution_of("tiny")
     unet = parts["unet"]
     with torch.no_grad(), FlopCounterMode(display=False) as counter:  # the CPU's own attention kernel
         unet(torch.zeros(1, 4, resolution // 8, resolution // 8), torch.tensor([500]),

@@ -29,8 +29,8 @@ from typing import Any, Callable, Collection, Iterable, Iterator, Mapping
 import torch
 
 from library.config import PICKLE_CHECKPOINT_SUFFIXES, UserError, checkpoint_file_problem
-from library.models.clip_tokenizer import load_tokenizer
 from library.core.memory import return_free_heap
+from library.models.clip_tokenizer import load_tokenizer
 from library.models.safetensors_io import read_safetensors
 
 logger = logging.getLogger(__name__)
