@@ -31,7 +31,8 @@ from library import digits
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "digits-base"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL = REPO_ROOT / "models" / "digits-base"
 DEFAULT_STEPS = 20
 DEFAULT_SCALE = 3.0  # SD: classifier-free guidance
 DEFAULT_SAMPLER = "ddim"
@@ -105,6 +106,14 @@ def settings_for(pipe: Any, settings: Settings) -> Settings:
         defaults = (DEFAULT_SCALE, DEFAULT_SAMPLER)
     return dataclasses.replace(settings, scale=defaults[0] if settings.scale is None else settings.scale,
                                sampler=settings.sampler or defaults[1])
+
+
+def find_model(path: Path) -> Path:
+    """A model folder given on the command line: as given when it exists, else a relative path read from the
+    repository root, so `--model models/digits-flux` works from any folder."""
+    if path.exists() or path.is_absolute() or not (REPO_ROOT / path).exists():
+        return path
+    return REPO_ROOT / path
 
 
 def load_pipeline(model: str | Path = DEFAULT_MODEL, lora: str | Path | None = None) -> Any:
@@ -257,6 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"{FLUX_SAMPLER} only")
     parser.add_argument("--grids", type=Path, help="write base.png (and lora.png) sample grids into this folder")
     args = parser.parse_args(argv)
+    args.model = find_model(args.model)
     from library.config import UserError
     from library.monitoring.sampling import build_scheduler
 
