@@ -156,6 +156,8 @@ def test_kohya_lycoris_configs_train_from_the_quickstart(monkeypatch, tmp_path, 
     ["algo=lokr", "factor=4", "decompose_both=true", "preset=attn-mlp"],
     ["algo=loha", "preset=attn-mlp"],
     ["algo=locon", "dora_wd=true", "wd_on_output=false", "conv_dim=2", "preset=unet-convblock-only"],
+    ["algo=loha", "use_tucker=True", "conv_dim=2", "preset=unet-convblock-only"],
+    ["algo=lokr", "use_cp=True", "factor=4", "conv_dim=2", "preset=unet-convblock-only"],
 ])
 def test_lycoris_loads_the_file_strictly_and_computes_the_same(tiny, network_args):
     # Runs where the lycoris-lora package is installed (it is not a dependency). Its full / unet-only presets
@@ -181,3 +183,48 @@ def test_lycoris_loads_the_file_strictly_and_computes_the_same(tiny, network_arg
     x = (torch.randn(2, 4, 8, 8, generator=gen), torch.tensor([10, 700]), torch.randn(2, 7, 32, generator=gen))
     with torch.no_grad():
         torch.testing.assert_close(theirs(*x).sample, ours(*x).sample, atol=2e-5, rtol=1e-4)
+    if "use_tucker=True" in network_args or "use_cp=True" in network_args:
+        assert any(key.endswith((".hada_t1", ".lokr_t2")) for key in kohya_format.kohya_state_dict(
+            {"lora_unet": ours}))
+
+
+@pytest.mark.parametrize("network_args", [
+    ["algo=loha", "preset=attn-mlp"],
+    ["algo=lokr", "factor=4", "decompose_both=true", "preset=attn-mlp"],
+    ["algo=lokr", "use_cp=True", "factor=4", "conv_dim=2", "preset=unet-convblock-only"],
+])
+def test_max_norm_on_loha_and_lokr_is_lycoris(tiny, network_args):
+    # scale_weight_norms with LoHa / LoKr: the same weight deltas as LyCORIS' apply_max_norm_regularization
+    lycoris_kohya = pytest.importorskip("lycoris.kohya")
+    from library.training.adapters import apply_max_norm
+
+    ours = copy.deepcopy(tiny["unet"])
+    network_setup.attach_network(ours, "unet", 4, 4.0, 0.0, lycoris(*network_args))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for i, (_, layer) in enumerate(lora.lora_layers(ours)):
+            for param in lora.layer_parameters(layer).values():  # some layers above the limit, some below
+                param.copy_(torch.randn(param.shape, generator=gen) * (0.6 if i % 2 else 0.05))
+    theirs, te = copy.deepcopy(tiny["unet"]), copy.deepcopy(tiny["text_encoder"])
+    network = lycoris_kohya.create_network(1.0, 4, 4.0, tiny["vae"], te, theirs,
+                                           **dict(arg.split("=", 1) for arg in network_args))
+    network.apply_to(te, theirs, apply_text_encoder=False, apply_unet=True)
+    network.load_state_dict(kohya_format.kohya_state_dict({"lora_unet": ours}), strict=False)
+    logs = apply_max_norm([ours], 1.0)
+    keys_scaled, mean, largest = network.apply_max_norm_regularization(1.0, "cpu")
+    assert 0 < logs["max_norm/keys_scaled"] == keys_scaled < len(lora.lora_layers(ours))
+    assert logs["max_norm/average_key_norm"] == pytest.approx(float(mean), rel=1e-4)
+    assert logs["max_norm/max_key_norm"] == pytest.approx(float(largest), rel=1e-4)
+    x = (torch.randn(2, 4, 8, 8, generator=gen), torch.tensor([10, 700]), torch.randn(2, 7, 32, generator=gen))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(*x).sample, ours(*x).sample, atol=2e-5, rtol=1e-4)
+
+
+def test_gui_network_args_spellings():
+    # the kohya_ss GUI writes use_tucker twice (the last counts, as in sd-scripts), use_cp for LoKr (read before
+    # use_tucker, as LyCORIS does), and rank_dropout_scale, which LyCORIS' kohya entry point does not read
+    assert lycoris("algo=loha", "use_tucker=False", "use_tucker=True").use_tucker
+    assert not lycoris("algo=lokr", "use_cp=False", "use_tucker=True").use_tucker
+    assert lycoris("algo=lokr", "use_tucker=False", "use_cp=True").use_tucker
+    assert lycoris("algo=lokr", "rank_dropout_scale=True") == lycoris("algo=lokr", "rank_dropout_scale=False")
+    assert parse_network_args(["conv_dim=4", "conv_dim=8"])[0].conv_dim == 8

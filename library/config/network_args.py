@@ -4,9 +4,10 @@ kohya's networks.lora reads conv_dim, conv_alpha, rank_dropout, module_dropout, 
 block options (block_dims, block_alphas, conv_block_dims, conv_block_alphas, down/mid/up_lr_weight,
 block_lr_zero_threshold) from network_args; LyCORIS adds algo, dora_wd, wd_on_output, factor and decompose_both.
 With network_module = "lycoris.kohya" LyCORIS' own defaults and keys apply as well: preset (which layers), conv_dim
-defaulting to network_dim and conv_alpha to network_alpha, use_tucker and its other switches (accepted when off).
-Every variant is trained through peft. Unknown keys are an error rather than silently ignored (kohya and LyCORIS
-ignore them, so a typo there trains a different network than the user asked for).
+defaulting to network_dim and conv_alpha to network_alpha, use_tucker (or use_cp) for LoHa / LoKr, and its other
+switches (accepted when off). A key given twice keeps its last value, as in sd-scripts. Every variant is trained
+through peft. Unknown keys are an error rather than silently ignored (kohya and LyCORIS ignore them, so a typo there
+trains a different network than the user asked for).
 """
 from __future__ import annotations
 
@@ -22,8 +23,14 @@ NETWORK_MODULES = ("networks.lora", LYCORIS_MODULE)
 PRESETS = ("full", "attn-mlp", "attn-only", "unet-transformer-only", "unet-convblock-only", "unet-only")
 UNET_ONLY_PRESETS = ("unet-transformer-only", "unet-convblock-only", "unet-only")
 # LyCORIS switches not offered here: accepted when off (LyCORIS reads every value but "false" as on).
-LYCORIS_OFF_SWITCHES = ("use_tucker", "use_scalar", "train_norm", "rs_lora", "bypass_mode", "rescaled",
-                        "full_matrix", "unbalanced_factorization")
+LYCORIS_OFF_SWITCHES = ("use_scalar", "train_norm", "rs_lora", "bypass_mode", "rescaled", "full_matrix",
+                        "unbalanced_factorization")
+# LyCORIS' kohya entry point (lycoris/kohya.py create_network) reads `use_cp` (the kohya_ss GUI writes it for LoKr)
+# before `use_tucker`: the first of them given decides.
+LYCORIS_ALIASES = {"use_cp": "use_tucker"}
+# Keys the kohya_ss GUI writes that LyCORIS' kohya entry point never reads (its modules keep their defaults):
+# accepted with a valid value, without effect.
+LYCORIS_UNREAD = ("rank_dropout_scale",)
 LORAPLUS_KEYS = ("loraplus_lr_ratio", "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio")
 
 
@@ -53,6 +60,7 @@ class NetworkArgs:
     block_lr_zero_threshold: float = 0.0
     lycoris: bool = False  # network_module = "lycoris.kohya": LyCORIS' targets (preset) and conv defaults
     preset: str = "full"  # LyCORIS' preset; only read with `lycoris`
+    use_tucker: bool = False  # LyCORIS (use_cp): k x k convs of LoHa / LoKr in Tucker form (hada_t*, lokr_t2)
 
     @property
     def trains_text_encoder(self) -> bool:
@@ -262,7 +270,8 @@ _CONVERTERS.update({"train_blocks": _train_blocks, "split_qkv": _bool, "train_t5
                     "train_double_block_indices": _block_indices, "train_single_block_indices": _block_indices})
 SUPPORTED_KEYS: tuple[str, ...] = tuple(_CONVERTERS)
 _LYCORIS_CONVERTERS: dict[str, Callable[[str], Any]] = {
-    "preset": _preset, **{key: _off for key in LYCORIS_OFF_SWITCHES}}
+    "preset": _preset, "use_tucker": _bool, "use_cp": _bool, "rank_dropout_scale": _bool,
+    **{key: _off for key in LYCORIS_OFF_SWITCHES}}
 
 
 def parse_network_args(args: Sequence[str], loraplus: Mapping[str, float | None] | None = None,
@@ -277,6 +286,7 @@ def parse_network_args(args: Sequence[str], loraplus: Mapping[str, float | None]
     values: dict[str, Any] = {"lycoris": True} if lycoris else {}
     converters = {**_CONVERTERS, **_LYCORIS_CONVERTERS} if lycoris else _CONVERTERS
     seen: set[str] = set()
+    used_alias: set[str] = set()
     for arg in args:
         key, sep, raw = arg.partition("=")
         key = key.strip()
@@ -292,16 +302,20 @@ def parse_network_args(args: Sequence[str], loraplus: Mapping[str, float | None]
             hint = f" (did you mean {close[0]}?)" if close else ""
             problems.append(f"network_args: unknown key {key!r}{hint}; supported: {', '.join(converters)}")
             continue
-        if key in seen:
-            problems.append(f"network_args: {key} is given more than once")
-            continue
-        seen.add(key)
+        # A key given twice keeps its last value, as sd-scripts' dict of network_args does (the kohya_ss GUI
+        # writes use_tucker twice for LoCon and LoHa).
         try:
             value = converters[key](raw)
         except ValueError as e:
             problems.append(f"network_args: {key}={raw.strip()}: {e}")
             continue
-        if key not in LYCORIS_OFF_SWITCHES:
+        if key in LYCORIS_ALIASES:
+            key = LYCORIS_ALIASES[key]
+            used_alias.add(key)
+        elif key in used_alias:
+            continue
+        seen.add(key)
+        if key not in LYCORIS_OFF_SWITCHES + LYCORIS_UNREAD:
             values[key] = value
     for key, value in (loraplus or {}).items():
         if value is None:
@@ -325,6 +339,9 @@ def _combination_problems(settings: NetworkArgs, given: set[str]) -> list[str]:
         for key in ("factor", "decompose_both"):
             if key in given:
                 problems.append(f"network_args: {key} applies to algo=lokr only (algo is {settings.algo})")
+    if settings.use_tucker and settings.variant == "lora":
+        problems.append("network_args: use_tucker works with algo=loha or lokr here (LyCORIS' Tucker LoCon, "
+                        "lora_mid, is not offered); remove it or set it to false")
     if settings.dora_wd and settings.variant != "lora":
         problems.append(f"network_args: dora_wd works with algo=lora or locon (peft has no DoRA for "
                         f"{settings.algo})")
@@ -376,8 +393,6 @@ def network_option_problems(v: Mapping[str, Any]) -> list[str]:
     if max_norm is not None:
         if max_norm <= 0:
             problems.append(f"scale_weight_norms must be positive (got {max_norm})")
-        if settings.variant != "lora":
-            problems.append(f"scale_weight_norms rescales LoRA's up/down pairs; algo={settings.algo} has none")
         if v.get("deepspeed"):
             # ZeRO keeps fp32 master weights and copies them back over the module after each step.
             problems.append("scale_weight_norms does not work with deepspeed (its master weights undo the scaling)")

@@ -181,6 +181,7 @@ def attach_lora(
     factor: int = -1,
     decompose_both: bool = False,
     lycoris_shapes: bool = False,
+    use_tucker: bool = False,
 ) -> list[nn.Parameter]:
     """Inject peft LoRA (or LoHa / LoKr) layers into `model` in place; return the trainable parameters.
 
@@ -211,7 +212,7 @@ def attach_lora(
         raise ValueError("attach_lora: kohya's rank/module dropout for LoRA is network_setup.add_kohya_dropout")
     if algo in ("loha", "lokr"):
         lycoris.attach_lycoris(model, algo, targets, rank, alpha, overrides, rank_dropout, module_dropout, factor,
-                               decompose_both, adapter_name, lycoris_shapes)
+                               decompose_both, adapter_name, lycoris_shapes, use_tucker)
     elif algo == "lora":
         extra: dict[str, object] = {}
         if overrides:

@@ -8,7 +8,9 @@
         matrices are whole, so such layers are trained with scale 1 here too (as LyCORIS does)
 
 peft's LoHaLayer / LoKrLayer use the same parameter names, shapes and scale (alpha / r), so the file holds the
-parameters as they are. Conv layers use the flattened form (no Tucker `hada_t1` / `lokr_t2`).
+parameters as they are. Conv layers use the flattened form, or with LyCORIS' use_tucker the Tucker form that peft
+calls effective conv2d and LyCORIS writes the same way: `hada_t1` / `hada_t2` [r, r, k, k] with `hada_w*_a` [r, out]
+and `hada_w*_b` [r, in]; `lokr_t2` [r, r, k, k] with `lokr_w2_a` [r, b], `lokr_w2_b` [r, d].
 """
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
-LOHA_ROLES = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
-LOKR_ROLES = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
+LOHA_ROLES = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2")
+LOKR_ROLES = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")
 
 
 def is_lycoris_layer(module: nn.Module) -> bool:
@@ -77,12 +79,14 @@ def attach_lycoris(
     decompose_both: bool = False,
     adapter_name: str = "default",
     lycoris_shapes: bool = False,
+    use_tucker: bool = False,
 ) -> None:
     """Inject peft LoHa (`algo="loha"`) or LoKr (`"lokr"`) layers; `overrides` maps a target to its (rank, alpha).
 
     rank_dropout / module_dropout are peft's, which follow LyCORIS (rows of the weight delta are dropped and the
     rest rescaled; module dropout skips the whole delta). `lycoris_shapes` splits LoKr dimensions as LyCORIS does
     (network_module = "lycoris.kohya"); without it peft's split is kept, as files written before have it.
+    `use_tucker` gives k x k convs LyCORIS' Tucker factors.
     """
     from peft import LoHaConfig, LoKrConfig, inject_adapter_in_model
 
@@ -93,7 +97,7 @@ def attach_lycoris(
         "alpha_pattern": {re.escape(name): a for name, (_, a) in overrides.items()},
     }
     common = dict(r=rank, alpha=alpha, target_modules=targets, rank_dropout=rank_dropout,
-                  module_dropout=module_dropout, use_effective_conv2d=False, **patterns)
+                  module_dropout=module_dropout, use_effective_conv2d=use_tucker, **patterns)
     if algo == "loha":
         config = LoHaConfig(init_weights=True, **common)
     elif algo == "lokr":

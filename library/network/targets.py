@@ -71,7 +71,7 @@ def attach_network(model: nn.Module, part: str, rank: int, alpha: float, dropout
         use_dora=net.dora_wd, dora_on_output=net.wd_on_output,
         rank_dropout=(net.rank_dropout or 0.0) if lycoris_dropout else 0.0,
         module_dropout=(net.module_dropout or 0.0) if lycoris_dropout else 0.0, factor=net.factor,
-        decompose_both=net.decompose_both, lycoris_shapes=net.lycoris)
+        decompose_both=net.decompose_both, lycoris_shapes=net.lycoris, use_tucker=net.use_tucker)
     kohya_dropout = 0.0 if peft_dropout else dropout
     if not lycoris_dropout and (net.rank_dropout or net.module_dropout or kohya_dropout):
         add_kohya_dropout(model, net.rank_dropout or 0.0, net.module_dropout or 0.0, dropout=kohya_dropout)

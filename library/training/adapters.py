@@ -68,23 +68,43 @@ def apply_max_norm(models: Iterable[nn.Module], max_norm: float,
     for model in models:
         for _, layer in lora.lora_layers(model, adapter_name):
             params = lora.layer_parameters(layer, adapter_name)
-            if "lora_down.weight" not in params:
-                continue  # LoHa / LoKr: no up/down pair (the config refuses the combination)
-            down, up = params["lora_down.weight"], params["lora_up.weight"]
-            # For a 3x3 conv, up (1x1) after down (3x3) has the same Frobenius norm as the flattened product.
-            updown = (up.float().flatten(1) @ down.float().flatten(1)) * layer.scaling[adapter_name]
+            if "lora_down.weight" in params:
+                down, up = params["lora_down.weight"], params["lora_up.weight"]
+                # For a 3x3 conv, up (1x1) after down (3x3) has the same Frobenius norm as the flattened product.
+                updown = (up.float().flatten(1) @ down.float().flatten(1)) * layer.scaling[adapter_name]
+                factors = [down, up]
+            else:
+                # LoHa / LoKr as LyCORIS' apply_max_norm: the norm of the scaled weight delta; each factor of the
+                # product takes an equal root of the ratio (LoHa's delta is the product of four, LoKr's of its
+                # Kronecker factors' parts), so the delta scales by the ratio.
+                updown = layer.get_delta_weight(adapter_name).float()
+                factors = list(params.values())
             norm = updown.norm().clamp(min=max_norm / 2)
             desired = norm.clamp(max=max_norm)
             ratio = (desired / norm).item()
             if ratio != 1:
                 keys_scaled += 1
-                down.mul_(ratio ** 0.5)
-                up.mul_(ratio ** 0.5)
+                root = _factor_count(params)
+                for factor in factors:
+                    factor.mul_(ratio ** (1 / root))
             norms.append(updown.norm().item() * ratio)
     if not norms:
         return {}
     return {"max_norm/keys_scaled": float(keys_scaled), "max_norm/average_key_norm": sum(norms) / len(norms),
             "max_norm/max_key_norm": max(norms)}
+
+
+def _factor_count(params: Mapping[str, nn.Parameter]) -> int:
+    """How many of a layer's tensors multiply into its delta (each is scaled by that root of the max-norm ratio).
+
+    LoRA: down and up. LoHa: (w1_a w1_b) * (w2_a w2_b), with Tucker (t1 x w1_a x w1_b) * (t2 x w2_a x w2_b): each
+    Hadamard side is a product of 2 (or 3) tensors, and a side's scale is the product of its tensors' scales, so
+    every tensor takes the root of the ratio's square root. LoKr: kron(w1, w2), each side whole or a product.
+    """
+    if "hada_w1_a" in params:
+        per_side = 3 if "hada_t1" in params else 2
+        return 2 * per_side
+    return len(params) if "lora_down.weight" not in params else 2
 
 
 def after_optimizer_step(models: Iterable[nn.Module], max_norm: float | None,
