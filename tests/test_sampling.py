@@ -180,12 +180,20 @@ sample_sampler = "nope"
     ("p.toml", "[prompt]\nwidth = 64\n", "[[prompt.subset]]"),
     ("p.json", "{\"prompt\": \"a\"}", "list of prompt objects"),
     ("p.json", "[", "not valid JSON"),
-    ("p.txt", "# only a comment\n\n", "holds no prompts"),
 ])
 def test_unreadable_files_are_user_errors(tmp_path, name, text, message):
     path = tmp_path / name if text is None else write(tmp_path, name, text)
     with pytest.raises(UserError, match=r"sample_prompts .*" + message.replace("[", r"\[").replace(".", r"\.")):
         sampling.load_prompts(path)
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n\n"])
+def test_a_file_without_prompts_gives_no_samples(tmp_path, caplog, text):
+    # the kohya_ss GUI writes an empty prompt file when its box is empty; sd-scripts then samples nothing
+    path = write(tmp_path, "p.txt", text)
+    with caplog.at_level(logging.INFO):
+        assert sampling.load_prompts(path) == []
+    assert "holds no prompts: no sample images will be made" in caplog.text
 
 
 # --------------------------------------------------------------------------------------------- samplers
@@ -437,3 +445,16 @@ def test_rounds_do_not_accumulate_memory(models, tmp_path):
     kept.clear()
     # ... and nothing else survives a round: no pipeline, scheduler tensor, latent or image.
     assert _census(models.denoiser) == baseline
+
+
+def test_prompt_file_is_read_only_when_sampling(tmp_path):
+    # as sd-scripts: without a sampling schedule the file is not read, so its problems do not stop the run
+    from library.config.options import OPTIONS
+    from library.config.parse import Config
+    from library.training.setup import sample_prompts
+
+    path = write(tmp_path, "p.txt", "--w 64\n")
+    values = {name: option.default for name, option in OPTIONS.items()} | {"sample_prompts": str(path)}
+    assert sample_prompts(Config(values)) == []
+    with pytest.raises(UserError, match="no prompt"):
+        sample_prompts(Config(values | {"sample_every_n_steps": 1}))

@@ -197,7 +197,7 @@ def load_prompts(path: str | os.PathLike, default_size: int | tuple[int, int] = 
     """Read kohya's sample_prompts file (.txt, .toml or .json); UserError naming every problem in it.
 
     `default_size` (width, height) applies to prompts without their own size. Unknown options are logged and
-    ignored, as kohya ignores them.
+    ignored, as kohya ignores them. A file without prompts gives none (logged), as in kohya.
     """
     path = Path(path)
     size = (default_size, default_size) if isinstance(default_size, int) else tuple(default_size)
@@ -232,7 +232,9 @@ def load_prompts(path: str | os.PathLike, default_size: int | tuple[int, int] = 
         if prompt is not None:
             prompts.append(prompt)
     if not entries:
-        problems.append("holds no prompts")
+        # The kohya_ss GUI always writes a prompt file, empty when its box is; sd-scripts then samples nothing.
+        logger.info("sample_prompts %s holds no prompts: no sample images will be made", path)
+        return []
     if problems:
         raise UserError([f"sample_prompts {path}: {p}" for p in problems])
     if ignored:

@@ -255,11 +255,12 @@ def sample_prompts(config: Config) -> list[SamplePrompt]:
             logger.warning("sample_every_n_steps / sample_every_n_epochs / sample_at_first do nothing without "
                            "sample_prompts")
         return []
-    prompts = load_prompts(config.sample_prompts, config.resolution)
     if not (config.sample_every_n_steps or config.sample_every_n_epochs or config.sample_at_first):
+        # sd-scripts reads the file only when it samples; the kohya_ss GUI names one in every config.
         logger.warning("sample_prompts is set but no sample_every_n_steps, sample_every_n_epochs or "
-                       "sample_at_first: no samples will be made")
-    return prompts
+                       "sample_at_first: no samples will be made (the file is not read)")
+        return []
+    return load_prompts(config.sample_prompts, config.resolution)
 
 
 # --- what a state must share with this run ----------------------------------------------------------------------
