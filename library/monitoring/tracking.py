@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from library.config import Config, read_toml
+from library.monitoring.events import EventLog
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,21 @@ class Trackers:
     def __init__(self, trackers: dict[str, Any] | None = None):
         self._trackers = dict(trackers or {})
         self._failures: collections.Counter = collections.Counter()
+        self.events: EventLog | None = None  # the run's event stream (main process), see open_events
+
+    def open_events(self, output_dir: Path, output_name: str) -> None:
+        """Start the event stream in output_dir (docs/events.md) with its "start" line."""
+        self.events = EventLog(output_dir)
+        self.events.start(output_name)
+
+    def plan(self, total_steps: int, step: int, epochs: int, batches_per_epoch: int) -> None:
+        if self.events is not None:
+            self.events.plan(total_steps, step, epochs, batches_per_epoch)
+
+    def event(self, name: str, **fields: Any) -> None:
+        """One event of the stream (samples written, a file saved, the end of the run)."""
+        if self.events is not None:
+            self.events.write(name, **fields)
 
     def start(self, config: Config, started_at: float) -> None:
         from accelerate.tracking import TensorBoardTracker, WandBTracker
@@ -84,6 +100,8 @@ class Trackers:
         return bool(self._trackers)
 
     def log(self, values: dict[str, float], step: int) -> None:
+        if self.events is not None:
+            self.events.metrics(values, step)
         self._each(lambda tracker: tracker.log(values, step=step))
 
     def log_images(self, images: dict[str, np.ndarray], step: int) -> None:
@@ -100,6 +118,8 @@ class Trackers:
         for name, count in self._failures.items():
             logger.warning("tracker %s failed %d time(s) during the run", name, count)
         self._trackers.clear()
+        if self.events is not None:
+            self.events.close()
 
     def _each(self, call: Callable[[Any], None]) -> None:
         for name, tracker in self._trackers.items():

@@ -163,3 +163,12 @@ def save_failed(error: BaseException, target: Path, output_dir: Path) -> UserErr
         "free some space (or choose another output_dir) and resume with --resume latest"
         if disk_full(error) else "fix the cause and resume with --resume latest",
     ])
+
+
+def outcome(error: BaseException) -> dict[str, str]:
+    """The final status of a run that ended with `error`, for the event stream: stopped by a signal, or failed."""
+    if isinstance(error, (Interrupted, KeyboardInterrupt)):
+        return {"status": "stopped", "message": getattr(error, "message", "stopped by SIGINT")}
+    if isinstance(error, UserError):
+        return {"status": "failed", "message": "\n".join(error.problems)}
+    return {"status": "failed", "message": f"{type(error).__name__}: {error}"}

@@ -24,7 +24,7 @@ from library.monitoring.validation import evaluating, should_validate, validatio
 from library.training import adapters as adapter_training
 from library.training.accelerator import prepare_accelerator
 from library.training.caching import on_device
-from library.training.faults import Interrupted, Preemption, agree, non_finite, non_finite_error, reported_save
+from library.training.faults import Interrupted, Preemption, agree, non_finite, non_finite_error, outcome, reported_save
 from library.training.model import DiffusionModel, batch_latents, diffusion_loss, lora_modules, save_lora
 from library.training.optim import schedule_free_eval
 from library.training.setup import Session, build_session, claim_output_dir
@@ -53,6 +53,8 @@ def run(config: Config) -> RunResult:
     lock = None
     try:
         lock = claim_output_dir(Path(config.output_dir), accelerator)
+        if accelerator.is_main_process:
+            trackers.open_events(Path(config.output_dir), config.output_name)
         session = build_session(config, accelerator, started_at)
         if accelerator.num_processes > 1:
             # Freeing DDP's reducer while gloo's worker thread still releases a finished all-reduce can deadlock
@@ -62,7 +64,14 @@ def run(config: Config) -> RunResult:
             _PREPARED_FOR_LIFE.append(session.model)
         if accelerator.is_main_process:
             trackers.start(config, started_at)
-        return Trainer(session, trackers).train()
+            trackers.plan(session.plan.total_steps, session.state.global_step, session.plan.num_epochs,
+                          session.plan.batches_per_epoch)
+        result = Trainer(session, trackers).train()
+        trackers.event("end", status="finished", step=result.global_step)
+        return result
+    except BaseException as e:
+        trackers.event("end", **outcome(e))
+        raise
     finally:
         trackers.finish()
         if lock is not None:
@@ -261,12 +270,14 @@ class Trainer:
             with schedule_free_eval(s.optimizer), saved_weights, reported_save(path, s.output_dir):
                 save_lora(self.config, s.unwrapped, s.spec, path, s.metadata(), s.save_dtype)
             logger.info("saved %s", path)
+            self.trackers.event("save", step=self.state.global_step, path=path.name)
         if with_state:
             self.state.metrics = s.metrics.state_dict()
             state_dir = s.output_dir / state_dir_name(name)
             with reported_save(state_dir, s.output_dir):
                 s.checkpointer.save(state_dir, self.state)
             self.state_saved_at = self.state.global_step
+            self.trackers.event("state", step=self.state.global_step, path=state_dir.name)
 
     def validate(self) -> None:
         s, accelerator = self.s, self.accelerator
@@ -319,6 +330,8 @@ class Trainer:
                 autocast_dtype=None if config.mixed_precision == "no" else s.weight_dtype,
                 process_index=self.accelerator.process_index, num_processes=self.accelerator.num_processes)
         if samples:
+            self.trackers.event("samples", step=self.state.global_step, epoch=epoch,
+                                paths=[x.path.relative_to(s.output_dir).as_posix() for x in samples])
             self.trackers.log_images({f"sample/{x.prompt.index:02d}": np.asarray(x.image) for x in samples},
                                      step=self.state.global_step)
 
