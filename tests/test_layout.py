@@ -15,6 +15,7 @@ ALLOWED = {
     "monitoring": {"config", "core"},
     "training": {"config", "core", "data", "models", "network", "monitoring"},
     "digits": {"config", "core", "models", "monitoring"},  # models: FLUX LoRA keys for the judge
+    "ui": {"config", "core", "data", "monitoring"},  # runs train_network.py as a process, never training's code
 }
 
 

@@ -1,0 +1,1 @@
+"""The local web UI (python train_ui.py): config editor, dataset view, runs; see the README."""

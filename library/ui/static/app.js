@@ -1,0 +1,186 @@
+// The config editor's filters and a run's live view (server-sent events, uPlot charts). No inline scripts: the
+// page's Content-Security-Policy allows scripts from this server only.
+"use strict";
+
+function filterFields() {
+  const search = document.getElementById("search");
+  if (!search) return;
+  const words = search.value.trim().toLowerCase().split(/\s+/).filter(Boolean);
+  const family = document.getElementById("family").value;
+  const onlySet = document.getElementById("only-set").checked;
+  document.querySelectorAll("#config-form .field").forEach((field) => {
+    const text = field.textContent.toLowerCase();
+    const fam = field.dataset.family;
+    const shown = words.every((w) => text.includes(w)) && (!family || !fam || fam === family) &&
+      (!onlySet || field.classList.contains("is-set") || field.classList.contains("has-problem"));
+    field.hidden = !shown;
+  });
+  document.querySelectorAll("#config-form details.group").forEach((group) => {
+    const any = group.querySelector(".field:not([hidden])");
+    group.hidden = !any;
+    if ((words.length || onlySet) && any) group.open = true;
+  });
+  const firstProblem = document.querySelector("#config-form .field.has-problem");
+  if (firstProblem) firstProblem.closest("details").open = true;
+}
+
+function bindForm() {
+  ["search", "family", "only-set"].forEach((id) => {
+    const el = document.getElementById(id);
+    if (el && !el.dataset.bound) {
+      el.addEventListener("input", filterFields);
+      el.dataset.bound = "1";
+    }
+  });
+  filterFields();
+}
+
+document.addEventListener("htmx:beforeSwap", (e) => {
+  // Problems come back with status 400 / 403 / 404: show them rather than dropping the response.
+  if (e.detail.xhr.status >= 400 && e.detail.xhr.status < 500) {
+    e.detail.shouldSwap = true;
+    e.detail.isError = false;
+  }
+});
+document.addEventListener("htmx:afterSwap", (e) => {
+  if (e.detail.target && e.detail.target.id === "config-form" || e.detail.elt.id === "config-form") {
+    // The search and filters live in the form: keep what was typed there.
+    bindForm();
+  }
+});
+
+function makeChart(el, title, xLabel) {
+  const opts = {
+    width: Math.max(320, el.clientWidth || 480), height: 240,
+    scales: {x: {time: false}},
+    series: [{label: xLabel}, {label: title, stroke: "#2563eb", width: 2, points: {show: true, size: 4}}],
+    axes: [{label: xLabel}, {}],
+  };
+  return new uPlot(opts, [[], []], el);
+}
+
+function fmtDuration(seconds) {
+  if (!isFinite(seconds) || seconds < 0) return "–";
+  const s = Math.round(seconds);
+  const h = Math.floor(s / 3600), m = Math.floor((s % 3600) / 60);
+  return (h ? h + "h " : "") + (h || m ? m + "m " : "") + (s % 60) + "s";
+}
+
+function postForm(url, data) {
+  const body = new URLSearchParams(data);
+  return fetch(url, {method: "POST", body, credentials: "same-origin"}).then((r) => r.text());
+}
+
+function runView() {
+  const view = document.getElementById("run-view");
+  if (!view) return;
+  const dir = view.dataset.dir;
+  const q = "path=" + encodeURIComponent(dir);
+  const lossEl = document.getElementById("loss-chart");
+  const binsEl = document.getElementById("bins-chart");
+  const loss = makeChart(lossEl, "loss", "step");
+  const bins = makeChart(binsEl, "mean loss", "timestep");
+  const steps = [], losses = [], speeds = [];
+  const seenSamples = new Set();
+  let total = null;
+
+  function onRun(event) {
+    if (event.event === "start") {
+      steps.length = 0; losses.length = 0; speeds.length = 0;  // a resume starts a new invocation
+    } else if (event.event === "plan") {
+      total = event.total_steps;
+      document.getElementById("run-total").textContent = total;
+    } else if (event.event === "step") {
+      steps.push(event.step); losses.push(event.loss); speeds.push(event.s_per_step);
+      loss.setData([steps, losses]);
+      lossEl.dataset.points = String(steps.length);
+      total = event.total_steps || total;
+      document.getElementById("run-step").textContent = event.step;
+      document.getElementById("run-loss").textContent = event.loss.toFixed(4);
+      document.getElementById("run-speed").textContent = event.s_per_step.toFixed(3);
+      const recent = speeds.slice(-20);
+      const mean = recent.reduce((a, b) => a + b, 0) / recent.length;
+      if (total) document.getElementById("run-eta").textContent = fmtDuration((total - event.step) * mean);
+      const mids = event.timestep_loss.map((b) => (b[0] + b[1]) / 2);
+      bins.setData([mids, event.timestep_loss.map((b) => b[2])]);
+      binsEl.dataset.points = String(mids.length);
+    } else if (event.event === "samples") {
+      event.paths.forEach(addSample);
+    }
+  }
+
+  function addSample(rel) {
+    if (seenSamples.has(rel)) return;
+    seenSamples.add(rel);
+    const fig = document.createElement("figure");
+    fig.className = "thumb sample";
+    const img = document.createElement("img");
+    img.src = "/files?path=" + encodeURIComponent(dir + "/" + rel);
+    const cap = document.createElement("figcaption");
+    cap.textContent = rel.replace(/^sample\//, "");
+    fig.append(img, cap);
+    document.getElementById("samples").append(fig);
+  }
+
+  function listFiles(id, names, withMetadata) {
+    const list = document.getElementById(id);
+    const known = new Set([...list.children].map((li) => li.dataset.name));
+    names.forEach((name) => {
+      if (known.has(name)) return;
+      const li = document.createElement("li");
+      li.dataset.name = name;
+      li.textContent = name + " ";
+      if (withMetadata) {
+        const button = document.createElement("button");
+        button.type = "button";
+        button.textContent = "metadata";
+        button.addEventListener("click", () => {
+          fetch("/lora?path=" + encodeURIComponent(dir + "/" + name)).then((r) => r.json()).then((info) => {
+            const pre = document.getElementById("lora-metadata");
+            pre.hidden = false;
+            pre.textContent = name + " (" + info.bytes + " bytes)\n" + Object.entries(info.metadata || {})
+              .map(([k, v]) => k + " = " + v).join("\n");
+          });
+        });
+        li.append(button);
+      }
+      list.append(li);
+    });
+  }
+
+  function onStatus(s) {
+    const el = document.getElementById("run-status");
+    el.textContent = s.status;
+    el.className = "status-" + s.status;
+    document.getElementById("run-message").textContent = s.message || "";
+    if (s.log_tail && s.log_tail.length) document.getElementById("log").textContent = s.log_tail.join("\n");
+    listFiles("files", s.files, true);
+    listFiles("states", s.states, false);
+    (s.samples || []).forEach(addSample);
+    document.getElementById("stop-button").disabled = !(s.status === "running" || s.status === "queued");
+    document.getElementById("resume-button").disabled = !s.can_resume;
+  }
+
+  let source = null;
+  function connect() {
+    if (source) source.close();
+    source = new EventSource("/runs/events?" + q);
+    source.addEventListener("run", (e) => onRun(JSON.parse(e.data)));
+    source.addEventListener("status", (e) => onStatus(JSON.parse(e.data)));
+    source.addEventListener("done", () => source.close());
+  }
+  connect();
+
+  document.getElementById("stop-button").addEventListener("click", () => {
+    postForm("/runs/stop", {path: dir}).then((t) => { document.getElementById("action-result").innerHTML = t; });
+  });
+  document.getElementById("resume-button").addEventListener("click", () => {
+    postForm("/runs/resume", {path: dir}).then((t) => {
+      document.getElementById("action-result").innerHTML = t;
+      seenSamples.clear(); document.getElementById("samples").replaceChildren();
+      setTimeout(connect, 500);
+    });
+  });
+}
+
+document.addEventListener("DOMContentLoaded", () => { bindForm(); runView(); });
