@@ -153,7 +153,8 @@ def test_mask_weights_the_loss():
 def config(**changes):
     values = dict(min_snr_gamma=None, debiased_estimation_loss=False, scale_v_pred_loss_like_noise_pred=False,
                   v_pred_like_loss=None, v_parameterization=False, zero_terminal_snr=False, noise_offset=None,
-                  multires_noise_iterations=None, adaptive_noise_scale=None, min_timestep=0, max_timestep=1000,
+                  multires_noise_iterations=None, adaptive_noise_scale=None, noise_offset_random_strength=False,
+                  min_timestep=0, max_timestep=1000,
                   loss_type="l2", huber_schedule="snr")
     return SimpleNamespace(**{**values, **changes})
 
@@ -162,15 +163,31 @@ def test_defaults_are_accepted():
     assert unsupported(config()) == []
 
 
+def test_huber_snr_schedule_is_refused():
+    problems = unsupported(config(loss_type="huber"))
+    assert len(problems) == 1 and "huber_schedule" in problems[0]
+
+
 @pytest.mark.parametrize("name,value,why", [
     ("min_snr_gamma", 5.0, "Min-SNR"), ("debiased_estimation_loss", True, "SNR"),
-    ("scale_v_pred_loss_like_noise_pred", True, "v-prediction"), ("v_pred_like_loss", 0.1, "velocity"),
-    ("v_parameterization", True, "velocity"), ("noise_offset", 0.1, "does not apply"),
-    ("max_timestep", 900, "timestep_sampling"), ("loss_type", "huber", "huber_schedule"),
+    ("scale_v_pred_loss_like_noise_pred", True, "v-prediction"), ("v_pred_like_loss", 0.1, "noise-prediction"),
+    ("v_parameterization", True, "velocity"), ("noise_offset", 0.1, "plain Gaussian noise"),
+    ("zero_terminal_snr", True, "pure noise"), ("max_timestep", 900, "timestep_sampling"),
 ])
-def test_ddpm_only_options_are_refused_with_the_reason(name, value, why):
-    problems = unsupported(config(**{name: value}))
-    assert len(problems) == 1 and name in problems[0].split(":")[0] and why in problems[0]
+def test_options_kohyas_flux_trainer_ignores_are_noted(caplog, name, value, why):
+    # flux_train_network.py accepts them and applies none (its post_process_loss returns the loss as it is)
+    with caplog.at_level("WARNING", logger="library.models.flow_matching"):
+        assert unsupported(config(**{name: value})) == []
+    assert name.split("_timestep")[0] in caplog.text and "no effect for FLUX" in caplog.text and why in caplog.text
+    objective = FlowMatchingObjective.from_config(SimpleNamespace(**{
+        **vars(config(**{name: value})), **{f: getattr(FlowOptions(), f) for f in FlowOptions.__dataclass_fields__},
+        **{f: None for f in ("ip_noise_gamma",)}, "noise_offset_random_strength": False,
+        "multires_noise_discount": 0.3, "ip_noise_gamma_random_strength": False, "huber_c": 0.1, "huber_scale": 1.0}))
+    plain = FlowMatchingObjective()
+    latents, noise = torch.randn(2, 4, 8, 8), torch.randn(2, 4, 8, 8)
+    timesteps = torch.tensor([100.0, 800.0])
+    torch.testing.assert_close(objective.per_sample_loss(noise - latents + 0.1, latents, noise, timesteps),
+                               plain.per_sample_loss(noise - latents + 0.1, latents, noise, timesteps))
 
 
 def test_mode_at_u_zero_stays_inside_the_schedule(monkeypatch):

@@ -65,12 +65,14 @@ def settings(**changes):
     return SimpleNamespace(**{**{name: option.default for name, option in OPTIONS.items()}, **changes})
 
 
-def test_configured_takes_the_t5_settings_and_refuses_what_does_not_apply(components):
+def test_configured_takes_the_t5_settings_and_refuses_what_does_not_apply(components, caplog):
     family = components.family.configured(settings(t5xxl_max_token_length=16, apply_t5_attn_mask=True,
                                                    guidance_scale=1.0))
     assert (family.t5_length, family.apply_t5_attn_mask, family.guidance_scale) == (16, True, 1.0)
-    with pytest.raises(UserError, match="clip_skip"):
-        components.family.configured(settings(clip_skip=2))
+    # kohya's FLUX trainer accepts clip_skip (its GUI writes 1) and uses only CLIP-L's pooled output: a note
+    with caplog.at_level("WARNING"):
+        assert components.family.configured(settings(clip_skip=1)) == components.family.configured(settings())
+    assert "clip_skip has no effect for FLUX" in caplog.text
     with pytest.raises(UserError, match="multiples of 16"):
         components.family.configured(settings(resolution=(520, 512)))
 

@@ -7,14 +7,16 @@ Every random draw comes from the step's generator on CPU, so a resumed run draws
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from library.models.objective import LossOptions, NoiseOptions, perturb_noise, per_sample_loss
+from library.models.objective import LossOptions, NoiseOptions, per_sample_loss, perturb_noise
 
+logger = logging.getLogger(__name__)
 NUM_TRAIN_TIMESTEPS = 1000
 TIMESTEP_SAMPLINGS = ("sigma", "uniform", "sigmoid", "shift", "flux_shift")
 PREDICTION_TYPES = ("raw", "additive", "sigma_scaled")
@@ -102,28 +104,43 @@ def sigmas_of(timesteps: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return sigmas.reshape(-1, *([1] * (like.ndim - 1)))
 
 
-def unsupported(config: Any) -> list[str]:
-    """The options of the DDPM objective that mean nothing for flow matching, each with why (kohya's FLUX
-    trainer ignores most of them silently)."""
-    why = "FLUX is trained with flow matching, which has no DDPM noise schedule"
-    problems = []
-    for name, reason in (
-            ("min_snr_gamma", "Min-SNR weights by the SNR of a DDPM schedule; " + why),
-            ("debiased_estimation_loss", "it weights by the SNR of a DDPM schedule; " + why),
-            ("scale_v_pred_loss_like_noise_pred", "it is for v-prediction models; FLUX predicts a velocity"),
-            ("v_pred_like_loss", "it is for noise-prediction models; FLUX predicts a velocity"),
-            ("v_parameterization", "FLUX predicts a velocity, not v or noise"),
-            ("zero_terminal_snr", "sigma 1 is already pure noise in flow matching"),
-            ("noise_offset", "kohya's FLUX trainer does not apply it"),
-            ("multires_noise_iterations", "kohya's FLUX trainer does not apply it"),
-            ("adaptive_noise_scale", "kohya's FLUX trainer does not apply it")):
-        if getattr(config, name):
-            problems.append(f"{name}: not for FLUX ({reason})")
+# What kohya's FLUX trainer (flux_train_network.py) accepts and does not apply: its post_process_loss returns the loss
+# unchanged, its noise is plain Gaussian, its FlowMatchEulerDiscreteScheduler replaces the DDPM one (so no betas to
+# rescale) and its sigmas come from timestep_sampling. Accepted here too, with a note in the log.
+_IGNORED_AS_KOHYA = (
+    ("min_snr_gamma", "Min-SNR weights by the SNR of a DDPM schedule"),
+    ("debiased_estimation_loss", "it weights by the SNR of a DDPM schedule"),
+    ("scale_v_pred_loss_like_noise_pred", "it is for v-prediction models"),
+    ("v_pred_like_loss", "it is for noise-prediction models"),
+    ("v_parameterization", "the model predicts a velocity, not v or noise"),
+    ("zero_terminal_snr", "sigma 1 is already pure noise in flow matching"),
+    ("noise_offset", "kohya's FLUX trainer draws plain Gaussian noise"),
+    ("noise_offset_random_strength", "kohya's FLUX trainer draws plain Gaussian noise"),
+    ("adaptive_noise_scale", "kohya's FLUX trainer draws plain Gaussian noise"),
+    ("multires_noise_iterations", "kohya's FLUX trainer draws plain Gaussian noise"),
+)
+
+
+def ignored_notes(config: Any, family: str = "FLUX") -> list[str]:
+    """Notes for the DDPM-objective options that are set and, as in kohya's FLUX trainer, do nothing here."""
+    notes = [f"{name} has no effect for {family}, as in kohya's FLUX trainer: {why}; {family} is trained with flow "
+             "matching" for name, why in _IGNORED_AS_KOHYA if getattr(config, name)]
     if (config.min_timestep, config.max_timestep) != (0, NUM_TRAIN_TIMESTEPS):
-        problems.append("min_timestep / max_timestep: not for FLUX (sigmas are drawn by timestep_sampling)")
+        notes.append(f"min_timestep / max_timestep have no effect for {family}, as in kohya's FLUX trainer: sigmas "
+                     "are drawn by timestep_sampling")
+    return notes
+
+
+def unsupported(config: Any, family: str = "FLUX") -> list[str]:
+    """The options of the DDPM objective that flow matching cannot take. Those kohya's FLUX trainer accepts and
+    ignores are logged (ignored_notes) and ignored; `family` names the model in the messages."""
+    for note in ignored_notes(config, family):
+        logger.warning(note)
+    problems = []
     if config.loss_type in ("huber", "smooth_l1") and config.huber_schedule == "snr":
-        problems.append(f"loss_type {config.loss_type} with huber_schedule snr: not for FLUX (the schedule follows "
-                        "a DDPM SNR); set huber_schedule to constant or exponential")
+        # kohya's snr schedule reads the DDPM scheduler's alphas_cumprod, which FLUX's scheduler has not.
+        problems.append(f"loss_type {config.loss_type} with huber_schedule snr: not for {family} (the schedule "
+                        "follows a DDPM SNR); set huber_schedule to constant or exponential")
     return problems
 
 

@@ -77,10 +77,11 @@ class Flux(Family):
         return "flux1"
 
     def configured(self, config: Any) -> Flux:
-        problems = [f"{name}: not for FLUX ({why})" for name, why in (
-            ("clip_skip", "kohya's FLUX trainer uses CLIP-L's pooled output only"),
-            ("max_token_length", "CLIP-L reads 77 tokens; the T5 length is t5xxl_max_token_length"))
-            if getattr(config, name)]
+        for name, why in (("clip_skip", "kohya's FLUX trainer uses CLIP-L's pooled output only"),
+                          ("max_token_length", "CLIP-L reads 77 tokens; the T5 length is t5xxl_max_token_length")):
+            if getattr(config, name):  # kohya's FLUX trainer accepts both and uses neither
+                logger.warning("%s has no effect for FLUX, as in kohya's FLUX trainer: %s", name, why)
+        problems = []
         # The latents are packed in 2x2 patches of an 8x VAE: image sides must be multiples of 16.
         if any(side % 16 for side in config.resolution):
             problems.append(f"resolution {config.resolution}: FLUX needs sides that are multiples of 16")

@@ -102,9 +102,9 @@ def refused_in_process(config: Path, capsys, *fragments: str) -> None:
 
 @pytest.mark.usefixtures("fresh_accelerator_state")
 def test_ddpm_options_are_refused_naming_why(flux_toml, tmp_path, capsys):
-    config = write(tmp_path / "lora.toml", flux_toml + f'output_dir = "{tmp_path}"\nmax_train_steps = 1\n'
-                   'min_snr_gamma = 5\n')
-    refused_in_process(config, capsys, "min_snr_gamma: not for FLUX", "Min-SNR")
+    snr_huber = flux_toml.replace('huber_schedule = "exponential"', 'huber_schedule = "snr"')
+    config = write(tmp_path / "lora.toml", snr_huber + f'output_dir = "{tmp_path}"\nmax_train_steps = 1\n')
+    refused_in_process(config, capsys, "huber_schedule snr: not for FLUX")
 
 
 @pytest.mark.usefixtures("fresh_accelerator_state")
