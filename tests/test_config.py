@@ -140,6 +140,15 @@ def test_kohya_options_without_effect_are_noted_and_unsupported_ones_named(tmp_p
     assert len(notes) == 2 and all("no effect" in note for note in notes)
 
 
+def test_an_option_not_offered_asks_for_nothing_when_off_on_the_command_line_too(paths):
+    # `--x=false` / `--x 0` on the command line is what `x = false` is in a file: noted, not refused
+    for off in (["--dataset_class=false"], ["--dataset_class", "0"], ["--dataset_class="]):
+        _, notes = parse_config(required_args(paths) + off)
+        assert any("dataset_class" in note and "asks for nothing" in note for note in notes), (off, notes)
+    problems = problems_of(required_args(paths) + ["--dataset_class=my.Dataset"])
+    assert problems == ["command line: dataset_class is a kohya option this trainer does not support yet; remove it"]
+
+
 @pytest.mark.parametrize("text, message", [
     ("network_dim = 0", "network_dim must be at least 1"),
     ("network_dropout = 1.0", "network_dropout must be in [0, 1)"),
@@ -214,7 +223,7 @@ scale_weight_norms = 0
 save_last_n_steps = 0
 max_train_epochs = 0
 clip_skip = 0
-fp8_base = false
+cache_info = false
 color_aug = false
 """
     config, notes = parse_config(["--config", write_toml(tmp_path / "gui.toml", text)])
@@ -223,13 +232,13 @@ color_aug = false
     assert (config.min_snr_gamma, config.scale_weight_norms, config.save_last_n_steps, config.max_train_epochs,
             config.clip_skip) == (None,) * 5
     noted = "\n".join(notes)
-    for name in ("epoch", "noise_offset_type", "fp8_base", "color_aug"):
+    for name in ("epoch", "noise_offset_type", "cache_info", "color_aug"):
         assert f"{name} " in noted, notes
 
     problems = problems_of(["--config", write_toml(tmp_path / "bad.toml", "".join(
-        f'{k} = "{v}"\n' for k, v in paths.items()) + "text_encoder_lr = [1e-4, 5e-5]\nfp8_base = true\n"
+        f'{k} = "{v}"\n' for k, v in paths.items()) + "text_encoder_lr = [1e-4, 5e-5]\ncache_info = true\n"
         "persistent_data_loader_workers = 2\n")])
     text = "\n".join(problems)
     assert "text_encoder_lr = [0.0001, 5e-05]: one learning rate for every text encoder" in text
-    assert "fp8_base is a kohya option this trainer does not support yet" in text
+    assert "cache_info is a kohya option this trainer does not support yet" in text
     assert "persistent_data_loader_workers = 2: expected true or false" in text

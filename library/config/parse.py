@@ -201,13 +201,17 @@ def parse_config(argv: Sequence[str] | None = None,
         if not token.startswith("--"):
             problems.append(f"command line: unexpected argument {token!r}")
             continue
-        name = token[2:].split("=", 1)[0]
+        name, equals, value = token[2:].partition("=")
+        # An unknown option's value must not be reported as a second problem.
+        if not equals and index < len(unknown) and not unknown[index].startswith("--"):
+            value, equals = unknown[index], "="
+            index += 1
         _, problem, note = _check_key(name, "command line")
+        if problem and name in UNSUPPORTED_KOHYA_OPTIONS and equals and value.strip().lower() in ("", "false", "0"):
+            # As in a config file: `--fp8_base=false` asks for nothing.
+            problem, note = None, f"command line: {name} = {value!r} asks for nothing here and is ignored"
         problems += [problem] if problem else []
         notes += [note] if note else []
-        # An unknown option's value must not be reported as a second problem.
-        if "=" not in token and index < len(unknown) and not unknown[index].startswith("--"):
-            index += 1
 
     values: dict[str, Any] = {name: option.default for name, option in OPTIONS.items()}
     explicit: set[str] = set()
