@@ -105,3 +105,20 @@ def test_torch_compile_compiles_each_repeated_block_and_trains_the_same_lora(tin
                          "--dynamo_backend", "eager", "--max_train_steps", "2")
     assert "blocks (BasicTransformerBlock) compiled with the eager backend" in caplog.text
     assert_same(compiled, train(tiny_sd1_dir, sample_data_dir, tmp_path / "eager", "--max_train_steps", "2"))
+
+
+def test_text_encoder_outputs_to_disk_turns_caching_on_as_in_kohya():
+    # sd-scripts: cache_text_encoder_outputs_to_disk turns on cache_text_encoder_outputs; here in memory, noted
+    from types import SimpleNamespace
+
+    from library.config.options import OPTIONS
+    from library.config.parse import Config
+    from library.training.caching import plan_caching
+
+    values = {name: option.default for name, option in OPTIONS.items()}
+    varying = SimpleNamespace(records=[SimpleNamespace(subset=SimpleNamespace(caption_ops=True, random_crop=False,
+                                                                              image_dir="d"))])
+    assert not plan_caching(Config(values), varying, train_text_encoder=False).text
+    plan = plan_caching(Config(values | {"cache_text_encoder_outputs_to_disk": True}), varying,
+                        train_text_encoder=False)
+    assert plan.text and any("no cache file is written" in note for note in plan.notes)

@@ -107,8 +107,9 @@ def check_values(v: dict[str, Any]) -> list[str]:
     for name in ("caption_dropout_rate", "caption_tag_dropout_rate"):
         need(0 <= v[name] <= 1, f"{name} must be in [0, 1] (got {v[name]})")
     need(v["caption_separator"] != "", "caption_separator must not be empty")
-    need(not v["cache_text_encoder_outputs"] or v["network_train_unet_only"],
-         "cache_text_encoder_outputs needs a frozen text encoder: set network_train_unet_only")
+    for name in ("cache_text_encoder_outputs", "cache_text_encoder_outputs_to_disk"):
+        need(not v[name] or v["network_train_unet_only"],
+             f"{name} needs a frozen text encoder: set network_train_unet_only")
     if v["dataset_config"] is None:
         width, height = v["resolution"]
         if v["enable_bucket"]:
@@ -124,7 +125,8 @@ def check_values(v: dict[str, Any]) -> list[str]:
         need(not (v["random_crop"] and (v["cache_latents"] or v["cache_latents_to_disk"])),
              "random_crop draws a new crop each time and cannot use cached latents; turn off random_crop or "
              "cache_latents / cache_latents_to_disk")
-        need(not (v["cache_text_encoder_outputs"] and (v["shuffle_caption"] or v["caption_tag_dropout_rate"] > 0)),
+        need(not ((v["cache_text_encoder_outputs"] or v["cache_text_encoder_outputs_to_disk"])
+                  and (v["shuffle_caption"] or v["caption_tag_dropout_rate"] > 0)),
              "shuffle_caption and caption_tag_dropout_rate change the caption each time and cannot use "
              "cache_text_encoder_outputs; turn off one")
     need(v["network_alpha"] > 0, f"network_alpha must be positive (got {v['network_alpha']})")

@@ -37,7 +37,7 @@ IGNORED_KOHYA_OPTIONS: dict[str, str] = {
 # kohya options this trainer does not offer (yet): named so a kohya user learns exactly what to change.
 UNSUPPORTED_KOHYA_OPTIONS: tuple[str, ...] = (
     "async_upload", "base_weights", "base_weights_multiplier", "cache_info",
-    "cache_text_encoder_outputs_to_disk", "color_aug", "console_log_file",
+    "color_aug", "console_log_file",
     "cpu_offload_checkpointing", "dataset_class", "dataset_repeats", "debug_dataset",
     "enable_wildcard", "face_crop_aug_range", "fp8_base", "fp8_base_unet",
     "fused_backward_pass",

@@ -119,6 +119,9 @@ _DATASET = [
     _opt("vae_batch_size", _to_int, 1, "images per VAE batch when caching latents"),
     _opt("cache_text_encoder_outputs", _to_bool, False,
          "encode every caption once (only with a frozen text encoder and fixed captions)"),
+    _opt("cache_text_encoder_outputs_to_disk", _to_bool, False,
+         "kohya's: turns on cache_text_encoder_outputs; the outputs are kept in memory (encoded once at start), "
+         "no cache file is written"),
     _opt("train_batch_size", _to_int, 1, "images per batch on each process"),
     _opt("max_data_loader_n_workers", _to_int, 0, "data loader worker processes (0 loads in the main process)"),
     _opt("persistent_data_loader_workers", _to_bool, False, "keep data loader workers alive between epochs"),

@@ -44,7 +44,13 @@ def plan_caching(config: Config, data: TrainingData, train_text_encoder: bool) -
                      "its cached posterior, as it would encoding the image then (cache_latents = false turns this "
                      "off)" if latents else
                      f"latents are encoded each step: random_crop draws a new crop each time ({', '.join(cropped)})")
-    if config.is_set("cache_text_encoder_outputs"):
+    if config.cache_text_encoder_outputs_to_disk:
+        # sd-scripts: _to_disk turns on cache_text_encoder_outputs. The outputs are encoded once at start here
+        # and kept in memory: no file beside the images.
+        text = True
+        notes.append("cache_text_encoder_outputs_to_disk: text-encoder outputs are cached in memory, encoded once "
+                     "at start; no cache file is written")
+    elif config.is_set("cache_text_encoder_outputs"):
         text = config.cache_text_encoder_outputs
     else:
         varying = sorted({str(r.subset.image_dir) for r in data.records if r.subset.caption_ops})
