@@ -1,0 +1,208 @@
+"""The web UI over HTTP (fastapi's TestClient): the schema-generated editor, the command line's checks, the dataset
+view, files and the security model (token on a LAN bind, Origin, Host, paths under the roots only)."""
+from __future__ import annotations
+
+import html
+import json
+import os
+import re
+import shutil
+import stat
+import struct
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the web UI needs fastapi: pip install -r requirements.txt")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from library.config import parse_config  # noqa: E402
+from library.config.options import OPTIONS  # noqa: E402
+from library.ui import security  # noqa: E402
+from library.ui.app import Settings, create_app  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+ORIGIN = {"Origin": "http://127.0.0.1:7860"}
+
+
+def client(roots: list[Path], **settings) -> TestClient:
+    app = create_app(Settings(roots=roots, cwd=REPO, **settings))
+    return TestClient(app, base_url="http://127.0.0.1:7860")
+
+
+def field_html(page: str, name: str) -> str:
+    """The editor's block of one option (up to the next field)."""
+    start = page.index(f'id="field-{name}"')
+    end = page.find('<div class="field', start + 1)
+    return html.unescape(page[start:end if end != -1 else len(page)])
+
+
+def shown_values(page: str) -> dict[str, str]:
+    values = {}
+    for name in OPTIONS:
+        block = field_html(page, name)
+        text = re.search(r'<input type="text"[^>]*value="([^"]*)"', block)
+        chosen = re.search(r"<option selected>([^<]*)</option>", block)
+        area = re.search(r"<textarea[^>]*>([^<]*)</textarea>", block)
+        value = text[1] if text else area[1] if area else chosen[1] if chosen else ""
+        if value:
+            values[name] = value
+    return values
+
+
+def test_every_option_of_the_schema_is_in_the_editor(tmp_path):
+    page = client([REPO]).get("/").text
+    for name, option in OPTIONS.items():
+        block = field_html(page, name)
+        assert html.unescape(option.help) in block
+    # The widget fits the type: a flag is true/false/default, a choice lists its choices.
+    assert "<option>true</option>" in field_html(page, "cache_latents")
+    assert "<option>bf16</option>" in field_html(page, "mixed_precision")
+    assert "<textarea" in field_html(page, "network_args")
+    assert 'data-family="FLUX"' in page and 'data-family=""' in page
+
+
+def test_load_a_config_as_the_command_line_reads_it_and_save_one_that_trains_the_same(tmp_path):
+    c = client([REPO, tmp_path])
+    page = c.get("/config/load", params={"_config_path": "configs/quickstart.toml"}).text
+    values = shown_values(page)
+    assert values["network_dim"] == "8" and values["learning_rate"] == "0.002" and values["cache_latents"] == "true"
+    target = tmp_path / "saved.toml"
+    response = c.post("/config/save", data={**values, "_config_path": str(target)}, headers=ORIGIN)
+    assert response.status_code == 200, field_html(response.text, "output_dir")
+    assert f"saved {target}" in response.text
+    cwd = os.getcwd()
+    os.chdir(REPO)  # the config's paths are relative to where the trainer runs
+    try:
+        original, _ = parse_config(["--config", "configs/quickstart.toml"])
+        saved, _ = parse_config(["--config", str(target)])
+    finally:
+        os.chdir(cwd)
+    assert {k: v for k, v in saved.as_dict().items() if k != "config_file"} == \
+        {k: v for k, v in original.as_dict().items() if k != "config_file"}
+
+
+def test_a_kohya_config_with_aliases_sections_and_a_secret(tmp_path):
+    path = tmp_path / "kohya.toml"
+    path.write_text('[anything]\ncaption_extention = ".txt"\nnetwork_dim = 16\nwandb_api_key = "SECRET-KEY-123"\n'
+                    'bogus_option = 1\n', encoding="utf-8")
+    page = client([REPO, tmp_path]).get("/config/load", params={"_config_path": str(path)}).text
+    assert shown_values(page)["caption_extension"] == ".txt" and shown_values(page)["network_dim"] == "16"
+    assert "SECRET-KEY-123" not in page
+    assert "set in the file (not shown)" in field_html(page, "wandb_api_key")
+    assert "unknown option 'bogus_option'" in html.unescape(page)
+
+
+def test_a_config_with_errors_shows_every_problem_next_to_its_field(tmp_path):
+    form = {"pretrained_model_name_or_path": "models/digits-base", "train_data_dir": "data/digits/train",
+            "output_dir": str(tmp_path / "out"), "network_dim": "eight", "learning_rate": "-1",
+            "resolution": "30", "mixed_precision": "fp8", "full_bf16": "true"}
+    page = client([REPO, tmp_path]).post("/config/validate", data=form, headers=ORIGIN).text
+    assert "expected an integer" in field_html(page, "network_dim")
+    assert "must not be negative" in field_html(page, "learning_rate")
+    assert "multiples of 8" in field_html(page, "resolution")
+    assert "must be one of no, fp16, bf16" in field_html(page, "mixed_precision")
+    assert "full_bf16" in field_html(page, "full_bf16") and 'class="field has-problem' in page
+    assert "problem" not in field_html(page, "network_alpha")
+
+
+def test_paths_outside_the_roots_are_refused(tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "secret.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    (outside / "c.toml").write_text("network_dim = 4\n")
+    (root / "link").symlink_to(outside)
+    (root / "img.png").symlink_to(outside / "secret.png")
+    c = client([root])
+    for path in [str(outside / "secret.png"), f"{root}/../outside/secret.png", str(root / "link" / "secret.png"),
+                 str(root / "img.png"), "/etc/passwd", "../../../../etc/passwd"]:
+        assert c.get("/files", params={"path": path}).status_code == 403, path
+        assert c.get("/config/load", params={"_config_path": path}).status_code == 403, path
+        assert c.post("/caption", data={"image": path, "caption": "x", "extension": ".txt"},
+                      headers=ORIGIN).status_code == 403, path
+        assert c.get("/lora", params={"path": path}).status_code == 403, path
+        assert c.get("/runs/status", params={"path": path}).status_code == 404, path
+    assert not (outside / "secret.txt").exists()
+    saved = c.post("/config/save", data={"network_dim": "4", "_config_path": str(root / "link" / "x.toml")},
+                   headers=ORIGIN)
+    assert saved.status_code == 400 and not (outside / "x.toml").exists()
+    page = c.post("/config/validate", data={"output_dir": str(root / "link" / "out"),
+                                            "pretrained_model_name_or_path": "/etc"}, headers=ORIGIN).text
+    assert "outside the folders this UI may use" in field_html(page, "output_dir")
+    assert "outside the folders this UI may use" in field_html(page, "pretrained_model_name_or_path")
+    started = c.post("/runs/start", data={"output_dir": str(outside / "out")}, headers=ORIGIN)
+    assert started.status_code == 400 and not (outside / "out").exists()
+
+
+def test_a_lan_bind_needs_the_token_then_a_strict_cookie(tmp_path):
+    token_file = tmp_path / "conf" / "ui_token"
+    token, created = security.load_or_create_token(token_file)
+    assert created and stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    assert security.load_or_create_token(token_file) == (token, False)
+    c = client([tmp_path], host="0.0.0.0", token=token)
+    assert c.get("/", follow_redirects=False).headers["location"] == "/login"
+    assert c.get("/runs").status_code == 401
+    assert c.get("/files", params={"path": str(tmp_path / "x.png")}).status_code == 401
+    assert c.post("/config/validate", data={}, headers=ORIGIN).status_code == 401
+    wrong = c.post("/login", data={"token": token[:-1] + ("a" if token[-1] != "a" else "b")}, headers=ORIGIN)
+    assert wrong.status_code == 401 and security.COOKIE not in c.cookies
+    assert c.post("/login", data={}, headers=ORIGIN).status_code == 401
+    good = c.post("/login", data={"token": token}, headers=ORIGIN, follow_redirects=False)
+    cookie = good.headers["set-cookie"]
+    assert "HttpOnly" in cookie and "SameSite=strict" in cookie.replace("Strict", "strict") and token not in cookie
+    assert c.get("/runs").status_code == 200
+    assert c.get("/").status_code == 200
+
+
+def test_state_changes_need_the_uis_own_origin_and_host(tmp_path):
+    c = client([tmp_path])
+    assert c.post("/config/validate", data={}).status_code == 403
+    assert c.post("/config/validate", data={}, headers={"Origin": "http://evil.example"}).status_code == 403
+    assert c.post("/runs/stop", data={"path": str(tmp_path)}, headers={"Origin": "null"}).status_code == 403
+    assert c.post("/config/validate", data={}, headers=ORIGIN).status_code == 200
+    assert c.get("/", headers={"Host": "evil.example:7860"}).status_code == 400  # DNS rebinding
+
+
+def test_dataset_view_and_caption_edit(tmp_path):
+    subset = tmp_path / "data" / "2_sks"
+    subset.mkdir(parents=True)
+    for name in ("7_00", "7_01"):
+        shutil.copy(REPO / "data/digits/train/10_sks" / f"{name}.png", subset)
+        shutil.copy(REPO / "data/digits/train/10_sks" / f"{name}.txt", subset)
+    c = client([REPO, tmp_path])
+    form = {"pretrained_model_name_or_path": "models/digits-base", "train_data_dir": str(tmp_path / "data"),
+            "caption_extension": ".txt", "resolution": "32", "output_dir": str(tmp_path / "out")}
+    page = html.unescape(c.post("/dataset", data=form, headers=ORIGIN).text)
+    assert page.count('class="thumb"') == 2 and "a photo of sks" in page
+    assert "2_sks" in page and "usable" in page.lower(), page[:2000]  # the --dataset_check report
+    image = subset / "7_00.png"
+    assert c.get("/files", params={"path": str(image)}).content == image.read_bytes()
+    saved = c.post("/caption", data={"image": str(image), "caption": "a  photo of\nsks, seven", "extension": ".txt"},
+                   headers=ORIGIN)
+    assert saved.status_code == 200 and (subset / "7_00.txt").read_text() == "a photo of sks, seven\n"
+    assert not [p for p in subset.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_lora_metadata_and_a_command_line_run_in_the_list(tmp_path):
+    run = tmp_path / "cli_run"
+    run.mkdir()
+    header = json.dumps({"__metadata__": {"ss_network_dim": "8", "modelspec.title": "mine"}}).encode()
+    (run / "mine.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    events = [{"event": "start", "time": 1.0, "pid": 999999, "output_name": "mine"},
+              {"event": "plan", "time": 2.0, "total_steps": 4, "step": 0},
+              {"event": "step", "time": 3.0, "step": 4, "total_steps": 4, "loss": 0.1, "s_per_step": 0.5,
+               "timestep_loss": [[0, 499, 0.2]], "lr": {}},
+              {"event": "save", "time": 4.0, "step": 4, "path": "mine.safetensors"},
+              {"event": "end", "time": 5.0, "status": "finished", "step": 4}]
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    c = client([tmp_path])
+    assert c.get("/lora", params={"path": str(run / "mine.safetensors")}).json()["metadata"] == {
+        "ss_network_dim": "8", "modelspec.title": "mine"}
+    listing = c.get("/runs").text
+    assert str(run) in listing and "finished" in listing
+    status = c.get("/runs/status", params={"path": str(run)}).json()
+    assert status["status"] == "finished" and status["step"] == 4 and status["files"] == ["mine.safetensors"]
+    stream = c.get("/runs/events", params={"path": str(run)}).text
+    assert stream.count("event: run") == 5 and '"status": "finished"' in stream and "event: done" in stream
+    assert "<h1>" + str(run) in c.get("/runs/view", params={"path": str(run)}).text
