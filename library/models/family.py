@@ -59,6 +59,7 @@ class Family(ABC):
     lora_text_prefixes: tuple[str, ...]  # kohya key prefix of each text encoder's LoRA
     lora_denoiser_prefix: str = "lora_unet"
     default_sampling_scale: float = 7.5  # a sample prompt's CFG scale without --l (kohya's)
+    trains_text_encoders: bool = True  # False: the reference trainer never trains them; only the denoiser gets LoRA
 
     def configured(self, config: Any) -> Family:
         """This family with the run's settings that shape its prompts and conditioning (FLUX's T5 length, mask,

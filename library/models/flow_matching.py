@@ -141,6 +141,9 @@ def unsupported(config: Any, family: str = "FLUX") -> list[str]:
         # kohya's snr schedule reads the DDPM scheduler's alphas_cumprod, which FLUX's scheduler has not.
         problems.append(f"loss_type {config.loss_type} with huber_schedule snr: not for {family} (the schedule "
                         "follows a DDPM SNR); set huber_schedule to constant or exponential")
+    if config.timestep_sampling in ("qwen_shift", "logsnr"):
+        problems.append(f"timestep_sampling {config.timestep_sampling}: not for {family} (musubi-tuner's sampling, "
+                        "offered for Z-Image and Qwen-Image; kohya's FLUX trainer has no such choice)")
     return problems
 
 
