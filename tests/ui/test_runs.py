@@ -1,0 +1,77 @@
+"""Runs started from the web UI with the real trainer: one that fails at start, one SIGKILLed mid-run (shown as
+failed with its last log lines, never as running), and a UI restarted while a run trains (it finds the run)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the web UI needs fastapi: pip install -r requirements.txt")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from library.ui.app import Settings, create_app  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+ORIGIN = {"Origin": "http://127.0.0.1:7860"}
+QUICKSTART = {"pretrained_model_name_or_path": "models/digits-base", "train_data_dir": "data/digits/train",
+              "caption_extension": ".txt", "resolution": "32", "train_batch_size": "4", "network_dim": "4",
+              "learning_rate": "1e-3", "seed": "0", "max_train_steps": "2000"}
+
+
+def client(tmp_path: Path) -> TestClient:
+    app = create_app(Settings(roots=[REPO, tmp_path], cwd=REPO))
+    return TestClient(app, base_url="http://127.0.0.1:7860")
+
+
+def wait_for(check, timeout: float = 240.0, every: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError("timed out")
+
+
+def test_failing_and_killed_runs_and_a_ui_restart(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    broken_model = tmp_path / "empty_model"
+    broken_model.mkdir()
+    failing, killed = tmp_path / "failing", tmp_path / "killed"
+    first = client(tmp_path)
+    # Two UIs, so the two runs train side by side (one UI runs one at a time).
+    other = client(tmp_path)
+    started = first.post("/runs/start", data={**QUICKSTART, "output_dir": str(killed)}, headers=ORIGIN)
+    assert started.status_code == 200 and "queued a run" in started.text
+    assert other.post("/runs/start", data={**QUICKSTART, "pretrained_model_name_or_path": str(broken_model),
+                                           "output_dir": str(failing)}, headers=ORIGIN).status_code == 200
+    assert first.get("/runs/status", params={"path": str(killed)}).json()["status"] == "running"
+
+    # A run that fails at start: the UI's checks pass (the folder exists), the trainer cannot load it.
+    status = wait_for(lambda: (s := other.get("/runs/status", params={"path": str(failing)}).json())["status"]
+                      != "running" and s)
+    assert status["status"] == "failed", status
+    assert status["log_tail"] and any("empty_model" in line for line in status["log_tail"]), status
+    assert status["message"]
+
+    # The UI restarts while the run trains: a fresh app (no memory of the process) finds it running.
+    wait_for(lambda: first.get("/runs/status", params={"path": str(killed)}).json()["step"] >= 2)
+    restarted = client(tmp_path)  # shares nothing with `first` but the folders
+    status = restarted.get("/runs/status", params={"path": str(killed)}).json()
+    assert status["status"] == "running" and status["step"] >= 2 and status["total_steps"] == 2000
+    assert str(killed) in restarted.get("/runs").text
+
+    # SIGKILL (as the out-of-memory killer does): no final status is written; the run shows failed.
+    pid = json.loads((killed / "ui_runs.json").read_text())[-1]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    status = wait_for(lambda: (s := restarted.get("/runs/status", params={"path": str(killed)}).json())["status"]
+                      != "running" and s, timeout=30)
+    assert status["status"] == "failed" and "killed" in status["message"], status
+    assert any("steps" in line for line in status["log_tail"]), status["log_tail"]
+    listing = restarted.get("/runs").text
+    row = listing[listing.index(str(killed)):]
+    assert "failed" in row[:600] and "running" not in row[:600]
