@@ -86,3 +86,11 @@ def tiny_flux_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from library.models.tiny_flux import save_tiny_flux
 
     return save_tiny_flux(tmp_path_factory.mktemp("tiny_flux") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_chroma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Chroma-shaped diffusers pipeline folder (seed 0), written once per session. Read-only."""
+    from library.models.tiny_chroma import save_tiny_chroma
+
+    return save_tiny_chroma(tmp_path_factory.mktemp("tiny_chroma") / "model", seed=0)

@@ -77,6 +77,9 @@ _MODEL = [
     _opt("apply_t5_attn_mask", _to_bool, False,
          "FLUX: mask T5's padding tokens, in T5 and in the transformer's attention"),
     _opt("guidance_scale", _to_float, 3.5, "FLUX dev: the guidance input of the transformer during training"),
+    _opt("model_type", _to_str, None,
+         "kohya's flux_train_network.py --model_type: flux or chroma; the family is read from the weights, and a "
+         "model_type that disagrees with them is an error", choices=("flux", "chroma")),
 ]
 _DATASET = [
     _opt("train_data_dir", _to_str, None,

@@ -82,6 +82,9 @@ class Flux(Family):
             if getattr(config, name):  # kohya's FLUX trainer accepts both and uses neither
                 logger.warning("%s has no effect for FLUX, as in kohya's FLUX trainer: %s", name, why)
         problems = []
+        if config.model_type == "chroma":
+            problems.append("model_type chroma: the weights are FLUX.1's (they have its modulation layers, which "
+                            "Chroma's approximator replaces); set model_type = \"flux\" or leave it out")
         # The latents are packed in 2x2 patches of an 8x VAE: image sides must be multiples of 16.
         if any(side % 16 for side in config.resolution):
             problems.append(f"resolution {config.resolution}: FLUX needs sides that are multiples of 16")

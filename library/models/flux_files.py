@@ -62,17 +62,18 @@ def is_bfl_flux(path: Path) -> bool:
 
 
 def _assign(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str,
-            tied: tuple[str, ...] = ()) -> None:
+            tied: tuple[str, ...] = (), family: str = "FLUX") -> None:
     expected = set(model.state_dict())
     missing = sorted(expected - set(state) - set(tied))
     if missing:
         raise UserError(f"{source}: {len(missing)} weights missing, e.g. {', '.join(missing[:3])}; is it the right "
-                        "file? (a model of other widths needs model_config: a diffusers FLUX folder describing it)")
+                        f"file? (a model of other widths needs model_config: a diffusers {family} folder describing "
+                        "it)")
     try:
         model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False, assign=True)
     except RuntimeError as e:
         raise UserError(f"{source}: the weights do not fit the config's shapes (a model of other widths needs "
-                        f"model_config: a diffusers FLUX folder describing it): {str(e)[:300]}") from None
+                        f"model_config: a diffusers {family} folder describing it): {str(e)[:300]}") from None
     if tied:
         model.tie_weights()
 
@@ -135,23 +136,37 @@ def load_flux_files(path: Path, clip_l: str | None, t5xxl: str | None, ae: str |
                       noise_scheduler=scheduler, v_prediction=False, family=Flux(schnell=not guidance))
 
 
-def _layout(num_layers: int, num_single_layers: int) -> list[tuple[str, list[str], str]]:
+def _layout(num_layers: int, num_single_layers: int, approximator_layers: int | None = None,
+            ) -> list[tuple[str, list[str], str]]:
     """(BFL name, diffusers names, how) for every tensor group: "plain" (.weight/.bias), "fused" (parts stacked on
     the output axis), "swap" (BFL's final modulation chunks (shift, scale), diffusers' (scale, shift)), "norm"
-    (an RMSNorm scale, stored as .scale in BFL and .weight in diffusers)."""
+    (an RMSNorm scale, stored as .scale in BFL and .weight in diffusers). With `approximator_layers` the layout is
+    Chroma's: no modulation layers and no time / vector / guidance inputs, which its distilled_guidance_layer
+    (the approximator) replaces."""
+    chroma = approximator_layers is not None
     table = [(a, [b], "plain") for a, b in (
         ("time_in.in_layer", "time_text_embed.timestep_embedder.linear_1"),
         ("time_in.out_layer", "time_text_embed.timestep_embedder.linear_2"),
         ("vector_in.in_layer", "time_text_embed.text_embedder.linear_1"),
         ("vector_in.out_layer", "time_text_embed.text_embedder.linear_2"),
         ("guidance_in.in_layer", "time_text_embed.guidance_embedder.linear_1"),
-        ("guidance_in.out_layer", "time_text_embed.guidance_embedder.linear_2"),
+        ("guidance_in.out_layer", "time_text_embed.guidance_embedder.linear_2")) if not chroma]
+    table += [(a, [b], "plain") for a, b in (
         ("txt_in", "context_embedder"), ("img_in", "x_embedder"), ("final_layer.linear", "proj_out"))]
-    table.append(("final_layer.adaLN_modulation.1", ["norm_out.linear"], "swap"))
+    if chroma:
+        g = "distilled_guidance_layer."
+        table += [(g + "in_proj", [g + "in_proj"], "plain"), (g + "out_proj", [g + "out_proj"], "plain")]
+        for i in range(approximator_layers):
+            table += [(f"{g}layers.{i}.in_layer", [f"{g}layers.{i}.linear_1"], "plain"),
+                      (f"{g}layers.{i}.out_layer", [f"{g}layers.{i}.linear_2"], "plain"),
+                      (f"{g}norms.{i}", [f"{g}norms.{i}"], "norm")]
+    else:
+        table.append(("final_layer.adaLN_modulation.1", ["norm_out.linear"], "swap"))
     for i in range(num_layers):
         d, b = f"transformer_blocks.{i}.", f"double_blocks.{i}."
         table += [(b + bfl, [d + ours], "plain") for bfl, ours in (
-            ("img_mod.lin", "norm1.linear"), ("txt_mod.lin", "norm1_context.linear"),
+            ("img_mod.lin", "norm1.linear"), ("txt_mod.lin", "norm1_context.linear")) if not chroma]
+        table += [(b + bfl, [d + ours], "plain") for bfl, ours in (
             ("img_attn.proj", "attn.to_out.0"), ("txt_attn.proj", "attn.to_add_out"),
             ("img_mlp.0", "ff.net.0.proj"), ("img_mlp.2", "ff.net.2"),
             ("txt_mlp.0", "ff_context.net.0.proj"), ("txt_mlp.2", "ff_context.net.2"))]
@@ -162,11 +177,18 @@ def _layout(num_layers: int, num_single_layers: int) -> list[tuple[str, list[str
             ("txt_attn.norm.query_norm", "attn.norm_added_q"), ("txt_attn.norm.key_norm", "attn.norm_added_k"))]
     for i in range(num_single_layers):
         s, b = f"single_transformer_blocks.{i}.", f"single_blocks.{i}."
-        table += [(b + "modulation.lin", [s + "norm.linear"], "plain"), (b + "linear2", [s + "proj_out"], "plain"),
+        if not chroma:
+            table.append((b + "modulation.lin", [s + "norm.linear"], "plain"))
+        table += [(b + "linear2", [s + "proj_out"], "plain"),
                   (b + "linear1", [s + "attn.to_q", s + "attn.to_k", s + "attn.to_v", s + "proj_mlp"], "fused"),
                   (b + "norm.query_norm", [s + "attn.norm_q"], "norm"),
                   (b + "norm.key_norm", [s + "attn.norm_k"], "norm")]
     return table
+
+
+def _layout_of(config: Any) -> list[tuple[str, list[str], str]]:
+    """The layout of a FLUX.1 or Chroma transformer config (Chroma's has approximator_layers)."""
+    return _layout(config["num_layers"], config["num_single_layers"], config.get("approximator_layers"))
 
 
 def _swap(tensor: torch.Tensor) -> torch.Tensor:
@@ -175,11 +197,11 @@ def _swap(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def bfl_state_dict(transformer: Any) -> dict[str, torch.Tensor]:
-    """A diffusers FluxTransformer2DModel's weights in BFL's layout, for writing test files and checkpoints that
-    kohya's and BFL's tools read."""
+    """A diffusers FluxTransformer2DModel's (or ChromaTransformer2DModel's) weights in BFL's layout, for writing
+    test files and checkpoints that kohya's and BFL's tools read."""
     sd = {k: v.detach() for k, v in transformer.state_dict().items()}
     out: dict[str, torch.Tensor] = {}
-    for bfl, names, how in _layout(transformer.config.num_layers, transformer.config.num_single_layers):
+    for bfl, names, how in _layout_of(transformer.config):
         if how == "norm":
             out[bfl + ".scale"] = sd.pop(names[0] + ".weight")
             continue
@@ -200,7 +222,7 @@ def diffusers_state_dict(state: dict[str, torch.Tensor], config: Any) -> dict[st
     state = dict(state)
     hidden = config["num_attention_heads"] * config["attention_head_dim"]
     out: dict[str, torch.Tensor] = {}
-    for bfl, names, how in _layout(config["num_layers"], config["num_single_layers"]):
+    for bfl, names, how in _layout_of(config):
         if how == "norm":
             out[names[0] + ".weight"] = state.pop(bfl + ".scale")
             continue
@@ -218,5 +240,6 @@ def diffusers_state_dict(state: dict[str, torch.Tensor], config: Any) -> dict[st
             else:
                 out[names[0] + suffix] = _swap(tensor) if how == "swap" else tensor
     if state:
-        raise ValueError(f"keys of no FLUX.1 layer: {', '.join(sorted(state)[:5])}")
+        raise ValueError(f"keys of no {'Chroma' if 'approximator_layers' in config else 'FLUX.1'} layer: "
+                         f"{', '.join(sorted(state)[:5])}")
     return out

@@ -10,12 +10,15 @@ import torch
 
 from library.config import UserError
 from library.core.memory import return_free_heap
+from library.models.chroma import is_bfl_chroma, is_chroma_folder, load_chroma_files, load_chroma_folder
 from library.models.family import Components, Family
 from library.models.flux import is_flux_folder, load_flux_folder
 from library.models.flux_files import is_bfl_flux, load_flux_files
 from library.models.sd import SD1, SD2
 from library.models.sdxl import SDXL
 from library.models.single_file import file_tokenizer, load_single_file
+from library.models.z_image import is_z_image_folder, load_z_image_folder
+from library.models.z_image_files import is_z_image_file, load_z_image_files
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +60,13 @@ def load_components(model_path: str | Path, v2: bool = False, v_parameterization
                     weight_dtype: torch.dtype = torch.float32,
                     vae_dtype: torch.dtype = torch.float32, model_config: str | Path | None = None,
                     allow_pickle_checkpoints: bool = False, clip_l: str | None = None, t5xxl: str | None = None,
-                    ae: str | None = None) -> Components:
-    """Load the denoiser, VAE, text encoders, tokenizers and noise schedule from a local diffusers folder (SD or
-    FLUX.1, told by its transformer/ folder), a single-file checkpoint, or a BFL FLUX.1 transformer file with the
-    `clip_l`, `t5xxl` and `ae` files (library.models.flux_files) (see library.models.single_file; `model_config` and `allow_pickle_checkpoints` apply
-    there), and tell the family.
+                    ae: str | None = None, text_encoder: str | None = None) -> Components:
+    """Load the denoiser, VAE, text encoders, tokenizers and noise schedule from a local diffusers folder (SD,
+    FLUX.1 or Chroma, told by its transformer/ folder), a single-file checkpoint (see library.models.single_file;
+    `model_config` and `allow_pickle_checkpoints` apply there), a BFL FLUX.1 transformer file with the `clip_l`,
+    `t5xxl` and `ae` files (library.models.flux_files), a BFL Chroma transformer file with `t5xxl` and `ae`
+    (library.models.chroma), or a Z-Image transformer file with `text_encoder` and `ae`
+    (library.models.z_image_files), and tell the family.
 
     Weights are loaded straight into their training dtype (casting afterwards makes diffusers warn and doubles
     the peak memory of the load), and the heap pages the load freed go back to the system.
@@ -71,6 +76,11 @@ def load_components(model_path: str | Path, v2: bool = False, v_parameterization
     transformers_logging.disable_progress_bar()
     try:
         path = Path(model_path)
+        config = None if model_config is None else str(model_config)
+        if path.is_file() and is_bfl_chroma(path):
+            return load_chroma_files(path, t5xxl, ae, config, weight_dtype, vae_dtype)
+        if path.is_file() and is_z_image_file(path):
+            return load_z_image_files(path, text_encoder, ae, config, weight_dtype, vae_dtype)
         if path.is_file() and is_bfl_flux(path):
             return load_flux_files(path, clip_l, t5xxl, ae, None if model_config is None else str(model_config),
                                    weight_dtype, vae_dtype)
@@ -78,6 +88,10 @@ def load_components(model_path: str | Path, v2: bool = False, v_parameterization
             parts = load_single_file(path, v2=v2, v_parameterization=v_parameterization, weight_dtype=weight_dtype,
                                      vae_dtype=vae_dtype, model_config=model_config,
                                      allow_pickle=allow_pickle_checkpoints, architectures=tuple(FAMILIES)).parts
+        elif is_z_image_folder(path):
+            return load_z_image_folder(path, weight_dtype, vae_dtype)
+        elif is_chroma_folder(path):
+            return load_chroma_folder(path, weight_dtype, vae_dtype)
         elif is_flux_folder(path):
             return load_flux_folder(path, weight_dtype, vae_dtype)
         else:

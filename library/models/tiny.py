@@ -4,38 +4,39 @@ Used by the quickstart, the tests and the benchmarks, so that nothing is ever fe
 The layout mirrors SD1.x (cross-attention transformer blocks with 1x1-conv proj_in/proj_out, an 8x VAE,
 a CLIP text model, SD's DDPM schedule) so key names and code paths match the real models; only widths shrink.
 
-    python -m library.models.tiny OUTPUT_DIR [--family sd1|sd2|sdxl|flux [--files]] [--size tiny|small] [--seed N]
-                                             [--prediction-type epsilon|v_prediction] [--overwrite]
+    python -m library.models.tiny OUTPUT_DIR [--family sd1|sd2|sdxl|flux|chroma [--files]] [--seed N] [--overwrite]
+                                             [--size tiny|small] [--prediction-type epsilon|v_prediction]
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import json
 import logging
 import os
-import re
-import shutil
-import tempfile
-import uuid
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from library.models.clip_tokenizer import bytes_to_unicode
+from library.models.tiny_parts import (  # noqa: F401 - re-exported for the tools and tests
+    _BPE_CORPUS,
+    BOS_TOKEN,
+    EOS_TOKEN,
+    MODEL_MAX_LENGTH,
+    NUM_MERGES,
+    _check_target,
+    _learn_vocab_and_merges,
+    _seeded,
+    _write_bpe_files,
+    _write_pipeline,
+    build_tiny_tokenizer,
+)
 
 logger = logging.getLogger(__name__)
 
 SIZES = ("tiny", "small")
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 FAMILIES = ("sd1", "sd2")  # sd2: linear proj_in/proj_out, OpenCLIP's gelu and "!" padding
-MODEL_MAX_LENGTH = 77
-BOS_TOKEN = "<|startoftext|>"
-EOS_TOKEN = "<|endoftext|>"
-NUM_MERGES = 400
 
 # Per size: UNet widths, latent size, text width. Heads are chosen so every attention head is 8 wide.
 _SIZE_SPECS: dict[str, dict[str, Any]] = {
@@ -57,93 +58,6 @@ _SIZE_SPECS: dict[str, dict[str, Any]] = {
 _VAE_SCALE = 8  # 4 VAE levels -> 3 downsamplings
 _HEAD_WIDTH = 8
 
-# Corpus the tokenizer's merges are learned from: caption vocabulary of the sample dataset plus common
-# English words, so captions tokenize into a handful of sub-words instead of single bytes.
-_BPE_CORPUS = """
-sks shape a an the of on in with and or to is it at by for from as photo picture image drawing painting
-red green blue yellow orange purple pink white black gray grey brown cyan magenta teal navy gold silver
-circle square triangle diamond star cross ring stripe stripes dot dots line lines rectangle hexagon heart
-background foreground small large big tiny bright dark light simple plain flat solid colored coloured
-shape shapes object objects center centre left right top bottom corner middle near far above below
-dog cat person man woman girl boy face portrait landscape mountain tree trees sky cloud clouds water sea
-river lake house city street car road flower flowers grass field forest sun moon night day sunset beach
-high quality best detailed masterpiece art artwork style illustration render realistic sharp focus
-standing sitting walking running looking wearing holding smiling under over between next behind front
-one two three four five six seven eight nine ten there this that these those very much many some
-"""
-
-
-@functools.lru_cache(maxsize=None)
-def _learn_vocab_and_merges(num_merges: int = NUM_MERGES,
-                            corpus: str = _BPE_CORPUS) -> tuple[dict[str, int], tuple[str, ...]]:
-    """Learn byte-level BPE merges from `corpus` (default: the built-in one); vocabulary laid out like CLIP's.
-
-    Ties are broken by the pair itself so the result never depends on dict or hash order.
-    """
-    byte_map = dict(bytes_to_unicode())
-    words = Counter(re.findall(r"[a-z]+|[0-9]|[^\sa-z0-9]+", corpus.lower()))
-    splits: dict[tuple[str, ...], int] = {}
-    for word, freq in words.items():
-        chars = [byte_map[b] for b in word.encode("utf-8")]
-        chars[-1] += "</w>"
-        splits[tuple(chars)] = splits.get(tuple(chars), 0) + freq
-
-    merges: list[tuple[str, str]] = []
-    for _ in range(num_merges):
-        pairs: Counter[tuple[str, str]] = Counter()
-        for symbols, freq in splits.items():
-            for pair in zip(symbols, symbols[1:]):
-                pairs[pair] += freq
-        if not pairs:
-            break
-        best = min(pairs, key=lambda p: (-pairs[p], p))
-        merges.append(best)
-        merged: dict[tuple[str, ...], int] = {}
-        for symbols, freq in splits.items():
-            out: list[str] = []
-            i = 0
-            while i < len(symbols):
-                if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == best:
-                    out.append(symbols[i] + symbols[i + 1])
-                    i += 2
-                else:
-                    out.append(symbols[i])
-                    i += 1
-            merged[tuple(out)] = merged.get(tuple(out), 0) + freq
-        splits = merged
-
-    chars = [c for _, c in bytes_to_unicode()]
-    tokens = chars + [c + "</w>" for c in chars] + ["".join(m) for m in merges] + [BOS_TOKEN, EOS_TOKEN]
-    vocab: dict[str, int] = {}
-    for token in tokens:
-        vocab.setdefault(token, len(vocab))
-    return vocab, tuple(f"{a} {b}" for a, b in merges)
-
-
-def _write_bpe_files(directory: Path, corpus: str = _BPE_CORPUS) -> None:
-    """Write vocab.json and merges.txt, the files every CLIPTokenizer version can load."""
-    vocab, merges = _learn_vocab_and_merges(NUM_MERGES, corpus)
-    (directory / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-    # The header line is required: CLIP's loaders skip the first line of merges.txt.
-    (directory / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
-
-
-def build_tiny_tokenizer(pad_token: str = EOS_TOKEN, corpus: str = _BPE_CORPUS) -> Any:
-    """A CLIPTokenizer made offline from a generated vocab.json + merges.txt (SD1 pads with EOS, SD2 with "!").
-
-    The merges are learned from `corpus`: by default the sample dataset's captions and common English words.
-    """
-    from transformers import CLIPTokenizer
-
-    with tempfile.TemporaryDirectory(prefix="tiny-clip-tok-") as tmp:
-        _write_bpe_files(Path(tmp), corpus)
-        # from_pretrained, not CLIPTokenizer(vocab_file=...): transformers 5 silently ignores those keywords
-        # and returns a 3-token tokenizer.
-        tokenizer = CLIPTokenizer.from_pretrained(
-            tmp, local_files_only=True, model_max_length=MODEL_MAX_LENGTH, pad_token=pad_token
-        )
-    return tokenizer
-
 
 def _check_args(size: str, prediction_type: str, family: str = "sd1") -> None:
     if family not in FAMILIES:
@@ -152,11 +66,6 @@ def _check_args(size: str, prediction_type: str, family: str = "sd1") -> None:
         raise ValueError(f"size must be one of {SIZES}, got {size!r}")
     if prediction_type not in PREDICTION_TYPES:
         raise ValueError(f"prediction_type must be one of {PREDICTION_TYPES}, got {prediction_type!r}")
-
-
-def _seeded(seed: int, offset: int) -> None:
-    # A separate stream per component, so changing one component's shape leaves the others' weights alone.
-    torch.manual_seed(seed * 1000 + offset)
 
 
 def build_tiny_sd1(size: str = "tiny", seed: int = 0, prediction_type: str = "epsilon",
@@ -248,32 +157,6 @@ def save_pipeline(components: dict[str, Any], target: Path, corpus: str = _BPE_C
     pipe = StableDiffusionPipeline(**components, safety_checker=None, feature_extractor=None,
                                    requires_safety_checker=False)
     _write_pipeline(pipe, target, ("tokenizer",), corpus)
-
-
-def _write_pipeline(pipe: Any, target: Path, tokenizers: tuple[str, ...], corpus: str = _BPE_CORPUS) -> None:
-    """The folder is written beside `target` and renamed over it, so a crash leaves the old folder or the new one."""
-    from library.core.atomic import replace_dir
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # os.mkdir rather than mkdtemp: mkdtemp's 0700 mode would survive the rename.
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        pipe.save_pretrained(tmp, safe_serialization=True)
-        # transformers 5 saves only tokenizer.json; older transformers (slow CLIPTokenizer, as in kohya's
-        # scripts) need vocab.json + merges.txt beside it.
-        for name in tokenizers:
-            _write_bpe_files(tmp / name, corpus)
-        replace_dir(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _check_target(target: Path, overwrite: bool) -> None:
-    if target.exists() and not target.is_dir():
-        raise FileExistsError(f"{target} exists and is not a directory")
-    if target.is_dir() and any(target.iterdir()) and not overwrite:
-        raise FileExistsError(f"{target} exists and is not empty (use --overwrite / overwrite=True)")
 
 
 def save_tiny_sd1(
@@ -373,33 +256,45 @@ def save_tiny_sdxl(path: str | os.PathLike[str], seed: int = 0, overwrite: bool 
     return target
 
 
+# --family -> (module, function writing the folder, function writing kohya's / ComfyUI's separate files or None);
+# imported when asked, so that `python -m library.models.tiny` stays light and these modules never import this one.
+ONE_SHAPE_FAMILIES: dict[str, tuple[str, str, str | None]] = {
+    "sdxl": ("library.models.tiny", "save_tiny_sdxl", None),
+    "flux": ("library.models.tiny_flux", "save_tiny_flux", "save_tiny_flux_files"),
+    "chroma": ("library.models.tiny_chroma", "save_tiny_chroma", "save_tiny_chroma_files"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: write a tiny model folder."""
+    import importlib
+
     parser = argparse.ArgumentParser(prog="python -m library.models.tiny", description=__doc__.splitlines()[0])
     parser.add_argument("output_dir", help="folder to write the diffusers pipeline into")
-    parser.add_argument("--family", choices=(*FAMILIES, "sdxl", "flux"), default="sd1")
+    parser.add_argument("--family", choices=(*FAMILIES, *ONE_SHAPE_FAMILIES), default="sd1")
     parser.add_argument("--size", choices=SIZES, default=None, help="tiny (default) or small; sd1 and sd2 only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prediction-type", choices=PREDICTION_TYPES, default=None,
                         help="default: epsilon for sd1, v_prediction for sd2; sd1 and sd2 only")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing non-empty folder")
     parser.add_argument("--files", action="store_true",
-                        help="flux only: also write kohya's separate files (BFL transformer, clip_l, t5xxl, ae) into "
-                             "OUTPUT_DIR/files")
+                        help="also write the separate files users load (for flux and chroma: the BFL-layout "
+                             "transformer, t5xxl, ae and, for flux, clip_l) into OUTPUT_DIR/files")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        if args.family in ("sdxl", "flux"):
+        if args.family in ONE_SHAPE_FAMILIES:
             if args.size is not None or args.prediction_type is not None:
                 parser.error(f"--size and --prediction-type apply to sd1 and sd2; the tiny {args.family} has one "
                              "shape")
-            from library.models.tiny_flux import save_tiny_flux, save_tiny_flux_files
-
-            save = save_tiny_sdxl if args.family == "sdxl" else save_tiny_flux
-            out = save(args.output_dir, args.seed, args.overwrite)
+            module_name, save_name, files_name = ONE_SHAPE_FAMILIES[args.family]
+            if args.files and files_name is None:
+                parser.error(f"--files: the tiny {args.family} is written as a folder only")
+            module = importlib.import_module(module_name)
+            out = getattr(module, save_name)(args.output_dir, args.seed, args.overwrite)
             print(f"wrote tiny {args.family} model (seed {args.seed}) to {out}")
-            if args.files and args.family == "flux":
-                for name, path in save_tiny_flux_files(out, out / "files").items():
+            if args.files:
+                for name, path in getattr(module, files_name)(out, out / "files").items():
                     print(f"  {name}: {path}")
             return 0
         size = args.size or "tiny"
@@ -409,7 +304,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"error: {e}\n")
     print(f"wrote tiny {args.family} model ({size}, seed {args.seed}, {prediction_type}) to {out}")
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

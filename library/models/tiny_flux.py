@@ -15,6 +15,8 @@ from typing import Any, Sequence
 
 import torch
 
+from library.models.tiny_parts import MODEL_MAX_LENGTH, _check_target, _seeded, _write_pipeline, build_tiny_tokenizer
+
 logger = logging.getLogger(__name__)
 
 WIDTH = 32  # text widths and the transformer's inner width (2 heads of 16)
@@ -49,8 +51,6 @@ def build_tiny_flux(seed: int = 0, guidance: bool = True) -> dict[str, Any]:
     only on the seed; the caller's global RNG state is left untouched."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
-
-    from library.models.tiny import MODEL_MAX_LENGTH, _seeded, build_tiny_tokenizer
 
     tokenizer, tokenizer_2 = build_tiny_tokenizer(), build_t5_tokenizer()
     with torch.random.fork_rng(devices=[]):
@@ -89,8 +89,6 @@ def save_tiny_flux(path: str | os.PathLike[str], seed: int = 0, overwrite: bool 
                    guidance: bool = True) -> Path:
     """Write a tiny FluxPipeline folder at `path` (atomically) and return it."""
     from diffusers import FluxPipeline
-
-    from library.models.tiny import _check_target, _write_pipeline
 
     target = Path(path).absolute()
     _check_target(target, overwrite)
