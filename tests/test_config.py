@@ -242,3 +242,24 @@ color_aug = false
     assert "text_encoder_lr = [0.0001, 5e-05]: one learning rate for every text encoder" in text
     assert "cache_info is a kohya option this trainer does not support yet" in text
     assert "persistent_data_loader_workers = 2: expected true or false" in text
+
+
+def test_a_resolution_smaller_than_the_bucket_steps_is_a_config_error(tmp_path, paths):
+    # FLUX's shipped bucket_reso_steps 64 with resolution 32: the bucket set held a 0 x 0 bucket and the ratio
+    # computation raised ZeroDivisionError
+    from library.data.dataset_config import datasets_from_toml
+    from library.data.images import make_bucket_resolutions
+
+    with pytest.raises(ZeroDivisionError):
+        [w / h for w, h in make_bucket_resolutions((32, 32), 32, 1024, 64)]
+    args = required_args(paths) + ["--resolution", "32", "--enable_bucket", "--bucket_reso_steps", "64",
+                                   "--min_bucket_reso", "32"]
+    problems = problems_of(args)
+    assert len(problems) == 1 and "resolution 32x32 is smaller than bucket_reso_steps 64" in problems[0]
+    assert "lower bucket_reso_steps to 32 or less" in problems[0]
+    parse_config(args + ["--bucket_reso_steps", "32"])  # a step that fits is fine (the command line's last wins)
+    dataset = write_toml(tmp_path / "dataset.toml", f'[general]\nresolution = 32\nenable_bucket = true\n'
+                         f'bucket_reso_steps = 64\nmin_bucket_reso = 32\n[[datasets]]\n[[datasets.subsets]]\n'
+                         f'image_dir = "{paths["train_data_dir"]}"\n')
+    with pytest.raises(ConfigError, match="smaller than bucket_reso_steps 64"):
+        datasets_from_toml(dataset, None)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,19 @@ def checkpoint_file_problem(path: Path, allow_pickle: bool) -> str | None:
     return (f"{path}: not a model folder or a known checkpoint file; give a diffusers model folder or a "
             f".safetensors checkpoint (pickles {', '.join(PICKLE_CHECKPOINT_SUFFIXES)} need "
             "allow_pickle_checkpoints)")
+
+
+def bucket_steps_problem(resolution: tuple[int, int], steps: int) -> str | None:
+    """Why no bucket fits, or None: bucket sides are multiples of bucket_reso_steps within the resolution's area, so
+    a square bucket needs sqrt(width x height) >= bucket_reso_steps (kohya divides by a zero-sized bucket there)."""
+    width, height = resolution
+    if steps <= 0 or math.isqrt(width * height) >= steps:
+        return None
+    fitting = math.isqrt(width * height) // 8 * 8
+    lower = f"lower bucket_reso_steps to {fitting} or less, " if fitting >= 8 else ""
+    return (f"resolution {width}x{height} is smaller than bucket_reso_steps {steps}: bucket sides are multiples of "
+            f"bucket_reso_steps within the resolution's area, so no bucket fits; {lower}raise resolution, or turn "
+            "off enable_bucket")
 
 
 def check_values(v: dict[str, Any]) -> list[str]:
@@ -113,6 +127,7 @@ def check_values(v: dict[str, Any]) -> list[str]:
     if v["dataset_config"] is None:
         width, height = v["resolution"]
         if v["enable_bucket"]:
+            problems += [p for p in [bucket_steps_problem((width, height), v["bucket_reso_steps"])] if p]
             need(v["min_bucket_reso"] <= min(width, height),
                  f"min_bucket_reso {v['min_bucket_reso']} is larger than the resolution's shorter side "
                  f"{min(width, height)}")

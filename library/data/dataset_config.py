@@ -9,12 +9,14 @@ import difflib
 import logging
 import math
 import re
-import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import tomllib
+
 from library.config import Config, ConfigError
+from library.config.checks import bucket_steps_problem
 
 logger = logging.getLogger(__name__)
 
@@ -342,6 +344,8 @@ def check_dataset_spec(spec: DatasetSpec, config: Config | None, where: str) -> 
     need(1 <= spec.min_bucket_reso <= spec.max_bucket_reso,
          f"need 1 <= min_bucket_reso <= max_bucket_reso (got {spec.min_bucket_reso}, {spec.max_bucket_reso})")
     if spec.enable_bucket:
+        steps_problem = bucket_steps_problem((width, height), spec.bucket_reso_steps)
+        need(steps_problem is None, steps_problem or "")
         need(spec.min_bucket_reso <= min(width, height),
              f"min_bucket_reso {spec.min_bucket_reso} is larger than the resolution's shorter side "
              f"{min(width, height)}")
