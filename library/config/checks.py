@@ -166,6 +166,7 @@ def check_values(v: dict[str, Any]) -> list[str]:
     need(not v["fp16_master_weights_and_gradients"] or v["mixed_precision"] == "fp16",
          "fp16_master_weights_and_gradients needs mixed_precision = \"fp16\" "
          f"(got {v['mixed_precision']!r})")
+    problems += _check_base_precision(v)
     problems += _check_logging(v)
     problems += _check_sampling(v)
     need(v["clip_skip"] is None or v["clip_skip"] >= 1, f"clip_skip must be at least 1 (got {v['clip_skip']})")
@@ -295,4 +296,28 @@ def _check_sampling(v: dict[str, Any]) -> list[str]:
             problems.append(f"{name} must be at least 1 (got {v[name]})")
     if v["sample_prompts"] is not None and not Path(v["sample_prompts"]).is_file():
         problems.append(f"sample_prompts: {v['sample_prompts']} is not a file")
+    return problems
+
+
+def _check_base_precision(v: dict[str, Any]) -> list[str]:
+    """kohya's rules for fp8_base / fp8_base_unet, blocks_to_swap and cpu_offload_checkpointing, and the same
+    mixed-precision rule for the other low base precisions."""
+    problems = []
+    low = [f"{name} = true" for name in ("fp8_base", "fp8_base_unet") if v[name]]
+    if v["base_model_precision"] != "no_change":
+        low.append(f"base_model_precision = \"{v['base_model_precision']}\"")
+    if low and v["mixed_precision"] not in ("fp16", "bf16"):
+        problems.append(f"{' and '.join(low)} needs mixed_precision = \"bf16\" or \"fp16\" (the base computes in it; "
+                        f"got {v['mixed_precision']!r})")
+    if v["base_model_precision"] in ("int8", "nf4") and (v["fp8_base"] or v["fp8_base_unet"]):
+        problems.append(f"base_model_precision = \"{v['base_model_precision']}\" and fp8_base / fp8_base_unet name two "
+                        "precisions for the base; keep one")
+    if v["base_model_precision"] in ("int8", "nf4") and v["network_module"] == "lycoris.kohya":
+        problems.append(f"base_model_precision = \"{v['base_model_precision']}\" trains networks.lora only (peft's "
+                        "bitsandbytes layers); use fp8 with lycoris.kohya")
+    if v["blocks_to_swap"] is not None and v["blocks_to_swap"] < 0:
+        problems.append(f"blocks_to_swap must not be negative (got {v['blocks_to_swap']})")
+    if v["blocks_to_swap"] and v["cpu_offload_checkpointing"]:
+        problems.append("blocks_to_swap and cpu_offload_checkpointing cannot be used together (kohya's rule); "
+                        "keep one")
     return problems

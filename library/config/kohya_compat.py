@@ -38,8 +38,8 @@ IGNORED_KOHYA_OPTIONS: dict[str, str] = {
 UNSUPPORTED_KOHYA_OPTIONS: tuple[str, ...] = (
     "async_upload", "base_weights", "base_weights_multiplier", "cache_info",
     "color_aug", "console_log_file",
-    "cpu_offload_checkpointing", "dataset_class", "dataset_repeats", "debug_dataset",
-    "enable_wildcard", "face_crop_aug_range", "fp8_base", "fp8_base_unet",
+    "dataset_class", "dataset_repeats", "debug_dataset",
+    "enable_wildcard", "face_crop_aug_range",
     "fused_backward_pass",
     "huggingface_path_in_repo", "huggingface_repo_id", "huggingface_repo_type", "huggingface_repo_visibility",
     "huggingface_token", "in_json", "initial_epoch", "initial_step",

@@ -173,6 +173,21 @@ _TRAINING = [
     _opt("full_bf16", _to_bool, False, "keep the LoRA weights and their gradients in bf16 too (needs "
          "mixed_precision bf16)"),
     _opt("gradient_checkpointing", _to_bool, False, "recompute activations in backward to save memory"),
+    _opt("base_model_precision", _to_str, "no_change",
+         "storage of the frozen base's linear and conv weights: no_change (mixed_precision's dtype), fp8 "
+         "(float8_e4m3fn, kohya's fp8_base; the text encoders too), int8 or nf4 (bitsandbytes weight-only, the "
+         "text encoders in fp8); computed in mixed_precision's dtype, LoRA weights stay fp32",
+         choices=("no_change", "fp8", "int8", "nf4")),
+    _opt("fp8_base", _to_bool, False,
+         "kohya's switch for base_model_precision fp8: denoiser and text encoders stored as float8_e4m3fn"),
+    _opt("fp8_base_unet", _to_bool, False,
+         "kohya's: the denoiser (UNet / transformer) stored as float8_e4m3fn, the text encoders as they are"),
+    _opt("blocks_to_swap", _to_int, None,
+         "CUDA: keep this many of the denoiser's blocks in CPU memory and swap them in as they run (kohya's "
+         "limits per family; FLUX: up to 35); without CUDA it has no effect"),
+    _opt("cpu_offload_checkpointing", _to_bool, False,
+         "CUDA: keep the activations gradient checkpointing saves in CPU memory (turns on gradient_checkpointing; "
+         "not with blocks_to_swap); without CUDA it has no effect"),
     _opt("seed", _to_int, None, "random seed (a random one is drawn and recorded when unset)"),
 ]
 _OPTIMIZER = [

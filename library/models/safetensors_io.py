@@ -13,10 +13,11 @@ from pathlib import Path
 import torch
 
 from library.config import UserError
+from library.models.precision import read_dtype
 
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                       "BOOL": torch.bool}
+                       "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 def read_safetensors(path: Path, prefix: str = "", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -35,7 +36,7 @@ def read_safetensors(path: Path, prefix: str = "", dtype: torch.dtype | None = N
                 if key == "__metadata__" or not key.startswith(prefix):
                     continue
                 stored = _SAFETENSORS_DTYPES.get(entry["dtype"])
-                if stored is None:  # float8 and other rare dtypes: safetensors' own reader
+                if stored is None:  # other rare dtypes: safetensors' own reader
                     out.update(_read_mapped(path, [key], dtype))
                     continue
                 start, end = entry["data_offsets"]
@@ -43,7 +44,9 @@ def read_safetensors(path: Path, prefix: str = "", dtype: torch.dtype | None = N
                 raw = torch.empty(end - start, dtype=torch.uint8)  # not zero-filled, unlike a bytearray
                 if f.readinto(raw.numpy()) != end - start:
                     raise OSError(f"{key}: the file ends inside its data")
-                out[key] = _cast(raw.view(stored).reshape(entry["shape"]), dtype)
+                # Under library.models.precision.reading, the base's matrices are read in their storage dtype.
+                low = read_dtype(path, key, stored, entry["shape"])
+                out[key] = _cast(raw.view(stored).reshape(entry["shape"]), low or dtype)
             return out
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as e:
         raise UserError(f"{path}: not a readable safetensors file ({e})") from None

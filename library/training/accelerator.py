@@ -12,6 +12,7 @@ from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin, DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
 
 from library.config import Config, UserError
+from library.training.extension_locks import check_extension_locks
 from library.training.optim import parse_key_values, resolve_optimizer_type
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,10 @@ def deepspeed_plugin(config: Config, world_size: int) -> DeepSpeedPlugin:
     if importlib.util.find_spec("deepspeed") is None:
         raise UserError("deepspeed = true needs DeepSpeed: pip install deepspeed "
                         "(DS_BUILD_OPS=0 pip install deepspeed installs without compiling ops)")
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # one process per machine looks (and removes)
+        lock_problems = check_extension_locks()  # a stale op build lock would make DeepSpeed wait forever
+        if lock_problems:
+            raise UserError(lock_problems)
     def setting(name: str, env: str) -> Any:
         # The training config wins; otherwise what `accelerate launch` (its config file or flags) put in the env.
         if config.is_set(name) or env not in os.environ:

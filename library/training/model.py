@@ -13,6 +13,7 @@ from library.config import Config, UserError
 from library.config.network_args import network_args_of
 from library.data.cache import check_finite_latents, sample_cached_latents
 from library.models.family import Components, Family
+from library.models.precision import BasePrecision
 from library.network import kohya_format
 from library.network import targets as network_setup
 from library.training import adapters as adapter_training
@@ -146,6 +147,8 @@ def build_model(config: Config, components: Components, device: torch.device,
     unet.to(device)
     for text_encoder in text_encoders:
         text_encoder.to(device)
+    precision = BasePrecision.from_config(config, WEIGHT_DTYPES[config.mixed_precision])
+    precision.prepare(unet, text_encoders)
 
     groups: list[dict[str, Any]] = []
     net = network_args_of(config)
@@ -164,6 +167,7 @@ def build_model(config: Config, components: Components, device: torch.device,
             family.lora_text_encoders(text_encoders),
             config.text_encoder_lr if config.text_encoder_lr is not None else config.learning_rate,
             "text_encoder", net.loraplus_ratio("text_encoder"))
+    precision.finish(unet, text_encoders)
     if config.full_fp16 or config.full_bf16:
         for group in groups:
             for param in group["params"]:

@@ -20,6 +20,7 @@ from library.core.memory import return_free_heap
 from library.data.dataset import TrainingData, build_training_data
 from library.models.family import Components
 from library.models.loading import load_components
+from library.models.precision import BasePrecision, reading
 from library.monitoring.sampling import SamplePrompt, load_prompts
 from library.monitoring.tracking import StepMetrics, TimestepLoss, lr_names
 from library.network import kohya_format, lora
@@ -129,9 +130,13 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     prompts = sample_prompts(config)
     # The images are checked before the model is loaded, so data problems surface in seconds.
     data = build_training_data(config, None, seed, accelerator.num_processes)
-    components = load_components(config.pretrained_model_name_or_path, config.v2, config.v_parameterization,
-                                 weight_dtype, vae_dtype, config.model_config, config.allow_pickle_checkpoints,
-                                 clip_l=config.clip_l, t5xxl=config.t5xxl, ae=config.ae)
+    precision = BasePrecision.from_config(config, weight_dtype)
+    # The base's files are read straight into their storage precision (fp8 files stay fp8).
+    with reading(precision.read_rule([config.pretrained_model_name_or_path],
+                                     [path for path in (config.clip_l, config.t5xxl) if path])):
+        components = load_components(config.pretrained_model_name_or_path, config.v2, config.v_parameterization,
+                                     weight_dtype, vae_dtype, config.model_config, config.allow_pickle_checkpoints,
+                                     clip_l=config.clip_l, t5xxl=config.t5xxl, ae=config.ae)
     family = components.family = components.family.configured(config)
     spec = network_spec(config, family)
     data.set_tokenizer(family.tokenizer(components, config.max_token_length))

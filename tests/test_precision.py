@@ -1,0 +1,125 @@
+"""The frozen base's storage precision: fp8 (layerwise casting), int8 and NF4 (bitsandbytes), LoRA in fp32,
+training with gradient checkpointing, and fp8 files read straight into fp8."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from library.models.loading import load_components
+from library.models.precision import BasePrecision, managed_layers, reading
+from library.network import lora
+
+BF16 = torch.bfloat16
+
+
+def _config(**overrides):
+    values = {"base_model_precision": "no_change", "fp8_base": False, "fp8_base_unet": False}
+    return SimpleNamespace(**(values | overrides))
+
+
+def _attach(components, precision: BasePrecision):
+    from library.config.network_args import network_args_of
+    from library.models.flux_lora import targets
+
+    denoiser = components.denoiser
+    precision.prepare(denoiser, components.text_encoders)
+    names, overrides = targets(denoiser, 4, 4.0, network_args_of(SimpleNamespace(network_args=[],
+                                                                                 network_module="networks.lora_flux")))
+    torch.manual_seed(0)
+    params = lora.attach_lora(denoiser, names, 4, 4.0, overrides=overrides)
+    precision.finish(denoiser, components.text_encoders)
+    return params
+
+
+@pytest.fixture(scope="module")
+def bf16_lora(tiny_flux_dir):
+    """The LoRA's initial weights on a bf16 base."""
+    return [p.detach().clone() for p in _attach(load_components(tiny_flux_dir, weight_dtype=BF16),
+                                                BasePrecision(None, None, BF16))]
+
+
+def test_precision_from_kohyas_options():
+    assert BasePrecision.from_config(_config(fp8_base=True), BF16) == BasePrecision("fp8", "fp8", BF16)
+    assert BasePrecision.from_config(_config(fp8_base_unet=True), BF16) == BasePrecision("fp8", None, BF16)
+    assert BasePrecision.from_config(_config(base_model_precision="nf4"), BF16) == BasePrecision("nf4", "fp8", BF16)
+    assert not BasePrecision.from_config(_config(), BF16).lowered
+
+
+@pytest.mark.parametrize("kind, stored", [("fp8", torch.float8_e4m3fn), ("int8", torch.int8), ("nf4", torch.uint8)])
+def test_the_base_is_stored_low_and_the_lora_trains_in_fp32(tiny_flux_dir, bf16_lora, kind, stored):
+    components = load_components(tiny_flux_dir, weight_dtype=BF16)
+    precision = BasePrecision(kind, "fp8", BF16)
+    params = _attach(components, precision)
+    denoiser = components.denoiser
+    block = denoiser.transformer_blocks[0]
+    assert block.attn.to_q.base_layer.weight.dtype == stored
+    assert block.norm1.linear.base_layer.weight.dtype == stored  # the adaptive-norm linears are stored low too
+    assert denoiser.x_embedder.weight.dtype == BF16  # skipped layers stay in the compute dtype
+    assert all(p.dtype == torch.float32 and p.requires_grad for p in params)
+    clip, t5 = components.text_encoders
+    q_proj = next(n for n in managed_layers(clip, fp8=True) if n.endswith("q_proj"))
+    assert clip.get_submodule(q_proj).weight.dtype == torch.float8_e4m3fn
+    assert t5.encoder.final_layer_norm.weight.dtype == BF16
+    # fp32 LoRA at the start equals what a bf16 base gives (peft is told the compute dtype, not fp8)
+    assert all(torch.equal(a, b) for a, b in zip(params, bf16_lora, strict=True))
+
+    denoiser.enable_gradient_checkpointing()
+    denoiser.train()
+    torch.manual_seed(0)
+    cfg = denoiser.config
+    kwargs = {"hidden_states": torch.randn(1, 16, cfg.in_channels, dtype=BF16),
+              "encoder_hidden_states": torch.randn(1, 8, cfg.joint_attention_dim, dtype=BF16),
+              "pooled_projections": torch.randn(1, cfg.pooled_projection_dim, dtype=BF16),
+              "timestep": torch.tensor([0.5], dtype=BF16), "guidance": torch.tensor([3.5]),
+              "img_ids": torch.zeros(16, 3), "txt_ids": torch.zeros(8, 3), "return_dict": False}
+    for p in params:  # B starts at zero; give it weights so that every tensor gets a gradient
+        if p.shape[1] == 4:
+            torch.nn.init.normal_(p, std=0.01)
+    with torch.autocast("cpu", dtype=BF16):
+        out = denoiser(**kwargs)[0]
+    out.float().pow(2).mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
+    assert block.attn.to_q.base_layer.weight.dtype == stored  # back in storage after the step
+
+
+def test_fp8_files_are_read_straight_into_fp8(tiny_flux_dir, tmp_path):
+    from library.models.tiny_flux import save_tiny_flux_files
+
+    files = save_tiny_flux_files(tiny_flux_dir, tmp_path / "files")
+    from safetensors.torch import load_file
+
+    for name in ("transformer", "t5xxl"):
+        state = load_file(files[name])
+        save_file({k: v.to(torch.float8_e4m3fn) if v.ndim >= 2 else v for k, v in state.items()}, str(files[name]))
+    reads: list[tuple[str, torch.dtype]] = []
+    import library.models.safetensors_io as io
+
+    original = io._cast
+
+    def spy(tensor, dtype):
+        reads.append((str(tensor.dtype), dtype))
+        return original(tensor, dtype)
+
+    precision = BasePrecision("fp8", "fp8", BF16)
+    io._cast = spy
+    try:
+        with reading(precision.read_rule([files["transformer"]], [files["clip_l"], files["t5xxl"]])):
+            loaded = load_components(files["transformer"], model_config=tiny_flux_dir, clip_l=str(files["clip_l"]),
+                                     t5xxl=str(files["t5xxl"]), ae=str(files["ae"]), weight_dtype=BF16)
+    finally:
+        io._cast = original
+    # no fp8-stored tensor was ever cast up while reading
+    assert not [r for r in reads if r[0] == "torch.float8_e4m3fn" and r[1] != torch.float8_e4m3fn]
+    assert loaded.denoiser.transformer_blocks[0].attn.to_q.weight.dtype == torch.float8_e4m3fn
+    assert loaded.text_encoders[1].encoder.block[0].layer[0].SelfAttention.q.weight.dtype == torch.float8_e4m3fn
+    # CLIP-L (stored fp32) is lowered while read; the autoencoder is not
+    fc1 = next(p for n, p in loaded.text_encoders[0].named_parameters() if n.endswith("fc1.weight"))
+    assert fc1.dtype == torch.float8_e4m3fn
+    assert loaded.vae.encoder.conv_in.weight.dtype == torch.float32  # the vae_dtype asked for
+    precision.prepare(loaded.denoiser, loaded.text_encoders)
+    assert loaded.denoiser.x_embedder.weight.dtype == BF16  # read as fp8, raised back: it is not stored low
+    assert not any(p.dtype == torch.float8_e4m3fn for n, p in loaded.denoiser.named_parameters()
+                   if n.rsplit(".", 1)[0] not in managed_layers(loaded.denoiser, fp8=True))
