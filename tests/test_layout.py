@@ -43,3 +43,47 @@ def test_imports_flow_one_way():
 
 def test_no_module_at_the_top_of_library_but_packages():
     assert sorted(p.name for p in LIBRARY.glob("*.py")) == ["__init__.py"]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(LIBRARY.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if path.name == "__init__.py" else parts)
+
+
+def module_imports(path: Path) -> set[str]:
+    """The library modules `path` imports, anywhere in the file (in functions and TYPE_CHECKING blocks too)."""
+    modules = {module_name(p) for p in LIBRARY.rglob("*.py")}
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("library"):
+            names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        # `from package import module` imports the module; `from module import name` the module itself
+        found.update(name for name in names if name in modules)
+    return found
+
+
+def test_no_import_circles_between_modules():
+    # Each module's imports must flow one way inside a package too (config: errors <- samplers <- checks <- parse)
+    graph = {}
+    for path in LIBRARY.rglob("*.py"):
+        graph[module_name(path)] = module_imports(path) - {module_name(path)}
+    assert graph["library.config.checks"] >= {"library.config.errors", "library.config.samplers"}
+    done: set[str] = set()
+    circles = []
+
+    def visit(name: str, trail: list[str]) -> None:
+        if name in trail:
+            circles.append(" -> ".join(trail[trail.index(name):] + [name]))
+            return
+        if name in done:
+            return
+        for other in sorted(graph[name]):
+            visit(other, trail + [name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+    assert circles == []

@@ -9,7 +9,9 @@ from typing import Any
 
 import tomllib
 
+from library.config.errors import UserError
 from library.config.network_args import network_option_problems
+from library.config.samplers import canonical_sampler
 
 # Single-file checkpoints: safetensors is read as data; these suffixes are pickles, which can run code when read.
 PICKLE_CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
@@ -282,10 +284,6 @@ def _check_logging(v: dict[str, Any]) -> list[str]:
 
 
 def _check_sampling(v: dict[str, Any]) -> list[str]:
-    # Imported here, not at the top: both import library.config.parse, which imports this module.
-    from library.config.parse import UserError
-    from library.config.samplers import canonical_sampler
-
     problems: list[str] = []
     try:
         canonical_sampler(v["sample_sampler"])

@@ -4,15 +4,18 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping, Protocol
 
 import toml
 
 from library.config.options import GROUPS, OPTIONS, Option
 from library.core.atomic import write_atomically
 
-if TYPE_CHECKING:
-    from library.config.parse import Config
+
+class Resolved(Protocol):
+    """What write_config needs of a Config (library.config.parse's, which imports this module)."""
+
+    def as_dict(self) -> dict[str, Any]: ...
 
 
 class _Encoder(toml.TomlEncoder):
@@ -48,8 +51,9 @@ def config_toml(values: Mapping[str, Any]) -> str:
     return toml.dumps(tables, encoder=_Encoder())
 
 
-def write_config(config: Config, path: str | os.PathLike) -> None:
+def write_config(config: Resolved, path: str | os.PathLike) -> None:
     """Write the resolved config as TOML, atomically."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, lambda tmp: tmp.write_text(config.to_toml(), encoding="utf-8"))
+    text = config_toml(config.as_dict())
+    write_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))

@@ -15,21 +15,12 @@ import tomllib
 
 from library.config.checks import check_values
 from library.config.dump import config_toml
+from library.config.errors import ConfigError, UserError
 from library.config.kohya_compat import CHOICE_HINTS, IGNORED_KOHYA_OPTIONS, UNSUPPORTED_KOHYA_OPTIONS, ZERO_IS_UNSET
 from library.config.option_types import Option, _to_str
 from library.config.options import ALIASES, GROUPS, OPTIONS
 
-
-class UserError(Exception):
-    """A user mistake (config, data, model files); carries every problem found. Ends the run with status 2."""
-
-    def __init__(self, problems: str | Sequence[str]):
-        self.problems = [problems] if isinstance(problems, str) else list(problems)
-        super().__init__("\n".join(self.problems))
-
-
-class ConfigError(UserError):
-    """A problem in the options."""
+__all__ = ["Config", "ConfigError", "UserError", "build_parser", "parse_config"]
 
 
 class Config:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import difflib
 from typing import Any, Iterable
 
-from library.config.parse import UserError
+from library.config.errors import UserError
 
 # kohya's sampler names (train_util.get_my_scheduler; k_* are aliases) plus AUTOMATIC1111's names for DPM++ 2M:
 # name -> (diffusers scheduler class, constructor overrides on top of the training noise schedule).
