@@ -176,6 +176,8 @@ def check_values(v: dict[str, Any]) -> list[str]:
          f"max_token_length must be 75, 150 or 225 (got {v['max_token_length']})")
     need(v["zero_stage"] in (0, 1, 2, 3), f"zero_stage must be 0, 1, 2 or 3 (got {v['zero_stage']})")
     need(v["ddp_timeout"] is None or v["ddp_timeout"] > 0, "ddp_timeout must be a positive number of minutes")
+    for name in ("save_n_epoch_ratio", "max_validation_steps", "text_encoder_batch_size"):
+        need(v[name] is None or v[name] >= 1, f"{name} must be at least 1 (got {v[name]})")
     for name in ("save_every_n_steps", "save_every_n_epochs", "save_last_n_steps", "save_last_n_epochs",
                  "save_last_n_steps_state", "save_last_n_epochs_state"):
         need(v[name] is None or v[name] >= 1, f"{name} must be at least 1 (got {v[name]})")

@@ -11,7 +11,7 @@ ZERO_IS_UNSET: frozenset[str] = frozenset({
     "scale_weight_norms", "max_train_epochs", "min_snr_gamma", "adaptive_noise_scale", "multires_noise_iterations",
     "save_every_n_steps", "save_every_n_epochs", "save_last_n_steps", "save_last_n_epochs",
     "save_last_n_steps_state", "save_last_n_epochs_state", "sample_every_n_steps", "sample_every_n_epochs",
-    "vae_batch_size", "ddp_timeout",
+    "vae_batch_size", "ddp_timeout", "save_n_epoch_ratio",
 })
 
 # kohya options that have no effect here; accepted so kohya configs load, with the reason logged.
@@ -32,22 +32,25 @@ IGNORED_KOHYA_OPTIONS: dict[str, str] = {
     "console_log_simple": "console output is always plain",
     "disable_mmap_load_safetensors": "safetensors files are read with the library default",
     "conditioning_data_dir": "kohya reads it only from the dataset_config subsets; set it there, with masked_loss",
+    "dataset_repeats": "sd-scripts applies it to in_json (fine-tuning metadata) datasets only, which this trainer "
+                       "does not read; repeats come from folder names (10_name) or a subset's num_repeats",
+    "skip_cache_check": "each latent cache entry on disk is checked by its key (image content, VAE, size, flip), "
+                        "which costs a file read, not a VAE pass; entries that match are always reused",
 }
 
 # kohya options this trainer does not offer (yet): named so a kohya user learns exactly what to change.
 UNSUPPORTED_KOHYA_OPTIONS: tuple[str, ...] = (
     "async_upload", "base_weights", "base_weights_multiplier", "cache_info",
     "color_aug", "console_log_file",
-    "dataset_class", "dataset_repeats", "debug_dataset",
+    "dataset_class",
     "enable_wildcard", "face_crop_aug_range",
     "fused_backward_pass",
     "huggingface_path_in_repo", "huggingface_repo_id", "huggingface_repo_type", "huggingface_repo_visibility",
     "huggingface_token", "in_json", "initial_epoch", "initial_step",
-    "max_validation_steps",
     "offload_optimizer_nvme_path", "offload_param_nvme_path",
     "resume_from_huggingface",
-    "save_n_epoch_ratio", "save_state_to_huggingface",
-    "secondary_separator", "skip_cache_check", "skip_until_initial_step", "token_warmup_min",
+    "save_state_to_huggingface",
+    "secondary_separator", "skip_until_initial_step", "token_warmup_min",
     "token_warmup_step",
     "vae",
     "weighted_captions", "zero3_init_flag", "zero3_save_16bit_model",

@@ -96,7 +96,8 @@ _DATASET = [
          metavar="PATH"),
     _opt("prior_loss_weight", _to_float, 1.0, "loss weight of regularisation images"),
     _opt("dataset_check", _to_bool, False,
-         "check the dataset without loading the UNet: counts, buckets, captions, problems; exit 0 when usable"),
+         "check the dataset without loading the UNet: counts, buckets, captions, problems; exit 0 when usable "
+         "(kohya's debug_dataset: look at the data, do not train)", aliases=("debug_dataset",)),
     _opt("skip_bad_images", _to_bool, False,
          "leave out unusable images (listed in the log) instead of stopping with status 2"),
     _opt("enable_bucket", _to_bool, False, "aspect-ratio buckets"),
@@ -122,6 +123,8 @@ _DATASET = [
     _opt("vae_batch_size", _to_int, 1, "images per VAE batch when caching latents"),
     _opt("cache_text_encoder_outputs", _to_bool, False,
          "encode every caption once (only with a frozen text encoder and fixed captions)"),
+    _opt("text_encoder_batch_size", _to_int, None,
+         "captions per text-encoder batch when its outputs are cached (default 16)"),
     _opt("cache_text_encoder_outputs_to_disk", _to_bool, False,
          "kohya's: turns on cache_text_encoder_outputs; the outputs are kept in memory (encoded once at start), "
          "no cache file is written"),
@@ -279,6 +282,9 @@ _OUTPUT = [
          choices=("float", "fp16", "bf16")),
     _opt("save_every_n_steps", _to_int, None, "also save a LoRA snapshot (name-step00000500) every n steps"),
     _opt("save_every_n_epochs", _to_int, None, "also save a LoRA snapshot (name-000003) every n epochs"),
+    _opt("save_n_epoch_ratio", _to_int, None,
+         "kohya's: save a snapshot every floor(epochs / n) epochs (at least every epoch), about n in all; replaces "
+         "save_every_n_epochs"),
     _opt("save_last_n_steps", _to_int, None,
          "keep only the step snapshots of the last n steps (older ones are removed)"),
     _opt("save_last_n_epochs", _to_int, None, "keep only the last n epoch snapshots"),
@@ -323,6 +329,8 @@ _LOGGING = [
 _VALIDATION = [
     _opt("validation_split", _to_float, 0.0, "fraction of the training images held out for validation"),
     _opt("validation_seed", _to_int, None, "seed of the split and of the validation noise (default: seed)"),
+    _opt("max_validation_steps", _to_int, None,
+         "measure the validation loss on at most this many held-out images (default: all of them)"),
     _opt("validate_every_n_steps", _to_int, None, "validate every n optimizer steps"),
     _opt("validate_every_n_epochs", _to_int, None,
          "validate every n epochs (default: every epoch when neither interval is set)"),

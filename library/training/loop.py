@@ -79,6 +79,13 @@ def run(config: Config) -> RunResult:
         accelerator.end_training()
 
 
+
+def epochs_between_saves(config: Config, num_epochs: int) -> int | None:
+    """save_every_n_epochs, or with kohya's save_n_epoch_ratio n: every floor(epochs / n) epochs, at least 1."""
+    if config.save_n_epoch_ratio:
+        return max(1, num_epochs // config.save_n_epoch_ratio)
+    return config.save_every_n_epochs
+
 class Trainer:
     """The step loop over a built session, and the actions it takes between steps."""
 
@@ -255,7 +262,8 @@ class Trainer:
                 prune_steps(output_dir, config.output_name, state.global_step, config.save_last_n_steps, False)
                 prune_steps(output_dir, config.output_name, state.global_step, config.save_last_n_steps_state,
                             True)
-        if state.batch_in_epoch == 0 and config.save_every_n_epochs and state.epoch % config.save_every_n_epochs == 0:
+        every_n_epochs = epochs_between_saves(config, self.s.plan.num_epochs)
+        if state.batch_in_epoch == 0 and every_n_epochs and state.epoch % every_n_epochs == 0:
             self.save_snapshot(epoch_name(config.output_name, state.epoch), config.save_state)
             if main:
                 prune_epochs(output_dir, config.output_name, config.save_last_n_epochs, False)
@@ -287,7 +295,8 @@ class Trainer:
                 s.data.validation, s.data.collate_fn, self.validation_losses, self.config.validation_timesteps,
                 s.seed if self.config.validation_seed is None else self.config.validation_seed, accelerator.device,
                 accelerator.process_index, accelerator.num_processes,
-                lambda t: accelerator.reduce(t, reduction="sum") if accelerator.num_processes > 1 else t)
+                lambda t: accelerator.reduce(t, reduction="sum") if accelerator.num_processes > 1 else t,
+                limit=self.config.max_validation_steps)
         self.result.validation = losses
         self.validated_at = self.state.global_step
         self.trackers.log(validation_metrics(losses), step=self.state.global_step)

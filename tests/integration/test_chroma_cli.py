@@ -1,0 +1,109 @@
+"""Chroma through train_network.py as a user runs it: kohya's --model_type chroma options in a TOML, the file and its
+metadata, sample images, exact resume, the BFL files training like the folder, a refusal with exit code 2, and two
+gloo processes (DDP)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from library.network.kohya_format import load_kohya_lora
+from tests.integration.test_cli import run_cli, write
+from tests.integration.test_flux_cli import IMAGES, refused_in_process
+from tests.integration.test_multiprocess import copy_images, launch
+
+
+@pytest.fixture(scope="module")
+def chroma_toml(tiny_chroma_dir, sample_data_dir, tmp_path_factory) -> str:
+    data = tmp_path_factory.mktemp("chroma_data") / "1_sks shape"
+    data.mkdir()
+    for name in IMAGES:
+        for suffix in (".png", ".txt"):
+            shutil.copy(sample_data_dir / "10_sks shape" / f"{name}{suffix}", data / f"{name}{suffix}")
+    # kohya's Chroma recipe (model_type, the mask, guidance 0, sigmoid sampling, raw prediction) on the tiny model.
+    return (f'pretrained_model_name_or_path = "{tiny_chroma_dir}"\ntrain_data_dir = "{data.parent}"\n'
+            'resolution = 64\ncaption_extension = ".txt"\ntrain_batch_size = 2\nseed = 3\nlearning_rate = 1e-3\n'
+            'network_module = "networks.lora_flux"\nnetwork_dim = 4\nnetwork_alpha = 2\nmodel_type = "chroma"\n'
+            't5xxl_max_token_length = 16\napply_t5_attn_mask = true\nguidance_scale = 0.0\n'
+            'timestep_sampling = "sigmoid"\nmodel_prediction_type = "raw"\n')
+
+
+@pytest.fixture(scope="module")
+def reference(chroma_toml, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("chroma_reference")
+    prompts = write(out / "prompts.txt", "a photo of sks shape --n a red circle --l 4 --s 2 --w 64 --h 64 --d 1\n")
+    config = write(out / "lora.toml", chroma_toml + f'output_dir = "{out}"\nmax_train_steps = 4\n'
+                   f'save_every_n_steps = 2\nsave_state = true\nsample_prompts = "{prompts}"\n'
+                   'sample_every_n_steps = 4\n')
+    result = run_cli("--config", str(config))
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def test_trains_and_writes_kohyas_chroma_file(reference):
+    state_dict, metadata = load_kohya_lora(reference / "last.safetensors")
+    modules = {key.split(".")[0] for key in state_dict}
+    assert len(modules) == 10 and {"lora_unet_double_blocks_0_img_attn_qkv", "lora_unet_single_blocks_0_linear1"} \
+        <= modules  # kohya's 8 double + 2 single targets of Chroma's blocks
+    assert all(state_dict[f"{m}.lora_up.weight"].abs().sum() > 0 for m in modules)
+    assert metadata["ss_base_model_version"] == "chroma" and metadata["ss_model_type"] == "chroma"
+    assert metadata["modelspec.architecture"] == "chroma/lora"
+    assert metadata["ss_guidance_scale"] == "0.0" and metadata["ss_timestep_sampling"] == "sigmoid"
+    assert len(list((reference / "sample").glob("*.png"))) == 1
+
+
+def test_resumes_bit_exactly(reference, chroma_toml, tmp_path):
+    out = tmp_path / "resumed"
+    config = write(tmp_path / "lora.toml", chroma_toml + f'output_dir = "{out}"\nmax_train_steps = 4\n')
+    result = run_cli("--config", str(config), "--resume", str(reference / "last-step00000002-state"))
+    assert result.returncode == 0, result.stderr
+    expected, _ = load_kohya_lora(reference / "last.safetensors")
+    got, _ = load_kohya_lora(out / "last.safetensors")
+    assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_the_bfl_files_train_like_the_folder(reference, chroma_toml, tiny_chroma_dir, tmp_path):
+    from library.models.tiny_chroma import save_tiny_chroma_files
+
+    files = save_tiny_chroma_files(tiny_chroma_dir, tmp_path / "files")
+    out = tmp_path / "from_files"
+    body = chroma_toml.replace(f'pretrained_model_name_or_path = "{tiny_chroma_dir}"',
+                               f'pretrained_model_name_or_path = "{files["transformer"]}"\n'
+                               f'model_config = "{tiny_chroma_dir}"\nt5xxl = "{files["t5xxl"]}"\n'
+                               f'ae = "{files["ae"]}"')
+    assert body != chroma_toml
+    config = write(tmp_path / "lora.toml", body + f'output_dir = "{out}"\nmax_train_steps = 2\n')
+    result = run_cli("--config", str(config))
+    assert result.returncode == 0, result.stderr
+    expected, _ = load_kohya_lora(reference / "last-step00000002.safetensors")
+    got, _ = load_kohya_lora(out / "last.safetensors")
+    assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+@pytest.mark.usefixtures("fresh_accelerator_state")
+def test_flux_guidance_is_refused_naming_why(chroma_toml, tmp_path, capsys):
+    config = write(tmp_path / "lora.toml", chroma_toml.replace("guidance_scale = 0.0", "guidance_scale = 3.5")
+                   + f'output_dir = "{tmp_path}"\nmax_train_steps = 1\n')
+    refused_in_process(config, capsys, "guidance_scale 3.5", "not guidance-distilled")
+
+
+def test_two_gloo_processes_train_in_step(tiny_chroma_dir, sample_data_dir, tmp_path):
+    (tmp_path / "data").mkdir()
+    data = copy_images(sample_data_dir, tmp_path / "data", 8)
+    result = launch(2, ["--pretrained_model_name_or_path", str(tiny_chroma_dir), "--train_data_dir", str(data),
+                        "--output_dir", str(tmp_path / "ddp"), "--resolution", "64", "--caption_extension", ".txt",
+                        "--train_batch_size", "2", "--seed", "7", "--learning_rate", "3e-3", "--max_train_steps", "2",
+                        "--network_module", "networks.lora_flux", "--t5xxl_max_token_length", "16",
+                        "--apply_t5_attn_mask", "--guidance_scale", "0", "--timestep_sampling", "sigmoid"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    rank0, rank1 = (load_file(tmp_path / "ddp" / f"rank{r}.safetensors") for r in (0, 1))
+    # The ranks saw different images: equal weights after two steps mean the gradients were averaged.
+    assert rank0.keys() == rank1.keys() and all(torch.equal(rank0[k], rank1[k]) for k in rank0)
+    assert any(v.abs().max() > 0 for k, v in rank0.items() if "lora_up" in k)
+    losses = [json.loads((tmp_path / "ddp" / f"rank{r}.json").read_text())["losses"] for r in (0, 1)]
+    assert losses[0] == losses[1] and len(losses[0]) == 2
+    assert "lora_unet_double_blocks_0_img_attn_qkv.alpha" in load_file(tmp_path / "ddp" / "last.safetensors")
