@@ -94,3 +94,11 @@ def tiny_chroma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from library.models.tiny_chroma import save_tiny_chroma
 
     return save_tiny_chroma(tmp_path_factory.mktemp("tiny_chroma") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_z_image_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Z-Image-shaped diffusers pipeline folder (seed 0), written once per session. Read-only."""
+    from library.models.tiny_z_image import save_tiny_z_image
+
+    return save_tiny_z_image(tmp_path_factory.mktemp("tiny_z_image") / "model", seed=0)

@@ -80,6 +80,10 @@ _MODEL = [
     _opt("model_type", _to_str, None,
          "kohya's flux_train_network.py --model_type: flux or chroma; the family is read from the weights, and a "
          "model_type that disagrees with them is an error", choices=("flux", "chroma")),
+    # musubi-tuner's names (Z-Image, Qwen-Image from separate files)
+    _opt("text_encoder", _to_str, None,
+         "Z-Image from separate files: the Qwen3 text encoder .safetensors (ComfyUI's text_encoders/ file, or the "
+         "first of the official split files)", is_path=True, metavar="PATH"),
 ]
 _DATASET = [
     _opt("train_data_dir", _to_str, None,
@@ -135,8 +139,9 @@ _DATASET = [
 _NETWORK = [
     _opt("network_module", _to_str, "networks.lora",
          "networks.lora (kohya's targets and defaults), lycoris.kohya (LyCORIS' preset and conv defaults) or "
-         "networks.lora_flux (kohya's name for FLUX.1, the same here); all train through peft and write kohya's "
-         "file format", choices=("networks.lora", "lycoris.kohya", "networks.lora_flux")),
+         "networks.lora_flux (kohya's name for FLUX.1, the same here) or networks.lora_zimage (musubi-tuner's name "
+         "for Z-Image, the same here); all train through peft and write the family's file format",
+         choices=("networks.lora", "lycoris.kohya", "networks.lora_flux", "networks.lora_zimage")),
     _opt("network_dim", _to_int, 4, "LoRA rank"),
     _opt("network_alpha", _to_float, 1.0, "LoRA alpha; the update is scaled by alpha / dim"),
     _opt("network_dropout", _to_float, 0.0, "dropout probability on lora_down's output (kohya's)"),
@@ -255,10 +260,13 @@ _OBJECTIVE = [
     _opt("timestep_sampling", _to_str, "sigma",
          "FLUX: how sigmas are drawn: sigma (the discrete_flow_shift schedule, shaped by weighting_scheme), uniform, "
          "sigmoid (sigmoid of sigmoid_scale * normal), shift (sigmoid, then shifted by discrete_flow_shift), "
-         "flux_shift (sigmoid, then shifted by the image size as FLUX's sampler does)",
-         choices=("sigma", "uniform", "sigmoid", "shift", "flux_shift")),
+         "flux_shift (sigmoid, then shifted by the image size as FLUX's sampler does); Z-Image / Qwen-Image "
+         "(musubi-tuner's) also qwen_shift (Qwen-Image's image-size shift) and logsnr (logit_mean, logit_std)",
+         choices=("sigma", "uniform", "sigmoid", "shift", "flux_shift", "qwen_shift", "logsnr")),
     _opt("sigmoid_scale", _to_float, 1.0, "FLUX: scale of the normal draw in sigmoid / shift / flux_shift sampling"),
-    _opt("discrete_flow_shift", _to_float, 3.0, "FLUX: shift of the sigma schedule (sigma and shift sampling)"),
+    _opt("discrete_flow_shift", _to_float, 3.0,
+         "FLUX: shift of the sigma schedule (sigma and shift sampling); Z-Image / Qwen-Image: of shift sampling "
+         "only, default 1.0 there (musubi-tuner's)"),
     _opt("model_prediction_type", _to_str, "sigma_scaled",
          "FLUX: how the output is read: raw (velocity), additive (output + noisy input), sigma_scaled "
          "(noisy input - sigma * output, weighted by weighting_scheme)",

@@ -127,10 +127,11 @@ def _unreadable(error: Exception) -> str:
     return str(error)
 
 
-def trained_parts(config: Config) -> tuple[bool, bool]:
+def trained_parts(config: Config, family: Family) -> tuple[bool, bool]:
     """(train the UNet, train the text encoder). A LyCORIS preset without text-encoder layers trains the UNet
-    only, as LyCORIS does."""
-    train_text_encoder = not config.network_train_unet_only and network_args_of(config).trains_text_encoder
+    only, as LyCORIS does, and so does a family whose reference trainer never trains its text encoder."""
+    train_text_encoder = (not config.network_train_unet_only and network_args_of(config).trains_text_encoder
+                          and family.trains_text_encoders)
     return not config.network_train_text_encoder_only, train_text_encoder
 
 
@@ -139,7 +140,7 @@ def build_model(config: Config, components: Components, device: torch.device,
     """Freeze the base (already in its weight dtype), attach the LoRA (fp32, or the weight dtype with full_fp16 /
     full_bf16); return the model and optimizer groups."""
     spec = spec or NetworkSpec(config.network_dim, config.network_alpha)
-    train_unet, train_text_encoder = trained_parts(config)
+    train_unet, train_text_encoder = trained_parts(config, components.family)
     unet, text_encoders = components.denoiser, components.text_encoders
     for module in (unet, *text_encoders, components.vae):
         module.requires_grad_(False)
@@ -203,7 +204,7 @@ def compile_repeated_blocks(denoiser: torch.nn.Module, backend: str) -> None:
 
 def lora_modules(model: DiffusionModel, config: Config) -> dict[str, torch.nn.Module]:
     """kohya key prefix -> module, for the parts this run trains."""
-    return model.family.lora_prefixes(*trained_parts(config), model.denoiser, list(model.text_encoders))
+    return model.family.lora_prefixes(*trained_parts(config, model.family), model.denoiser, list(model.text_encoders))
 
 
 def load_adapter(config: Config, model: DiffusionModel, state_dict: dict[str, torch.Tensor], strict: bool,

@@ -136,7 +136,8 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
                                      [path for path in (config.clip_l, config.t5xxl) if path])):
         components = load_components(config.pretrained_model_name_or_path, config.v2, config.v_parameterization,
                                      weight_dtype, vae_dtype, config.model_config, config.allow_pickle_checkpoints,
-                                     clip_l=config.clip_l, t5xxl=config.t5xxl, ae=config.ae)
+                                     clip_l=config.clip_l, t5xxl=config.t5xxl, ae=config.ae,
+                                     text_encoder=config.text_encoder)
     family = components.family = components.family.configured(config)
     spec = network_spec(config, family)
     data.set_tokenizer(family.tokenizer(components, config.max_token_length))
@@ -149,7 +150,7 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     on_main_process(accelerator, lambda: check_free_space(
         output_dir, sum(p.numel() * p.element_size() for p in trainable),
         config.save_state or config.save_state_on_train_end or config.save_state_on_preemption))
-    train_text_encoder = trained_parts(config)[1]
+    train_text_encoder = trained_parts(config, family)[1]
     caching = plan_caching(config, data, train_text_encoder)
     cache_inputs(config, data, components, accelerator, vae_dtype, caching)
     release_encoders(components, model, caching, train_text_encoder, bool(prompts), accelerator.device,
@@ -273,7 +274,7 @@ def sample_prompts(config: Config) -> list[SamplePrompt]:
 def run_fingerprint(config: Config, spec: NetworkSpec, components: Components,
                     model: DiffusionModel) -> dict[str, Any]:
     """What a state must share with this run to be resumed: the adapter's shape and the base architecture."""
-    train_unet, train_text_encoder = trained_parts(config)
+    train_unet, train_text_encoder = trained_parts(config, components.family)
     return {
         "network_module": config.network_module, "network_dim": spec.dim, "network_alpha": spec.alpha,
         "network_args": list(config.network_args), "train_unet": train_unet,

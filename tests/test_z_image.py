@@ -1,0 +1,303 @@
+"""Z-Image: musubi-tuner's objective against its formulas, the denoiser call, the LoRA key layout written from
+musubi's rules, diffusers' loader reading our file, separate-file loading and sampling with ZImagePipeline."""
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+from library.config import UserError, parse_config
+from library.models import musubi_flow, z_image_lora
+from library.models.flow_matching import FlowOptions
+
+
+def config(*args: str):
+    return parse_config(["--pretrained_model_name_or_path", ".", "--train_data_dir", ".", "--output_dir", ".",
+                         *args])[0]
+
+
+# --- the objective, against musubi's get_noisy_model_input_and_timesteps ----------------------------------------
+
+def musubi_reference(mode: str, generator: torch.Generator, batch: int, h: int, w: int, shift: float,
+                     sigmoid_scale: float, logit_mean: float, logit_std: float) -> torch.Tensor:
+    """musubi's draw, written from trainer_base.py (t in [0, 1]; sigma mode through its scheduler's table)."""
+    def lin(x1, y1, x2, y2):
+        m = (y2 - y1) / (x2 - x1)
+        return lambda x: m * x + (y1 - m * x1)
+    if mode == "sigma":
+        u = torch.rand(size=(batch,), generator=generator)
+        indices = (u * (1000 - 0) + 0).long()
+        schedule = (torch.linspace(1, 0, 1000 + 1)[:-1] * 1000).to(torch.float32)  # FlowMatchDiscreteScheduler
+        return schedule[indices] / 1000
+    if mode == "uniform":
+        return torch.rand((batch,), generator=generator)
+    if mode == "sigmoid":
+        return torch.sigmoid(sigmoid_scale * torch.randn((batch,), generator=generator))
+    if mode == "logsnr":
+        logsnr = torch.normal(mean=logit_mean, std=logit_std, size=(batch,), generator=generator)
+        return torch.sigmoid(-logsnr / 2)
+    if mode != "shift":
+        x1, y1, x2, y2 = (256, 0.5, 4096, 1.15) if mode == "flux_shift" else (256, 0.5, 8192, 0.9)
+        shift = math.exp(lin(x1, y1, x2, y2)((h // 2) * (w // 2)))
+    t = (torch.randn((batch,), generator=generator) * sigmoid_scale).sigmoid()
+    return (t * shift) / (1 + (shift - 1) * t)
+
+
+@pytest.mark.parametrize("mode", musubi_flow.SAMPLINGS)
+def test_timestep_sampling_follows_musubis_formulas(mode):
+    options = FlowOptions(timestep_sampling=mode, discrete_flow_shift=2.0, sigmoid_scale=1.3, weighting_scheme="none",
+                          logit_mean=0.4, logit_std=1.7)
+    ours = musubi_flow.musubi_sigmas(options, 64, torch.Generator().manual_seed(5), (96, 64))
+    theirs = musubi_reference(mode, torch.Generator().manual_seed(5), 64, 96, 64, 2.0, 1.3, 0.4, 1.7)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    assert ours.min() >= 0 and ours.max() <= 1
+
+
+def test_min_max_timestep_scale_the_continuous_draw_as_musubi_does():
+    options = FlowOptions(timestep_sampling="uniform")
+    t = musubi_flow.musubi_sigmas(options, 32, torch.Generator().manual_seed(1), (8, 8), 200, 600)
+    reference = torch.rand(32, generator=torch.Generator().manual_seed(1)) * (0.6 - 0.2) + 0.2
+    torch.testing.assert_close(t, reference)
+
+
+def test_musubi_defaults_and_refusals():
+    objective = musubi_flow.MusubiFlowObjective.from_config(config())
+    assert objective.options.discrete_flow_shift == 1.0 and objective.options.timestep_sampling == "sigma"
+    assert musubi_flow.MusubiFlowObjective.from_config(
+        config("--discrete_flow_shift", "2.5")).options.discrete_flow_shift == 2.5
+    problems = musubi_flow.unsupported(config("--min_snr_gamma", "5", "--model_prediction_type", "raw",
+                                              "--max_timestep", "500"), "Z-Image")
+    assert any("min_snr_gamma" in p for p in problems) and any("model_prediction_type" in p for p in problems)
+    assert any("mirrored" in p for p in problems)  # min/max with sigma sampling
+    assert not musubi_flow.unsupported(config("--timestep_sampling", "shift", "--max_timestep", "500"), "Z-Image")
+
+
+@pytest.mark.parametrize("scheme", ["none", "cosmap", "sigma_sqrt"])
+def test_loss_is_musubis_weighted_mse_of_the_negated_output(scheme):
+    """musubi: mse(model_pred, latents - noise) * weighting(sigma); our prediction is the negated model output."""
+    g = torch.Generator().manual_seed(0)
+    latents, noise, model_pred = (torch.randn(3, 16, 4, 4, generator=g) for _ in range(3))
+    timesteps = torch.tensor([150.0, 500.0, 900.0])
+    objective = musubi_flow.MusubiFlowObjective(FlowOptions(weighting_scheme=scheme))
+    ours = objective.per_sample_loss(-model_pred, latents, noise, timesteps)
+    sigmas = (timesteps / 1000).view(-1, 1, 1, 1)
+    loss = torch.nn.functional.mse_loss(model_pred, latents - noise, reduction="none")
+    if scheme == "sigma_sqrt":
+        loss = loss * sigmas ** -2.0
+    elif scheme == "cosmap":
+        loss = loss * 2 / (math.pi * (1 - 2 * sigmas + 2 * sigmas ** 2))
+    torch.testing.assert_close(ours, loss.mean(dim=(1, 2, 3)))
+
+
+# --- the model --------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def components(tiny_z_image_dir):
+    from library.models.loading import load_components
+
+    return load_components(tiny_z_image_dir)
+
+
+def encode(components, captions):
+    family = components.family
+    tokenize = family.tokenizer(components, None)
+    tokens = [tokenize(c) for c in captions]
+    batch = {k: torch.stack([t[k] for t in tokens]) for k in tokens[0]}
+    with torch.no_grad():
+        return batch, family.encode_text(components.text_encoders, batch, None)
+
+
+def test_prompts_are_qwen3s_penultimate_states_through_the_chat_template(components):
+    from library.models.z_image import ZImage
+
+    assert isinstance(components.family, ZImage) and components.family.base_model_version == "z_image"
+    batch, encoded = encode(components, ["a photo of sks dog", "red"])
+    assert batch["input_ids"].shape == (2, 512)
+    text = components.tokenizers[0].decode(batch["input_ids"][0][batch["attention_mask"][0].bool()])
+    assert text == "<|im_start|>user\na photo of sks dog<|im_end|>\n<|im_start|>assistant\n"
+    with torch.no_grad():
+        hidden = components.text_encoders[0](input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                             output_hidden_states=True).hidden_states
+    torch.testing.assert_close(encoded["encoder_hidden_states"], hidden[-2])
+
+
+def test_denoise_is_musubis_call_negated(components):
+    """musubi's call_dit: t = (1000 - timesteps) / 1000, captions without padding, output = x0 - noise direction;
+    ours returns the velocity, its negation."""
+    _, encoded = encode(components, ["a photo of sks dog", "red"])
+    noisy = torch.randn(2, 16, 8, 8, generator=torch.Generator().manual_seed(0))
+    timesteps = torch.tensor([300.0, 800.0])
+    with torch.no_grad():
+        ours = components.family.denoise(components.denoiser, noisy, timesteps, encoded, {})
+        states, masks = encoded["encoder_hidden_states"], encoded["attention_mask"]
+        captions = [s[m.bool()] for s, m in zip(states, masks, strict=True)]
+        theirs = components.denoiser(list(noisy.unsqueeze(2)), (1000 - timesteps) / 1000, captions,
+                                     return_dict=False)[0]
+    torch.testing.assert_close(ours, -torch.stack(theirs).squeeze(2))
+    assert captions[1].shape[0] < captions[0].shape[0] < 512
+
+
+def test_configured_refuses_what_does_not_apply(components):
+    family = components.family
+    assert family.configured(config("--resolution", "64")) is family
+    with pytest.raises(UserError) as error:
+        family.configured(config("--clip_skip", "2", "--guidance_scale", "1.0", "--resolution", "72"))
+    text = str(error.value)
+    assert "clip_skip" in text and "guidance_scale" in text and "multiples of 16" in text
+    from library.models.flow_matching import unsupported
+
+    assert any("qwen_shift" in p for p in unsupported(config("--timestep_sampling", "qwen_shift")))
+
+
+# --- LoRA keys --------------------------------------------------------------------------------------------------
+
+def musubi_lora_names(transformer) -> set[str]:
+    """musubi's networks.lora create_modules with lora_zimage's targets and exclude pattern."""
+    exclude = re.compile(r".*(_modulation|_refiner).*")
+    names = set()
+    for name, module in transformer.named_modules():
+        if module.__class__.__name__ != "ZImageTransformerBlock":
+            continue
+        for child_name, child in module.named_modules():
+            original = (name + "." if name else "") + child_name
+            if child.__class__.__name__ == "Linear" and not exclude.fullmatch(original):
+                names.add(f"lora_unet.{original}".replace(".", "_"))
+    return names
+
+
+def random_lora(transformer, rank=4, alpha=2.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for name in z_image_lora.targets(transformer, _no_args()):
+        layer = transformer.get_submodule(name)
+        key = "lora_unet_" + name.replace(".", "_")
+        state[f"{key}.lora_down.weight"] = torch.randn(rank, layer.in_features, generator=g)
+        state[f"{key}.lora_up.weight"] = torch.randn(layer.out_features, rank, generator=g)
+        state[f"{key}.alpha"] = torch.tensor(alpha)
+    return state
+
+
+def _no_args():
+    from library.config.network_args import NetworkArgs
+
+    return NetworkArgs()
+
+
+def test_targets_are_musubis_and_the_file_has_diffusers_names(components):
+    ours = random_lora(components.denoiser)
+    assert {k.split(".")[0] for k in ours} == musubi_lora_names(components.denoiser)
+    assert len(musubi_lora_names(components.denoiser)) == 7 * len(components.denoiser.layers)
+    written = z_image_lora.to_file(ours)
+    # musubi's convert_lora --target other names: diffusion_model.<module>.lora_A / lora_B (alpha kept here)
+    assert "diffusion_model.layers.1.attention.to_out.0.lora_B.weight" in written
+    assert "diffusion_model.layers.0.feed_forward.w3.alpha" in written
+    assert z_image_lora.from_file(written).keys() == ours.keys()
+    assert all(torch.equal(z_image_lora.from_file(written)[k], ours[k]) for k in ours)
+    assert z_image_lora.from_file(ours).keys() == ours.keys()  # musubi's own file reads as it is
+
+
+def delta(state, name):
+    down, up = state[f"{name}.lora_down.weight"], state[f"{name}.lora_up.weight"]
+    return up @ down * float(state[f"{name}.alpha"]) / down.shape[0]
+
+
+def test_musubis_comfyui_conversion_reads_back_to_the_same_change(components):
+    """musubi's convert_z_image_lora_to_comfy: q, k, v fused (downs stacked, ups block-diagonal, alpha x 3) and
+    to_out.0 renamed attention_out."""
+    ours = random_lora(components.denoiser)
+    comfy = {}
+    for i in range(len(components.denoiser.layers)):
+        base = f"lora_unet_layers_{i}_attention_"
+        parts = [base + p for p in ("to_q", "to_k", "to_v")]
+        ups = [ours[f"{p}.lora_up.weight"] for p in parts]
+        comfy[base + "qkv.lora_down.weight"] = torch.cat([ours[f"{p}.lora_down.weight"] for p in parts])
+        comfy[base + "qkv.lora_up.weight"] = torch.block_diag(*ups)
+        comfy[base + "qkv.alpha"] = ours[f"{parts[0]}.alpha"] * 3
+        for role in ("lora_down.weight", "lora_up.weight", "alpha"):
+            comfy[f"{base}out.{role}"] = ours[f"{base}to_out_0.{role}"]
+        for j in (1, 2, 3):
+            name = f"lora_unet_layers_{i}_feed_forward_w{j}"
+            comfy.update({k: v for k, v in ours.items() if k.startswith(name + ".")})
+    read = z_image_lora.from_file(comfy)
+    assert read.keys() == ours.keys()
+    for name in {k.split(".")[0] for k in ours}:
+        torch.testing.assert_close(delta(read, name), delta(ours, name))
+
+
+def test_diffusers_load_lora_weights_consumes_every_key_with_the_same_change(tiny_z_image_dir, components):
+    """ZImagePipeline.load_lora_weights on our file: every module of the file becomes a LoRA layer whose weight
+    change equals ours (alpha / rank applied), to 1e-6."""
+    from diffusers import ZImagePipeline
+
+    from library.models.loading import load_components
+
+    fresh = load_components(tiny_z_image_dir)
+    ours = random_lora(components.denoiser)
+    pipe = ZImagePipeline(scheduler=fresh.noise_scheduler, vae=fresh.vae, text_encoder=fresh.text_encoders[0],
+                          tokenizer=fresh.tokenizers[0], transformer=fresh.denoiser)
+    pipe.load_lora_weights(z_image_lora.to_file(ours), adapter_name="ours")
+    loaded = {name: module for name, module in pipe.transformer.named_modules() if hasattr(module, "lora_A")}
+    expected = {k.split(".")[0] for k in ours}
+    assert {"lora_unet_" + name.replace(".", "_") for name in loaded} == expected
+    for name, module in loaded.items():
+        torch.testing.assert_close(module.get_delta_weight("ours"), delta(ours, "lora_unet_" + name.replace(".", "_")),
+                                   rtol=1e-5, atol=1e-6)
+
+
+# --- files and sampling -----------------------------------------------------------------------------------------
+
+def test_comfyui_split_files_load_as_the_folder(tiny_z_image_dir, components, tmp_path):
+    from library.models.loading import load_components
+    from library.models.tiny_z_image import save_tiny_z_image_files
+    from library.models.z_image_files import SHIPPED_CONFIG, load_qwen_tokenizer
+
+    files = save_tiny_z_image_files(tiny_z_image_dir, tmp_path)
+    assert {p.parent.name for p in files.values()} == {"diffusion_models", "text_encoders", "vae"}
+    with pytest.raises(UserError, match="text_encoder"):
+        load_components(files["transformer"], model_config=tiny_z_image_dir, ae=str(files["ae"]))
+    loaded = load_components(files["transformer"], model_config=tiny_z_image_dir,
+                             text_encoder=str(files["text_encoder"]), ae=str(files["ae"]))
+    for ours, reference in ((loaded.denoiser, components.denoiser), (loaded.vae, components.vae),
+                            (loaded.text_encoders[0], components.text_encoders[0])):
+        a, b = ours.state_dict(), reference.state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # The shipped tokenizer is Qwen's own vocabulary: the chat template's tokens get Qwen's ids.
+    qwen = load_qwen_tokenizer(SHIPPED_CONFIG / "tokenizer")
+    ids = qwen(qwen.apply_chat_template([{"role": "user", "content": "a cat"}], tokenize=False,
+                                        add_generation_prompt=True, enable_thinking=True)).input_ids
+    assert ids[:3] == [151644, 872, 198] and ids[-3:] == [151644, 77091, 198]  # <|im_start|> user \n ... assistant
+
+
+def test_sampling_is_z_image_pipelines_with_musubis_cfg(components, tmp_path):
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
+
+    from library.monitoring.sampling import SamplingModels, generate_image, load_prompts
+
+    family = components.family
+    tokenize = family.tokenizer(components, None)
+
+    def encode_text(text):
+        tokens = {k: v[None] for k, v in tokenize(text).items()}
+        return family.encode_text(components.text_encoders, tokens, None)
+
+    models = SamplingModels(components.denoiser, components.text_encoders, components.vae, components.tokenizers,
+                            components.noise_scheduler.config, family, None, encode_text)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a photo of sks dog --n red --s 2 --w 64 --h 64 --d 3\n"
+                       "a photo of sks dog --n red --l 1 --s 2 --w 64 --h 64 --d 3\n")
+    default_cfg, no_cfg = load_prompts(prompts)
+    with torch.no_grad():
+        ours = np.asarray(generate_image(default_cfg, models, seed=3))
+        plain = np.asarray(generate_image(no_cfg, models, seed=3))
+        pipe = ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(components.noise_scheduler.config),
+                              vae=components.vae, text_encoder=components.text_encoders[0],
+                              tokenizer=components.tokenizers[0], transformer=components.denoiser)
+        theirs = np.asarray(pipe(prompt="a photo of sks dog", negative_prompt="red", guidance_scale=4.0,
+                                 num_inference_steps=2, width=64, height=64,
+                                 generator=torch.Generator().manual_seed(3)).images[0])
+    assert ours.shape == (64, 64, 3)
+    assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 1  # uint8 rounding of the same decode
+    assert not np.array_equal(ours, plain)
