@@ -53,11 +53,11 @@ def evaluating(modules: Sequence[torch.nn.Module]) -> Iterator[None]:
 def validation_loss(dataset: torch.utils.data.Dataset, collate: Callable[[list[dict[str, Any]]], dict[str, Any]],
                     loss_fn: LossFn, timesteps: Sequence[int], seed: int, device: torch.device,
                     process_index: int, num_processes: int,
-                    reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, float]:
-    """Mean loss over the dataset at each timestep."""
+                    reduce_sum: Callable[[torch.Tensor], torch.Tensor], limit: int | None = None) -> dict[int, float]:
+    """Mean loss over the dataset (its first `limit` items, kohya's max_validation_steps) at each timestep."""
     t = torch.tensor(list(timesteps), dtype=torch.long, device=device)
     totals = torch.zeros(len(timesteps) + 1, dtype=torch.float64, device=device)
-    for index in range(process_index, len(dataset), num_processes):
+    for index in range(process_index, min(len(dataset), limit or len(dataset)), num_processes):
         batch = collate([dataset[(0, index)]])
         losses = loss_fn(batch, step_generator(seed, "validation", index), t)
         totals[:-1] += losses.detach().double()

@@ -81,7 +81,7 @@ def cache_inputs(config: Config, data: TrainingData, components: Components, acc
                                                     send_to_device(tokens, accelerator.device), config.clip_skip)
             return send_to_device(encoded, "cpu")
 
-        cache_text_encoder_outputs(data, encode)
+        cache_text_encoder_outputs(data, encode, batch_size=config.text_encoder_batch_size or 16)
 
 
 def release_encoders(components: Components, model: DiffusionModel, plan: CachePlan, train_text_encoder: bool,
