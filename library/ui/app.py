@@ -221,6 +221,11 @@ def create_app(settings: Settings) -> FastAPI:
         output_dir = roots.resolve(values.get("output_dir", "")) if values.get("output_dir") else None
         if output_dir is None and "output_dir" not in state.problems:
             state.problems["output_dir"] = ["output_dir is required to start a run here: the run's folder"]
+        elif output_dir is not None and output_dir.is_dir() and manager.status(output_dir).status in (
+                "queued", "running"):
+            state.problems.setdefault("output_dir", []).append(
+                f"output_dir: {values['output_dir']} is in use by a run that is queued or running; stop it or "
+                "choose another folder")
         if not state.ok:
             return form_page(request, state, "not started: fix the problems first", 400,
                              config_path=str(form.get("_config_path", "")))

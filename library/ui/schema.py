@@ -22,7 +22,7 @@ from library.data.dataset_config import dataset_toml_problems
 
 COMMAND_LINE_ONLY = ("config_file", "output_config")  # the UI passes --config itself
 # Options for one model family start their help with its name and a colon ("FLUX: ...", "FLUX dev: ...").
-_FAMILY_PREFIX = re.compile(r"((?:[A-Z][A-Z0-9.]+|Chroma|[A-Z][a-z]+-Image)\b)[\w .]*?: ")
+_FAMILY_PREFIX = re.compile(r"((?:[A-Z][A-Z0-9.]+|Chroma|[A-Z][a-z]*-Image)\b)[\w .]*?: ")
 _NOT_FAMILIES = {"CUDA", "CPU", "GPU", "DDP"}  # devices and launchers that help texts name the same way
 
 

@@ -50,6 +50,8 @@ def test_failing_and_killed_runs_and_a_ui_restart(tmp_path, monkeypatch):
     assert other.post("/runs/start", data={**QUICKSTART, "pretrained_model_name_or_path": str(broken_model),
                                            "output_dir": str(failing)}, headers=ORIGIN).status_code == 200
     assert first.get("/runs/status", params={"path": str(killed)}).json()["status"] == "running"
+    again = other.post("/runs/start", data={**QUICKSTART, "output_dir": str(killed)}, headers=ORIGIN)
+    assert again.status_code == 400 and "is in use by a run" in again.text
 
     # A run that fails at start: the UI's checks pass (the folder exists), the trainer cannot load it.
     status = wait_for(lambda: (s := other.get("/runs/status", params={"path": str(failing)}).json())["status"]

@@ -1,0 +1,149 @@
+"""The web UI in a real headless browser (Debian's chromium + chromedriver, driven by Selenium, offline): load the
+quickstart config, train 20 steps with a sample every 10, watch the loss chart and a sample appear, stop (a state
+is saved), resume, and see the run finish with its LoRA listed.
+
+Screenshots of the config editor and of the run go to $UI_SCREENSHOTS when set (the README's come from
+`UI_SCREENSHOTS=docs/images python -m pytest tests/ui/test_browser.py`), else to the test's temporary folder.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+INSTALL = ("apt-get install -y --no-install-recommends chromium chromium-driver, and pip install -r "
+           "requirements-dev.txt (selenium)")
+
+try:
+    import selenium  # noqa: F401
+except ImportError:
+    selenium = None
+
+
+pytestmark = pytest.mark.skipif(
+    selenium is None or CHROMIUM is None or CHROMEDRIVER is None,
+    reason=f"a real-browser test needs Debian's chromium and chromedriver and selenium: {INSTALL}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def ui(tmp_path):
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    log = open(tmp_path / "ui.log", "wb")  # noqa: SIM115
+    process = subprocess.Popen([sys.executable, "train_ui.py", "--port", str(port), "--root", str(REPO), "--root",
+                                str(tmp_path)], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert process.poll() is None, (tmp_path / "ui.log").read_text()
+            time.sleep(0.2)
+    yield f"http://127.0.0.1:{port}"
+    process.terminate()
+    process.wait(timeout=30)
+    log.close()
+
+
+@pytest.fixture
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    os.environ["SE_OFFLINE"] = "true"
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                     "--disable-background-networking", "--disable-component-update", "--no-first-run",
+                     "--window-size=1400,1000"):
+        options.add_argument(argument)
+    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    yield driver
+    driver.quit()
+
+
+def test_configure_train_watch_stop_resume_in_a_browser(ui, browser, tmp_path):
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    shots = Path(os.environ.get("UI_SCREENSHOTS", tmp_path))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a photo of sks --w 32 --h 32 --s 8 --d 1\n", encoding="utf-8")
+    run_dir = tmp_path / "run"
+    # Elements are replaced under the driver's feet (the form by HTMX, the run view by its events).
+    wait = WebDriverWait(browser, 120, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,))
+    started = time.monotonic()
+
+    def phase(name: str) -> None:
+        print(f"{time.monotonic() - started:6.1f} s  {name}")
+
+    def by_id(element_id: str):
+        return browser.find_element(By.ID, element_id)
+
+    def set_field(name: str, value: str) -> None:
+        field = by_id(f"opt-{name}")
+        browser.execute_script("arguments[0].closest('details').open = true; arguments[0].scrollIntoView()", field)
+        field.clear()
+        field.send_keys(value)
+
+    browser.get(ui)
+    by_id("config-path").send_keys("configs/quickstart.toml")
+    by_id("load-button").click()
+    wait.until(lambda d: "loaded configs/quickstart.toml" in by_id("form-message").text)
+    assert by_id("opt-network_dim").get_attribute("value") == "8"
+    set_field("max_train_steps", "20")
+    set_field("sample_every_n_steps", "10")
+    set_field("sample_prompts", str(prompts))
+    set_field("output_dir", str(run_dir))
+    by_id("check-button").click()
+    wait.until(lambda d: "no problems found" in by_id("form-message").text)
+    browser.execute_script("window.scrollTo(0, 0)")
+    browser.save_screenshot(str(shots / "ui_config.png"))
+
+    phase('config loaded and checked')
+    by_id("start-button").click()
+    wait.until(lambda d: "queued a run" in by_id("form-message").text)
+    phase('run queued')
+    browser.get(f"{ui}/runs/view?path={run_dir}")
+
+    def points() -> int:
+        return int(by_id("loss-chart").get_attribute("data-points"))
+
+    wait.until(lambda d: points() >= 2)
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#samples img"))
+    phase('loss points and a sample')
+    step = int(by_id("run-step").text)
+    assert 10 <= step < 20 and points() >= 10 and int(by_id("bins-chart").get_attribute("data-points")) >= 1
+    assert by_id("run-status").text == "running"
+    browser.save_screenshot(str(shots / "ui_run.png"))
+
+    by_id("stop-button").click()
+    wait.until(lambda d: by_id("run-status").text == "stopped")
+    wait.until(lambda d: "-state" in by_id("states").text)
+    assert "saved" in by_id("run-message").text
+
+    phase('stopped with a state')
+    wait.until(lambda d: by_id("resume-button").is_enabled())
+    by_id("resume-button").click()
+    wait.until(lambda d: by_id("run-status").text == "running")
+    wait.until(lambda d: by_id("run-status").text == "finished")
+    phase('finished')
+    assert by_id("run-step").text == "20"
+    wait.until(lambda d: "quickstart_lora.safetensors" in by_id("files").text)
+    assert (run_dir / "quickstart_lora.safetensors").is_file()
