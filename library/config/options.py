@@ -111,6 +111,12 @@ _DATASET = [
     _opt("bucket_no_upscale", _to_bool, False, "never enlarge an image to fit a bucket"),
     _opt("shuffle_caption", _to_bool, False, "shuffle the caption's tags each time it is used"),
     _opt("caption_separator", _to_str, ",", "separator between caption tags"),
+    _opt("secondary_separator", _to_str, None,
+         "kohya's: a separator that shuffling and tag dropout leave alone (it joins tags into one), replaced by "
+         "caption_separator afterwards"),
+    _opt("enable_wildcard", _to_bool, False,
+         "kohya's: {a|b|c} in a caption picks one each time it is used, and a caption file's lines are alternatives "
+         "({{ and }} are literal braces)"),
     _opt("keep_tokens", _to_int, 0, "leading tags kept in place when shuffling or dropping"),
     _opt("keep_tokens_separator", _to_str, "", "tags before this separator are kept in place"),
     _opt("caption_prefix", _to_str, None, "text put before every caption"),
