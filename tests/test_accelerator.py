@@ -9,7 +9,7 @@ import torch
 from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
 from library.config import UserError, parse_config
-from library.training.accelerator import accelerator_kwargs, allow_fp16_gradients
+from library.training.accelerator import accelerator_kwargs, allow_fp16_gradients, zero3_refusals
 
 
 def config_with(tmp_path, *extra: str):
@@ -142,3 +142,39 @@ def test_deepspeed_cpu_adam_replaces_only_a_plain_adamw(tmp_path):
                          "SGDNesterov", "--mixed_precision", "fp16", "--full_fp16")
     fp16 = accelerator_kwargs(config)["deepspeed_plugin"].deepspeed_config["fp16"]
     assert "fp16_master_weights_and_grads" not in fp16  # DeepSpeed allows it only with its CPU Adam
+
+
+def test_kohya_zero3_options_reach_the_deepspeed_config(tmp_path, monkeypatch):
+    for name in ("ACCELERATE_DEEPSPEED_ZERO3_INIT", "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
+                 "ACCELERATE_DEEPSPEED_ZERO_STAGE"):
+        monkeypatch.delenv(name, raising=False)
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    config = config_with(tmp_path, "--deepspeed", "--zero_stage", "3", "--zero3_save_16bit_model",
+                         "--zero3_init_flag", "--offload_optimizer_device", "nvme", "--offload_optimizer_nvme_path",
+                         str(nvme), "--offload_param_device", "nvme", "--offload_param_nvme_path", str(nvme))
+    plugin = accelerator_kwargs(config)["deepspeed_plugin"]
+    zero = plugin.deepspeed_config["zero_optimization"]
+    assert zero["stage"] == 3 and zero["stage3_gather_16bit_weights_on_model_save"] is True
+    assert zero["offload_optimizer"] == {"device": "nvme", "nvme_path": str(nvme)}
+    assert zero["offload_param"] == {"device": "nvme", "nvme_path": str(nvme)}
+    assert plugin.zero3_init_flag is True
+
+
+def test_nvme_offload_needs_its_folder_and_the_nvme_device(tmp_path):
+    with pytest.raises(UserError) as caught:
+        config_with(tmp_path, "--deepspeed", "--zero_stage", "3", "--offload_optimizer_device", "nvme",
+                    "--offload_param_nvme_path", str(tmp_path / "missing"))
+    message = str(caught.value)
+    assert "offload_optimizer_device = \"nvme\" needs offload_optimizer_nvme_path" in message
+    assert "offload_param_nvme_path is set but offload_param_device is None" in message
+    assert "missing is not a folder" in message
+
+
+def test_zero3_refuses_sampling_validation_and_ema_in_one_message(tmp_path):
+    config = config_with(tmp_path, "--deepspeed", "--zero_stage", "3", "--ema_decay", "0.99")
+    with pytest.raises(UserError) as caught:
+        zero3_refusals(config, sampling=True, validating=True)
+    assert [p.split(":")[0].split(" ")[0] for p in caught.value.problems] == ["sample_prompts", "validation",
+                                                                             "ema_decay"]
+    zero3_refusals(config_with(tmp_path, "--deepspeed", "--zero_stage", "3"), sampling=False, validating=False)

@@ -175,6 +175,7 @@ def check_values(v: dict[str, Any]) -> list[str]:
     need(v["max_token_length"] in (None, 75, 150, 225),
          f"max_token_length must be 75, 150 or 225 (got {v['max_token_length']})")
     need(v["zero_stage"] in (0, 1, 2, 3), f"zero_stage must be 0, 1, 2 or 3 (got {v['zero_stage']})")
+    problems += _check_deepspeed(v)
     need(v["ddp_timeout"] is None or v["ddp_timeout"] > 0, "ddp_timeout must be a positive number of minutes")
     for name in ("save_n_epoch_ratio", "max_validation_steps", "text_encoder_batch_size"):
         need(v[name] is None or v[name] >= 1, f"{name} must be at least 1 (got {v[name]})")
@@ -320,4 +321,21 @@ def _check_base_precision(v: dict[str, Any]) -> list[str]:
     if v["blocks_to_swap"] and v["cpu_offload_checkpointing"]:
         problems.append("blocks_to_swap and cpu_offload_checkpointing cannot be used together (kohya's rule); "
                         "keep one")
+    return problems
+
+
+
+def _check_deepspeed(v: dict[str, Any]) -> list[str]:
+    """NVMe offload needs its folder, and a folder needs the nvme device (kohya passes both to accelerate)."""
+    problems = []
+    for part in ("optimizer", "param"):
+        device, path = v[f"offload_{part}_device"], v[f"offload_{part}_nvme_path"]
+        if device == "nvme" and path is None:
+            problems.append(f"offload_{part}_device = \"nvme\" needs offload_{part}_nvme_path (a folder on the "
+                            "NVMe drive)")
+        if path is not None and device != "nvme":
+            problems.append(f"offload_{part}_nvme_path is set but offload_{part}_device is {device!r}; set "
+                            f"offload_{part}_device = \"nvme\" to use it")
+        if path is not None and not Path(path).is_dir():
+            problems.append(f"offload_{part}_nvme_path: {path} is not a folder")
     return problems

@@ -47,11 +47,10 @@ UNSUPPORTED_KOHYA_OPTIONS: tuple[str, ...] = (
     "fused_backward_pass",
     "huggingface_path_in_repo", "huggingface_repo_id", "huggingface_repo_type", "huggingface_repo_visibility",
     "huggingface_token", "in_json", "initial_epoch", "initial_step",
-    "offload_optimizer_nvme_path", "offload_param_nvme_path",
     "resume_from_huggingface",
     "save_state_to_huggingface",
     "skip_until_initial_step", "token_warmup_min",
     "token_warmup_step",
     "vae",
-    "weighted_captions", "zero3_init_flag", "zero3_save_16bit_model",
+    "weighted_captions",
 )

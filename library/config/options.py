@@ -375,6 +375,18 @@ _DISTRIBUTED = [
     _opt("zero_stage", _to_int, 2, "DeepSpeed ZeRO stage", metavar="{0,1,2,3}"),
     _opt("offload_optimizer_device", _to_str, None, "DeepSpeed optimizer offload", choices=("cpu", "nvme")),
     _opt("offload_param_device", _to_str, None, "DeepSpeed parameter offload", choices=("cpu", "nvme")),
+    _opt("offload_optimizer_nvme_path", _to_str, None,
+         "DeepSpeed: folder on an NVMe drive for the offloaded optimizer state (offload_optimizer_device nvme; "
+         "needs DeepSpeed's async_io op, libaio)", is_path=True, metavar="PATH"),
+    _opt("offload_param_nvme_path", _to_str, None,
+         "DeepSpeed ZeRO-3: folder on an NVMe drive for the offloaded parameters (offload_param_device nvme; "
+         "needs DeepSpeed's async_io op, libaio)", is_path=True, metavar="PATH"),
+    _opt("zero3_init_flag", _to_bool, False,
+         "DeepSpeed ZeRO-3: kohya's flag for building models sharded; here the base is always read whole in each "
+         "process and sharded when training starts (noted in the log)"),
+    _opt("zero3_save_16bit_model", _to_bool, False,
+         "DeepSpeed ZeRO-3: gather 16-bit weights when a whole model is saved; the LoRA file is always gathered "
+         "from every process"),
     _opt("fp16_master_weights_and_gradients", _to_bool, False,
          "DeepSpeed: fp16 master weights and gradients, optimizer states in fp32 (ZeRO-2 with "
          "offload_optimizer_device cpu, mixed_precision fp16)"),

@@ -1,11 +1,12 @@
 """Builds the Accelerator from the config: process group, DDP kwargs, torch.compile backend, DeepSpeed plugin."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.util
 import logging
 import os
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import torch
 from accelerate import Accelerator
@@ -77,7 +78,15 @@ def deepspeed_plugin(config: Config, world_size: int) -> DeepSpeedPlugin:
         gradient_clipping=config.max_grad_norm or None,
         offload_optimizer_device=offload_optimizer,
         offload_param_device=setting("offload_param_device", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"),
+        offload_optimizer_nvme_path=setting("offload_optimizer_nvme_path",
+                                            "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH"),
+        offload_param_nvme_path=setting("offload_param_nvme_path", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH"),
+        zero3_save_16bit_model=config.zero3_save_16bit_model if config.is_set("zero3_save_16bit_model") else None,
+        zero3_init_flag=config.zero3_init_flag if config.is_set("zero3_init_flag") else None,
     )
+    if zero_stage == 3 and plugin.zero3_init_flag:
+        logger.info("zero3_init_flag: the base is read whole in each process and sharded when training starts "
+                    "(diffusers' models cannot be built sharded, and caching needs the text encoders whole)")
     micro_batch = config.train_batch_size
     plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch
     plugin.deepspeed_config["train_batch_size"] = micro_batch * config.gradient_accumulation_steps * world_size
@@ -151,3 +160,98 @@ def allow_fp16_gradients(scaler: torch.amp.GradScaler) -> None:
         return unscale_grads(optimizer, inv_scale, found_inf, True)
 
     scaler._unscale_grads_ = unscale_allowing_fp16
+
+
+def realign_cpu_adam(optimizer: Any) -> None:
+    """After a resume: make DeepSpeed's CPU Adam continue exactly as the uninterrupted run.
+
+    Its C++ object keeps beta1**t and beta2**t, updated by one float multiplication per step; a fresh object (a
+    resumed process) starts them from pow(beta, t) instead, so the bias corrections and every later update differed
+    in the last bits (up to 5e-7 in a LoRA). Replaying the step count on throwaway one-element tensors rebuilds the
+    same running products. Other optimizers are left alone (torch's AdamW derives the correction from its step)."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    inner = optimizer
+    while not isinstance(inner, DeepSpeedCPUAdam):  # accelerate's wrapper, then DeepSpeed's ZeRO optimizer
+        inner = getattr(inner, "optimizer", None)
+        if inner is None:
+            return
+    steps = max((int(state["step"]) for state in inner.state.values() if "step" in state), default=0)
+    if steps == 0:
+        return
+    group = inner.param_groups[0]
+    beta1, beta2 = group["betas"]
+    param, grad, exp_avg, exp_avg_sq = (torch.zeros(1) for _ in range(4))
+    for step in range(1, steps + 1):
+        inner.ds_opt_adam.adam_update(inner.opt_id, step, group["lr"], beta1, beta2, group["eps"],
+                                      group["weight_decay"], group["bias_correction"], param, grad, exp_avg,
+                                      exp_avg_sq)
+
+
+
+
+def zero3(accelerator: Accelerator) -> bool:
+    """Whether DeepSpeed shards the parameters themselves (ZeRO-3): the base and the adapter live in pieces."""
+    plugin = accelerator.state.deepspeed_plugin if accelerator.distributed_type == DistributedType.DEEPSPEED else None
+    return plugin is not None and plugin.zero_stage == 3
+
+
+@contextlib.contextmanager
+def loading_whole(accelerator: Accelerator) -> Iterator[None]:
+    """Read the base whole in this process. Under ZeRO-3, accelerate registers its DeepSpeed config with
+    transformers, whose from_pretrained then builds the text encoders sharded, before caching could run them;
+    the engine shards everything the trained module holds when training starts."""
+    if not zero3(accelerator):
+        yield
+        return
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        accelerator.state.deepspeed_plugin.set_deepspeed_weakref()
+
+
+@contextlib.contextmanager
+def gathered(accelerator: Accelerator, params: Iterable[torch.nn.Parameter], modify: bool = False) -> Iterator[None]:
+    """Under ZeRO-3, the whole tensors of `params` on every process for the duration (with `modify`, what the
+    main process writes into them is kept and re-sharded). Every process must enter it; elsewhere a no-op."""
+    if not zero3(accelerator):
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(params), modifier_rank=0 if modify else None):
+        yield
+
+
+def zero3_refusals(config: Config, sampling: bool, validating: bool) -> None:
+    """What ZeRO-3 cannot do here, said before the model is sharded: sampling and validation run the sharded model
+    outside the engine on each process's own share of prompts or images, so the processes would wait on each
+    other's parameter gathers; the EMA would average shards."""
+    problems = []
+    if sampling:
+        problems.append("sample_prompts: sampling during training is not available with zero_stage 3 (the denoiser is "
+                        "sharded across processes); sample from the saved LoRA files, or use zero_stage 2")
+    if validating:
+        problems.append("validation (validation_split or a validation dataset) is not available with zero_stage 3; "
+                        "use zero_stage 2 or DDP to validate")
+    if config.ema_decay is not None:
+        problems.append("ema_decay is not available with zero_stage 3 (each process holds only a shard of the "
+                        "adapter); use zero_stage 2")
+    if problems:
+        raise UserError(problems)
+
+
+def parameter_storage(module: torch.nn.Module) -> dict[str, int]:
+    """Parameter elements this process stores: `shard` (under ZeRO-3, its piece of every tensor, `ds_tensor`),
+    `whole` (tensors present in full: all of them without ZeRO-3; under it, those DeepSpeed keeps whole on every
+    process, below stage3_param_persistence_threshold), and `model`, the module's parameter elements."""
+    shard = whole = model = 0
+    for param in module.parameters():
+        piece = getattr(param, "ds_tensor", None)
+        shard += piece.numel() if piece is not None else 0
+        whole += param.data.numel()
+        model += getattr(param, "ds_numel", param.numel())
+    return {"shard": shard, "whole": whole, "model": model}

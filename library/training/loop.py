@@ -22,7 +22,7 @@ from library.monitoring.sampling import SamplingModels, sample_images
 from library.monitoring.tracking import Trackers
 from library.monitoring.validation import evaluating, should_validate, validation_loss, validation_metrics
 from library.training import adapters as adapter_training
-from library.training.accelerator import prepare_accelerator
+from library.training.accelerator import gathered, loading_whole, prepare_accelerator
 from library.training.caching import on_device
 from library.training.faults import Interrupted, Preemption, agree, non_finite, non_finite_error, outcome, reported_save
 from library.training.model import DiffusionModel, batch_latents, diffusion_loss, lora_modules, save_lora
@@ -55,7 +55,8 @@ def run(config: Config) -> RunResult:
         lock = claim_output_dir(Path(config.output_dir), accelerator)
         if accelerator.is_main_process:
             trackers.open_events(Path(config.output_dir), config.output_name)
-        session = build_session(config, accelerator, started_at)
+        with loading_whole(accelerator):
+            session = build_session(config, accelerator, started_at)
         if accelerator.num_processes > 1:
             # Freeing DDP's reducer while gloo's worker thread still releases a finished all-reduce can deadlock
             # (the main thread holds the GIL waiting for the process group's mutex, the worker holds the mutex
@@ -271,14 +272,15 @@ class Trainer:
 
     def save_snapshot(self, name: str, with_state: bool) -> None:
         s = self.s
-        if self.accelerator.is_main_process:
-            path = s.output_dir / f"{name}.safetensors"
-            # A schedule-free optimizer's kept weights, not its training ones; or the EMA when asked.
-            saved_weights = s.ema.swapped() if s.ema and self.config.ema_for_saved_file else nullcontext()
-            with schedule_free_eval(s.optimizer), saved_weights, reported_save(path, s.output_dir):
-                save_lora(self.config, s.unwrapped, s.spec, path, s.metadata(), s.save_dtype)
-            logger.info("saved %s", path)
-            self.trackers.event("save", step=self.state.global_step, path=path.name)
+        with gathered(self.accelerator, s.trainable):  # ZeRO-3: every process takes part
+            if self.accelerator.is_main_process:
+                path = s.output_dir / f"{name}.safetensors"
+                # A schedule-free optimizer's kept weights, not its training ones; or the EMA when asked.
+                saved_weights = s.ema.swapped() if s.ema and self.config.ema_for_saved_file else nullcontext()
+                with schedule_free_eval(s.optimizer), saved_weights, reported_save(path, s.output_dir):
+                    save_lora(self.config, s.unwrapped, s.spec, path, s.metadata(), s.save_dtype)
+                logger.info("saved %s", path)
+                self.trackers.event("save", step=self.state.global_step, path=path.name)
         if with_state:
             self.state.metrics = s.metrics.state_dict()
             state_dir = s.output_dir / state_dir_name(name)

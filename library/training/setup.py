@@ -26,6 +26,7 @@ from library.monitoring.tracking import StepMetrics, TimestepLoss, lr_names
 from library.network import kohya_format, lora
 from library.network.metadata import lora_metadata, model_file_hashes
 from library.training import adapters as adapter_training
+from library.training.accelerator import gathered, realign_cpu_adam, zero3, zero3_refusals
 from library.training.caching import cache_inputs, plan_caching, release_encoders
 from library.training.model import (
     SAVE_DTYPES,
@@ -156,6 +157,8 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     release_encoders(components, model, caching, train_text_encoder, bool(prompts), accelerator.device,
                      validating=data.validation is not None)
     return_free_heap()  # the encoders' work and what of their weights was freed
+    if zero3(accelerator):
+        zero3_refusals(config, bool(prompts), data.validation is not None)
     dataloader = data.dataloader(config.max_data_loader_n_workers, config.persistent_data_loader_workers)
     optimizer = build_optimizer(config.optimizer_type, groups, config.learning_rate, config.optimizer_args,
                                 use_8bit_adam=config.use_8bit_adam, use_lion_optimizer=config.use_lion_optimizer)
@@ -193,11 +196,14 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
         read_adapter=lambda path: load_adapter(config, unwrapped, kohya_format.load_kohya_lora(path)[0], strict=True,
                                                source=str(path)),
         write_ema=adapter_training.ema_writer(ema) if ema else None,
-        read_ema=adapter_training.ema_reader(ema) if ema else None)
+        read_ema=adapter_training.ema_reader(ema) if ema else None,
+        gather=lambda modify: gathered(accelerator, trainable, modify))
     metrics = StepMetrics(TimestepLoss(config.min_timestep, config.max_timestep, config.loss_timestep_bins),
                           plan.steps_per_epoch)
     if resumed is not None:
         resume(resume_dir, resumed, state, checkpointer, metrics)
+        if accelerator.distributed_type == DistributedType.DEEPSPEED:
+            realign_cpu_adam(optimizer)
     return Session(config, accelerator, output_dir, seed, started_at, weight_dtype, vae_dtype, spec, prompts, data,
                    components, objective, model, unwrapped, trainable, lr_names(groups), optimizer, lr_scheduler,
                    dataloader, plan, state, metrics, ema, checkpointer)

@@ -5,6 +5,7 @@ leaves either the previous state or the new one, never a half-written dir that `
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -15,7 +16,7 @@ import shutil
 import zipfile
 from importlib import metadata as importlib_metadata
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import safetensors
 from accelerate import Accelerator
@@ -263,8 +264,11 @@ class Checkpointer:
 
     def __init__(self, accelerator: Accelerator, write_adapter: Callable[[Path], None],
                  read_adapter: Callable[[Path], None], write_ema: Callable[[Path], None] | None = None,
-                 read_ema: Callable[[Path], None] | None = None):
+                 read_ema: Callable[[Path], None] | None = None,
+                 gather: Callable[[bool], ContextManager[None]] | None = None):
         self.accelerator = accelerator
+        # ZeRO-3: the adapter's whole tensors on every process while they are written or read (True: keep writes)
+        self._gather = gather or (lambda modify: contextlib.nullcontext())
         self._write_adapter = write_adapter
         self._read_adapter = read_adapter
         self._write_ema = write_ema
@@ -276,16 +280,19 @@ class Checkpointer:
     def _save_hook(self, models: list, weights: list, output_dir: str) -> None:
         # accelerate would write the whole UNet and text encoder; the state keeps only the adapter.
         weights.clear()
+        with self._gather(False):
+            if self.accelerator.is_main_process:
+                self._write_adapter(Path(output_dir) / ADAPTER_FILE)
+                if self._write_ema is not None:
+                    self._write_ema(Path(output_dir) / EMA_FILE)
         if self.accelerator.is_main_process:
-            self._write_adapter(Path(output_dir) / ADAPTER_FILE)
-            if self._write_ema is not None:
-                self._write_ema(Path(output_dir) / EMA_FILE)
             assert self._pending is not None
             (Path(output_dir) / STATE_FILE).write_text(self._pending.to_json(), encoding="utf-8")
 
     def _load_hook(self, models: list, input_dir: str) -> None:
         models.clear()  # the base weights come from the model folder; only the adapter is in the state
-        self._read_adapter(Path(input_dir) / ADAPTER_FILE)
+        with self._gather(True):
+            self._read_adapter(Path(input_dir) / ADAPTER_FILE)
         if self._read_ema is not None:
             self._read_ema(Path(input_dir) / EMA_FILE)  # after the adapter: a state without EMA starts it there
 

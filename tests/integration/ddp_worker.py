@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 from library.config import parse_config
 from library.network import kohya_format
 from library.training import loop, model
+from library.training.accelerator import parameter_storage
 
 
 def main() -> None:
@@ -18,10 +19,13 @@ def main() -> None:
     result = loop.run(config)
     rank = int(os.environ.get("RANK", "0"))
     out = Path(config.output_dir)
-    modules = model.lora_modules(result.model, config)
-    save_file(kohya_format.kohya_state_dict(modules), str(out / f"rank{rank}.safetensors"))
+    storage = parameter_storage(result.model)
+    if storage["shard"] == 0:  # under ZeRO-3 this process holds shards: the trainer's own file is the whole LoRA
+        modules = model.lora_modules(result.model, config)
+        save_file(kohya_format.kohya_state_dict(modules), str(out / f"rank{rank}.safetensors"))
     (out / f"rank{rank}.json").write_text(json.dumps({"losses": result.losses, "steps": result.global_step,
-                                                              "validation": result.validation}))
+                                                      "validation": result.validation,
+                                                      "parameters": storage}))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # see train_network.py: skip interpreter teardown that can abort after gloo
