@@ -80,6 +80,13 @@ _MODEL = [
     _opt("model_type", _to_str, None,
          "kohya's flux_train_network.py --model_type: flux or chroma; the family is read from the weights, and a "
          "model_type that disagrees with them is an error", choices=("flux", "chroma")),
+    # SD3 / SD3.5 (kohya's sd3_train_network.py names and defaults)
+    _opt("apply_lg_attn_mask", _to_bool, False, "SD3: pass the padding mask into CLIP-L and CLIP-G"),
+    _opt("clip_l_dropout_rate", _to_float, 0.0, "SD3: kohya's per-caption dropout of CLIP-L's outputs"),
+    _opt("clip_g_dropout_rate", _to_float, 0.0, "SD3: kohya's per-caption dropout of CLIP-G's outputs"),
+    _opt("t5_dropout_rate", _to_float, 0.0, "SD3: kohya's per-caption dropout of T5's outputs"),
+    _opt("training_shift", _to_float, 1.0,
+         "SD3: shift of the timestep draw, u -> shift * u / (1 + (shift - 1) * u), after weighting_scheme"),
     # musubi-tuner's names (Z-Image, Qwen-Image from separate files)
     _opt("text_encoder", _to_str, None,
          "Z-Image from separate files: the Qwen3 text encoder .safetensors (ComfyUI's text_encoders/ file, or the "

@@ -15,6 +15,7 @@ from library.models.family import Components, Family
 from library.models.flux import is_flux_folder, load_flux_folder
 from library.models.flux_files import is_bfl_flux, load_flux_files
 from library.models.sd import SD1, SD2
+from library.models.sd3 import is_sd3_folder, load_sd3_folder
 from library.models.sdxl import SDXL
 from library.models.single_file import file_tokenizer, load_single_file
 from library.models.z_image import is_z_image_folder, load_z_image_folder
@@ -92,6 +93,8 @@ def load_components(model_path: str | Path, v2: bool = False, v_parameterization
             return load_z_image_folder(path, weight_dtype, vae_dtype)
         elif is_chroma_folder(path):
             return load_chroma_folder(path, weight_dtype, vae_dtype)
+        elif is_sd3_folder(path):
+            return load_sd3_folder(path, weight_dtype, vae_dtype)
         elif is_flux_folder(path):
             return load_flux_folder(path, weight_dtype, vae_dtype)
         else:

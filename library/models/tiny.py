@@ -4,7 +4,7 @@ Used by the quickstart, the tests and the benchmarks, so that nothing is ever fe
 The layout mirrors SD1.x (cross-attention transformer blocks with 1x1-conv proj_in/proj_out, an 8x VAE,
 a CLIP text model, SD's DDPM schedule) so key names and code paths match the real models; only widths shrink.
 
-    python -m library.models.tiny OUTPUT_DIR [--family sd1|sd2|sdxl|flux|chroma [--files]] [--seed N] [--overwrite]
+    python -m library.models.tiny OUTPUT_DIR [--family sd1|sd2|sdxl|flux|chroma|sd3 [--files]] [--seed N] [--overwrite]
                                              [--size tiny|small] [--prediction-type epsilon|v_prediction]
 """
 
@@ -262,6 +262,7 @@ ONE_SHAPE_FAMILIES: dict[str, tuple[str, str, str | None]] = {
     "sdxl": ("library.models.tiny", "save_tiny_sdxl", None),
     "flux": ("library.models.tiny_flux", "save_tiny_flux", "save_tiny_flux_files"),
     "chroma": ("library.models.tiny_chroma", "save_tiny_chroma", "save_tiny_chroma_files"),
+    "sd3": ("library.models.tiny_sd3", "save_tiny_sd3", None),
     "z_image": ("library.models.tiny_z_image", "save_tiny_z_image", "save_tiny_z_image_files"),
 }
 

@@ -1,0 +1,268 @@
+"""SD3 / SD3.5 (Medium, Large): CLIP-L's and CLIP-G's penultimate hidden states side by side, zero-padded to T5's
+width and followed by T5's, condition an MMDiT on 2x2-patched 16-channel latents, with the two CLIPs' projected
+pooled outputs. Trained as kohya's sd3_train_network.py trains it (library/sd3_train_utils.py): timesteps from the
+weighting scheme's density, shifted by training_shift, the model's output preconditioned to x0
+(noisy - sigma * output) against the latents, weighted by the scheme.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from library.config import UserError
+from library.models import sd3_lora
+from library.models.family import Components, Family, Tokenizer
+from library.models.flow_matching import (
+    NUM_TRAIN_TIMESTEPS,
+    FlowMatchingObjective,
+    density_sample,
+    loss_weighting,
+    sigmas_of,
+    unsupported,
+)
+from library.models.objective import per_sample_loss
+
+logger = logging.getLogger(__name__)
+
+FOLDERS = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2",
+           "tokenizer_3", "scheduler")
+TRANSFORMER_CLASS = "SD3Transformer2DModel"
+# kohya's SD3 trainer reads none of FLUX's sampling options: it draws by weighting_scheme and training_shift.
+FLUX_ONLY = {"timestep_sampling": "sigma", "sigmoid_scale": 1.0, "discrete_flow_shift": 3.0,
+             "model_prediction_type": "sigma_scaled"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SD3Objective(FlowMatchingObjective):
+    """kohya's SD3 objective (get_noisy_model_input_and_timesteps, get_noise_pred_and_target)."""
+    training_shift: float = 1.0
+    min_timestep: int = 0
+    max_timestep: int = NUM_TRAIN_TIMESTEPS
+
+    def sample_timesteps(self, batch_size: int, generator: torch.Generator, device: torch.device | str,
+                         latent_size: tuple[int, int] = (128, 128)) -> torch.Tensor:
+        """u from the weighting scheme's density, shifted, then integer timesteps in [min, max): sigma = t / 1000."""
+        o = self.options
+        u = density_sample(o.weighting_scheme, batch_size, generator, o.logit_mean, o.logit_std, o.mode_scale)
+        shift = self.training_shift
+        u = (u * shift) / (1 + (shift - 1) * u)
+        return (u * (self.max_timestep - self.min_timestep) + self.min_timestep).long().float().to(device)
+
+    def per_sample_loss(self, prediction: torch.Tensor, latents: torch.Tensor, noise: torch.Tensor,
+                        timesteps: torch.Tensor, mask: torch.Tensor | None = None,
+                        noisy: torch.Tensor | None = None) -> torch.Tensor:
+        """The output preconditioned to x0, `output * -sigma + noisy`, against the latents, weighted by
+        sigma_sqrt / cosmap (kohya's compute_loss_weighting_for_sd3)."""
+        if noisy is None:
+            noisy = self.noisy_latents(latents, noise, timesteps)
+        x0 = prediction.float() * -sigmas_of(timesteps, prediction) + noisy.float()
+        loss = per_sample_loss(x0, latents.float(), self.loss.loss_type, self.huber_c(timesteps), mask)
+        weighting = loss_weighting(self.options.weighting_scheme, timesteps.float() / NUM_TRAIN_TIMESTEPS)
+        return loss if weighting is None else loss * weighting.to(loss.device)
+
+
+@dataclasses.dataclass(frozen=True)
+class SD3(Family):
+    """SD3 / SD3.5; `last_block` is the transformer's context-pre-only block (its LoRA keys differ)."""
+    last_block: int = 23
+    large: bool = False
+    t5_max_length: int | None = None  # None: kohya's default, 256
+    apply_lg_attn_mask: bool = False
+    apply_t5_attn_mask: bool = False
+    train_t5xxl: bool = False
+
+    base_model_version = "sd3"
+    text_encoder_folders = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    tokenizer_folders = ("tokenizer", "tokenizer_2", "tokenizer_3")
+    lora_text_prefixes = ("lora_te1", "lora_te2", "lora_te3")  # CLIP-L, CLIP-G, T5 (kohya's lora_sd3)
+    default_sampling_scale = 5.0  # kohya's SD3 sample default CFG scale
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return "sd3-large" if self.large else "sd3-medium"
+
+    def configured(self, config: Any) -> SD3:
+        from library.config.network_args import network_args_of
+
+        for name, why in (("clip_skip", "kohya's SD3 trainer uses the CLIPs' penultimate layer"),
+                          ("max_token_length", "the CLIPs read 77 tokens; the T5 length is t5xxl_max_token_length"),
+                          ("guidance_scale", "SD3 has no guidance input"), ("model_type", "it is FLUX's option")):
+            if getattr(config, name) and not (name == "guidance_scale" and config.guidance_scale == 3.5):
+                logger.warning("%s has no effect for SD3, as in kohya's SD3 trainer: %s", name, why)
+        for name, default in FLUX_ONLY.items():
+            if getattr(config, name) != default:
+                logger.warning("%s has no effect for SD3, as in kohya's SD3 trainer: timesteps are drawn by "
+                               "weighting_scheme and training_shift, and the output is always preconditioned to x0",
+                               name)
+        problems = [f"{name} {getattr(config, name)}: per-encoder caption dropout is not implemented here yet "
+                    "(caption_dropout_rate drops whole captions)"
+                    for name in ("clip_l_dropout_rate", "clip_g_dropout_rate", "t5_dropout_rate")
+                    if getattr(config, name)]
+        if any(side % 16 for side in config.resolution):
+            problems.append(f"resolution {config.resolution}: SD3 needs sides that are multiples of 16")
+        if config.enable_bucket and config.bucket_reso_steps % 16:
+            problems.append(f"bucket_reso_steps {config.bucket_reso_steps}: SD3 needs a multiple of 16")
+        train_t5xxl = bool(network_args_of(config).train_t5xxl)
+        if train_t5xxl and config.network_train_unet_only:
+            problems.append("network_args train_t5xxl: T5 trains with the text encoders, and network_train_unet_only "
+                            "trains the transformer only; drop one")
+        if problems:
+            raise UserError(problems)
+        return dataclasses.replace(self, t5_max_length=config.t5xxl_max_token_length,
+                                   apply_lg_attn_mask=config.apply_lg_attn_mask,
+                                   apply_t5_attn_mask=config.apply_t5_attn_mask, train_t5xxl=train_t5xxl)
+
+    # --- prompts ----------------------------------------------------------------------------------------------
+    def tokenizer(self, components: Components, max_token_length: int | None) -> Tokenizer:
+        clip_l, clip_g, t5 = components.tokenizers
+        length = self.t5_max_length or 256
+
+        def tokens(caption: str) -> dict[str, torch.Tensor]:
+            out = {}
+            for key, tok in (("l", clip_l), ("g", clip_g)):
+                encoded = tok(caption, padding="max_length", max_length=77, truncation=True, return_tensors="pt")
+                out[f"{key}_input_ids"], out[f"{key}_attn_mask"] = encoded.input_ids[0], encoded.attention_mask[0]
+            t5_tokens = t5(caption, padding="max_length", max_length=length, truncation=True, return_tensors="pt")
+            out["t5_input_ids"], out["t5_attn_mask"] = t5_tokens.input_ids[0], t5_tokens.attention_mask[0]
+            return out
+        return tokens
+
+    def encode_text(self, text_encoders: Sequence[torch.nn.Module], tokens: Mapping[str, torch.Tensor],
+                    clip_skip: int | None) -> dict[str, torch.Tensor]:
+        """kohya's Sd3TextEncodingStrategy: each CLIP's penultimate hidden states and projected pooled output (the
+        attention mask passed in with apply_lg_attn_mask), T5's last hidden states (masked with
+        apply_t5_attn_mask); the CLIP states side by side, zero-padded to T5's width, then T5's, along the
+        sequence."""
+        clip_l, clip_g, t5 = text_encoders
+        outs, pooled = [], []
+        for key, model in (("l", clip_l), ("g", clip_g)):
+            mask = tokens[f"{key}_attn_mask"] if self.apply_lg_attn_mask else None
+            result = model(tokens[f"{key}_input_ids"], attention_mask=mask, output_hidden_states=True)
+            outs.append(result.hidden_states[-2])
+            pooled.append(result.text_embeds)
+        t5_mask = tokens["t5_attn_mask"] if self.apply_t5_attn_mask else None
+        t5_out = t5(tokens["t5_input_ids"], attention_mask=t5_mask, return_dict=True).last_hidden_state
+        lg = torch.cat(outs, dim=-1)
+        lg = torch.nn.functional.pad(lg, (0, t5_out.shape[-1] - lg.shape[-1]))
+        return {"encoder_hidden_states": torch.cat([lg, t5_out.to(lg.dtype)], dim=-2),
+                "pooled": torch.cat(pooled, dim=-1)}
+
+    # --- the denoiser ------------------------------------------------------------------------------------------
+    def denoise(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
+                text: Mapping[str, torch.Tensor], conditioning: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        _, _, height, width = noisy.shape
+        if height % 2 or width % 2:  # a dataset_config subset's own resolution can get past `configured`
+            raise UserError(f"SD3 needs image sides that are multiples of 16; got {8 * width}x{8 * height} pixels")
+        dtype = noisy.dtype
+        return denoiser(hidden_states=noisy, encoder_hidden_states=text["encoder_hidden_states"].to(dtype),
+                        pooled_projections=text["pooled"].to(dtype), timestep=timesteps.to(dtype),
+                        return_dict=False)[0]
+
+    def objective(self, components: Components, config: Any, device: torch.device) -> SD3Objective:
+        class WithoutTimestepRange:  # min/max_timestep are SD3's own (see SD3Objective), not ignored
+            def __getattr__(self, name: str) -> Any:
+                return {"min_timestep": 0, "max_timestep": NUM_TRAIN_TIMESTEPS}.get(name, getattr(config, name))
+
+        problems = unsupported(WithoutTimestepRange(), "SD3")
+        if problems:
+            raise UserError(problems)
+        base = FlowMatchingObjective.from_config(config)
+        return SD3Objective(base.options, base.noise, base.loss, training_shift=config.training_shift,
+                            min_timestep=config.min_timestep, max_timestep=config.max_timestep)
+
+    # --- LoRA files and metadata -------------------------------------------------------------------------------
+    def lora_text_encoders(self, text_encoders: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+        return list(text_encoders) if self.train_t5xxl else list(text_encoders[:2])  # T5 only when asked (kohya)
+
+    def denoiser_lora_targets(self, denoiser: torch.nn.Module, rank: int, alpha: float,
+                              net: Any) -> tuple[list[str], dict[str, tuple[int, float]]]:
+        try:
+            return sd3_lora.targets(denoiser, net), {}
+        except ValueError as e:
+            raise UserError(str(e)) from None
+
+    def export_lora_keys(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return sd3_lora.to_kohya(state_dict, self.last_block)
+
+    def import_lora_keys(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return sd3_lora.from_kohya(state_dict, self.last_block)
+
+    def metadata_flags(self, v_prediction: bool) -> dict[str, Any]:
+        """kohya's modelspec for SD3: stable-diffusion-3-<m|5-large>/lora, Stability's implementation."""
+        return {"base_model": "sd3", "architecture": f"stable-diffusion-3-{'5-large' if self.large else 'm'}/lora",
+                "implementation": "https://github.com/Stability-AI/generative-models"}
+
+    def metadata_fields(self, config: Any) -> dict[str, Any]:
+        return {"ss_apply_lg_attn_mask": config.apply_lg_attn_mask, "ss_apply_t5_attn_mask": config.apply_t5_attn_mask,
+                **{f"ss_{name}": getattr(config, name) for name in (
+                    "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "training_shift")}}
+
+    # --- sampling ----------------------------------------------------------------------------------------------
+    def pipeline(self, denoiser: Any, vae: Any, text_encoders: Sequence[Any], tokenizers: Sequence[Any],
+                 scheduler: Any) -> Any:
+        from diffusers import StableDiffusion3Pipeline
+
+        return StableDiffusion3Pipeline(
+            scheduler=scheduler, vae=vae, text_encoder=text_encoders[0], tokenizer=tokenizers[0],
+            text_encoder_2=text_encoders[1], tokenizer_2=tokenizers[1], text_encoder_3=text_encoders[2],
+            tokenizer_3=tokenizers[2], transformer=denoiser)
+
+    def sampling_scheduler(self, scheduler_config: Mapping[str, Any]) -> Any:
+        """Euler on the flow with the model's shift (kohya's SD3 sampler)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler.from_config(dict(scheduler_config))
+
+    def vae_latents(self, latents: torch.Tensor, vae_config: Any, width: int, height: int) -> torch.Tensor:
+        return latents / vae_config.scaling_factor + vae_config.shift_factor
+
+    def prompt_embeds(self, positive: Mapping[str, torch.Tensor],
+                      negative: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"prompt_embeds": positive["encoder_hidden_states"], "pooled_prompt_embeds": positive["pooled"],
+                "negative_prompt_embeds": negative["encoder_hidden_states"],
+                "negative_pooled_prompt_embeds": negative["pooled"]}
+
+
+def is_sd3_folder(path: Path) -> bool:
+    config = path / "transformer" / "config.json"
+    try:
+        return config.is_file() and json.loads(config.read_text()).get("_class_name") == TRANSFORMER_CLASS
+    except (OSError, ValueError):
+        return False
+
+
+def family_of(transformer: Any) -> SD3:
+    """Large (38 blocks) or Medium, as kohya's modelspec names them, and the context-pre-only block."""
+    layers = transformer.config.num_layers
+    return SD3(last_block=layers - 1, large=layers >= 38)
+
+
+def load_sd3_folder(path: Path, weight_dtype: torch.dtype, vae_dtype: torch.dtype) -> Components:
+    """A diffusers SD3 / SD3.5 folder (StableDiffusion3Pipeline layout, all three text encoders), offline."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from transformers import AutoTokenizer, CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel
+
+    missing = [name for name in FOLDERS if not (path / name).is_dir()]
+    if missing:
+        raise UserError(f"{path}: not an SD3 diffusers folder with its three text encoders; missing "
+                        f"{', '.join(missing)}/")
+    local = {"local_files_only": True}
+    try:
+        transformer = SD3Transformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=weight_dtype,
+                                                            **local)
+        vae = AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=vae_dtype, **local)
+        encoders = [CLIPTextModelWithProjection.from_pretrained(path, subfolder=f, dtype=weight_dtype, **local)
+                    for f in ("text_encoder", "text_encoder_2")]
+        encoders.append(T5EncoderModel.from_pretrained(path, subfolder="text_encoder_3", dtype=weight_dtype, **local))
+        tokenizers = [CLIPTokenizer.from_pretrained(path, subfolder=f, **local) for f in ("tokenizer", "tokenizer_2")]
+        tokenizers.append(AutoTokenizer.from_pretrained(path, subfolder="tokenizer_3", **local))
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler", **local)
+    except (OSError, ValueError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: cannot load the SD3 model: {e}") from None
+    return Components(denoiser=transformer, vae=vae, text_encoders=encoders, tokenizers=tokenizers,
+                      noise_scheduler=scheduler, v_prediction=False, family=family_of(transformer))

@@ -1,0 +1,78 @@
+"""A tiny SD3.5-Medium-shaped model built from configs, for tests and tries (nothing fetched from a hub).
+
+The module layout is SD3's MMDiT (joint blocks with q/k RMS norms, the last one context-pre-only, a dual-attention
+first block as in SD3.5 Medium), CLIP-L and CLIP-G with projections, T5, a 16-channel VAE with SD3's scaling and
+shift factors and the flow-matching scheduler with shift 3; only widths shrink.
+
+    python -m library.models.tiny OUTPUT_DIR --family sd3 [--seed N] [--overwrite]
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from library.models.tiny_flux import build_t5_tokenizer
+from library.models.tiny_parts import MODEL_MAX_LENGTH, _check_target, _seeded, _write_pipeline, build_tiny_tokenizer
+
+logger = logging.getLogger(__name__)
+
+CLIP_WIDTH, T5_WIDTH = 16, 32  # CLIP-L + CLIP-G hidden states (16 + 16) fill T5's width, as 768 + 1280 <= 4096
+VAE_SCALING_FACTOR, VAE_SHIFT_FACTOR = 1.5305, 0.0609  # SD3's VAE constants (diffusers' vae/config.json)
+
+
+def build_tiny_sd3(seed: int = 0) -> dict[str, Any]:
+    """The components of a tiny StableDiffusion3Pipeline. Weights depend only on the seed; the caller's global RNG
+    state is left untouched."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    tokenizer, tokenizer_2, tokenizer_3 = build_tiny_tokenizer(), build_tiny_tokenizer("!"), build_t5_tokenizer()
+
+    def clip(tok: Any, act: str) -> Any:
+        return CLIPTextModelWithProjection(CLIPTextConfig(
+            vocab_size=len(tok), hidden_size=CLIP_WIDTH, intermediate_size=4 * CLIP_WIDTH, projection_dim=CLIP_WIDTH,
+            num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=MODEL_MAX_LENGTH, hidden_act=act,
+            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+
+    with torch.random.fork_rng(devices=[]):
+        _seeded(seed, 41)
+        transformer = SD3Transformer2DModel(
+            sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=8,
+            num_attention_heads=4, joint_attention_dim=T5_WIDTH, caption_projection_dim=32,
+            pooled_projection_dim=2 * CLIP_WIDTH, pos_embed_max_size=32, dual_attention_layers=(0,),
+            qk_norm="rms_norm")
+        _seeded(seed, 42)
+        vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+                            up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(32, 32, 32, 32),
+                            layers_per_block=1, latent_channels=16, norm_num_groups=32, sample_size=64,
+                            scaling_factor=VAE_SCALING_FACTOR, shift_factor=VAE_SHIFT_FACTOR,
+                            use_quant_conv=False, use_post_quant_conv=False)
+        _seeded(seed, 43)
+        clip_l = clip(tokenizer, "quick_gelu")
+        _seeded(seed, 44)
+        clip_g = clip(tokenizer_2, "gelu")
+        _seeded(seed, 45)
+        t5 = T5EncoderModel(T5Config(vocab_size=len(tokenizer_3), d_model=T5_WIDTH, d_kv=8, d_ff=64, num_layers=2,
+                                     num_heads=4, feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1,
+                                     decoder_start_token_id=0))
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)  # SD3 / SD3.5's config
+    for model in (transformer, vae, clip_l, clip_g, t5):
+        model.eval()
+    return {"transformer": transformer, "vae": vae, "text_encoder": clip_l, "text_encoder_2": clip_g,
+            "text_encoder_3": t5, "tokenizer": tokenizer, "tokenizer_2": tokenizer_2, "tokenizer_3": tokenizer_3,
+            "scheduler": scheduler}
+
+
+def save_tiny_sd3(path: str | os.PathLike[str], seed: int = 0, overwrite: bool = False) -> Path:
+    """Write a tiny StableDiffusion3Pipeline folder at `path` (atomically) and return it."""
+    from diffusers import StableDiffusion3Pipeline
+
+    target = Path(path).absolute()
+    _check_target(target, overwrite)
+    _write_pipeline(StableDiffusion3Pipeline(**build_tiny_sd3(seed)), target, ("tokenizer", "tokenizer_2"))
+    logger.info("wrote tiny SD3 model (seed=%d) to %s", seed, target)
+    return target
