@@ -76,3 +76,44 @@ def test_debug_dataset_looks_at_the_data_and_does_not_train(tiny_sd1_dir, small_
     status = train_network.main(base_args(tiny_sd1_dir, small_dataset(tmp_path / "d"), out, "--debug_dataset"))
     assert status == 0 and "result: usable" in capsys.readouterr().out
     assert not out.exists()
+
+
+def test_secondary_separator_joins_tags_that_shuffling_keeps_together():
+    import random
+
+    from library.data.captions import process_caption
+    from library.data.dataset_config import SubsetSpec
+
+    subset = SubsetSpec(image_dir=".", shuffle_caption=True, secondary_separator=";;;")
+    seen = {process_caption("a;;;b, c, d", subset, 0, random.Random(seed)) for seed in range(20)}
+    # "a;;;b" moves as one tag, then its separator becomes the caption separator (kohya's order)
+    assert all("a,b" in caption for caption in seen) and len(seen) > 1
+    assert process_caption("a;;;b, c", SubsetSpec(image_dir=".", secondary_separator=";;;"), 0,
+                           random.Random(0)) == "a,b, c"
+
+
+def test_enable_wildcard_picks_alternatives_and_lines(tmp_path, paths_for_wildcards):
+    import random
+
+    from library.data.captions import process_caption, read_caption
+    from library.data.dataset import resolve_datasets
+
+    image = tmp_path / "1_x" / "a.png"
+    image.parent.mkdir()
+    image.with_suffix(".txt").write_text("a {red|blue} {{cube}}\nsecond line\n", encoding="utf-8")
+    assert read_caption(image, ".txt").text == "a {red|blue} {{cube}}"  # without wildcards: the first line
+    text = read_caption(image, ".txt", all_lines=True).text
+    config, _ = parse_config(paths_for_wildcards(tmp_path) + ["--enable_wildcard"])
+    [spec] = resolve_datasets(config)
+    subset = spec.subsets[0]
+    assert subset.enable_wildcard and subset.caption_ops  # varies each time: a text-encoder cache cannot follow
+    seen = {process_caption(text, subset, 0, random.Random(seed)) for seed in range(40)}
+    assert seen == {"a red {cube}", "a blue {cube}", "second line"}
+
+
+@pytest.fixture
+def paths_for_wildcards(tiny_sd1_dir):
+    def args(tmp_path):
+        return ["--pretrained_model_name_or_path", str(tiny_sd1_dir), "--train_data_dir", str(tmp_path),
+                "--output_dir", str(tmp_path / "out")]
+    return args

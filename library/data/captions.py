@@ -3,6 +3,7 @@ and whole-caption dropout."""
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 from typing import NamedTuple
 
@@ -15,8 +16,9 @@ class CaptionRead(NamedTuple):
     problem: str | None
 
 
-def read_caption(image_path: Path, caption_extension: str) -> CaptionRead:
-    """The caption beside an image (`caption_extension`, then `.txt`): its first non-blank line."""
+def read_caption(image_path: Path, caption_extension: str, all_lines: bool = False) -> CaptionRead:
+    """The caption beside an image (`caption_extension`, then `.txt`): its first non-blank line, or with
+    `all_lines` (kohya's enable_wildcard, where each line is an alternative) every non-blank line."""
     for extension in dict.fromkeys((caption_extension, ".txt")):
         candidate = image_path.with_name(image_path.stem + extension)
         if not candidate.is_file():
@@ -30,15 +32,34 @@ def read_caption(image_path: Path, caption_extension: str) -> CaptionRead:
         if not lines:
             return CaptionRead(None, candidate, f"{candidate}: caption file is empty; write a caption or delete "
                                                 "the file to train with the folder's class tokens")
-        return CaptionRead(lines[0], candidate, None)
+        return CaptionRead("\n".join(lines) if all_lines else lines[0], candidate, None)
     return CaptionRead(None, None, None)
 
 
 def process_caption(caption: str, subset: SubsetSpec, epoch: int, rng: random.Random) -> str:
-    """kohya's process_caption: prefix/suffix, whole-caption dropout, kept tokens, shuffle, tag dropout.
+    """kohya's process_caption: prefix/suffix, whole-caption dropout, wildcards, kept tokens, shuffle, tag dropout,
+    then the secondary separator.
 
     `epoch` counts from 0; caption_dropout_every_n_epochs drops in epochs n, 2n, ... counted from 1, as kohya does.
     """
+    caption = _process_caption(caption, subset, epoch, rng)
+    if subset.secondary_separator and caption:
+        caption = caption.replace(subset.secondary_separator, subset.caption_separator)
+    return caption
+
+
+def expand_wildcards(caption: str, rng: random.Random) -> str:
+    """kohya's enable_wildcard: one of a multi-line caption's lines, and one choice of each {a|b|c}; {{ and }}
+    stand for literal braces."""
+    if "\n" in caption:
+        caption = rng.choice(caption.split("\n"))
+    opening, closing = "\x00", "\x01"  # stand-ins for {{ and }}: control characters no caption holds
+    caption = caption.replace("{{", opening).replace("}}", closing)
+    caption = re.sub(r"\{([^}]+)\}", lambda match: rng.choice(match.group(1).split("|")), caption)
+    return caption.replace(opening, "{").replace(closing, "}")
+
+
+def _process_caption(caption: str, subset: SubsetSpec, epoch: int, rng: random.Random) -> str:
     if subset.caption_prefix:
         caption = subset.caption_prefix + " " + caption
     if subset.caption_suffix:
@@ -47,6 +68,7 @@ def process_caption(caption: str, subset: SubsetSpec, epoch: int, rng: random.Ra
     every = subset.caption_dropout_every_n_epochs
     if dropped or (every > 0 and (epoch + 1) % every == 0):
         return ""
+    caption = expand_wildcards(caption, rng) if subset.enable_wildcard else caption.split("\n")[0]
     separator, keep_separator = subset.caption_separator, subset.keep_tokens_separator
     has_keep_separator = bool(keep_separator) and keep_separator in caption
     if not (subset.shuffle_caption or subset.caption_tag_dropout_rate > 0 or has_keep_separator):

@@ -42,11 +42,13 @@ class SubsetSpec:
     random_crop: bool = False
     alpha_mask: bool = False  # the images' alpha channel weights the loss
     conditioning_data_dir: Path | None = None  # masked_loss: a mask image per image, under the same file name
+    secondary_separator: str | None = None  # kohya's: becomes caption_separator after shuffling and dropping
+    enable_wildcard: bool = False  # kohya's: {a|b|c} picks one each time; a caption file's lines are alternatives
 
     @property
     def caption_ops(self) -> bool:
         """Whether the caption changes from one use to the next in ways a text-encoder cache cannot follow."""
-        return self.shuffle_caption or self.caption_tag_dropout_rate > 0
+        return self.shuffle_caption or self.caption_tag_dropout_rate > 0 or self.enable_wildcard
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,7 @@ SUBSET_KEYS: dict[str, Callable[[Any], Any]] = {
     "caption_separator": _str, "keep_tokens": _int, "keep_tokens_separator": _str, "caption_prefix": _str,
     "caption_suffix": _str, "caption_dropout_rate": _float, "caption_dropout_every_n_epochs": _int,
     "caption_tag_dropout_rate": _float, "flip_aug": _bool, "random_crop": _bool, "alpha_mask": _bool,
+    "secondary_separator": _str, "enable_wildcard": _bool,
 }
 SUBSET_ONLY_KEYS: dict[str, Callable[[Any], Any]] = {"image_dir": _str, "is_reg": _bool,
                                                      "conditioning_data_dir": _str}

@@ -93,7 +93,7 @@ def _check_image(path: Path, subset: SubsetSpec,
         facts = inspect_image(path)
     except ImageProblem as e:
         problems.append(f"{path}: {e}")
-    caption = read_caption(path, subset.caption_extension)
+    caption = read_caption(path, subset.caption_extension, all_lines=subset.enable_wildcard)
     if caption.problem:
         problems.append(caption.problem)
     elif caption.text is None and subset.class_tokens is None:
