@@ -57,7 +57,8 @@ def test_failing_and_killed_runs_and_a_ui_restart(tmp_path, monkeypatch):
     status = wait_for(lambda: (s := other.get("/runs/status", params={"path": str(failing)}).json())["status"]
                       != "running" and s)
     assert status["status"] == "failed", status
-    assert status["log_tail"] and any("empty_model" in line for line in status["log_tail"]), status
+    log = (failing / "train.log").read_text(errors="replace")
+    assert any("empty_model" in line for line in status["log_tail"]), (status, log)
     assert status["message"]
 
     # The UI restarts while the run trains: a fresh app (no memory of the process) finds it running.
