@@ -257,6 +257,8 @@ def test_comfyui_split_files_load_as_the_folder(tiny_z_image_dir, components, tm
     assert {p.parent.name for p in files.values()} == {"diffusion_models", "text_encoders", "vae"}
     with pytest.raises(UserError, match="text_encoder"):
         load_components(files["transformer"], model_config=tiny_z_image_dir, ae=str(files["ae"]))
+    with pytest.raises(UserError, match="only for a Z-Image transformer file"):
+        load_components(tiny_z_image_dir, text_encoder=str(files["text_encoder"]))
     loaded = load_components(files["transformer"], model_config=tiny_z_image_dir,
                              text_encoder=str(files["text_encoder"]), ae=str(files["ae"]))
     for ours, reference in ((loaded.denoiser, components.denoiser), (loaded.vae, components.vae),
@@ -301,3 +303,47 @@ def test_sampling_is_z_image_pipelines_with_musubis_cfg(components, tmp_path):
     assert ours.shape == (64, 64, 3)
     assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 1  # uint8 rounding of the same decode
     assert not np.array_equal(ours, plain)
+
+
+def test_comfyui_applies_the_file_to_its_fused_layout_as_we_trained_it(components):
+    """ComfyUI's rules (comfy/lora.py model_lora_keys_unet for Lumina2 / Z-Image, with comfy.utils
+    z_image_to_diffusers): `diffusion_model.<diffusers module>` names its weight, q / k / v a slice of the fused
+    attention.qkv at offsets 0, dim, 2 * dim; it reads `.lora_A.weight`, `.lora_B.weight`, `.alpha` and adds
+    alpha / rank * B @ A. Applied to ComfyUI's layout of the base, every key of our file is used and the result is
+    ComfyUI's layout of the base with our LoRA merged."""
+    from library.models.z_image_files import comfy_state_dict
+
+    transformer = components.denoiser
+    dim = transformer.config.dim
+    key_map = {}
+    for i in range(len(transformer.layers)):
+        d, c = f"layers.{i}.attention.", f"layers.{i}.attention."
+        for j, part in enumerate(("to_q", "to_k", "to_v")):
+            key_map[f"diffusion_model.{d}{part}"] = (f"{c}qkv.weight", (j * dim, dim))
+        key_map[f"diffusion_model.{d}to_out.0"] = (f"{c}out.weight", None)
+        for w in ("w1", "w2", "w3"):
+            key_map[f"diffusion_model.layers.{i}.feed_forward.{w}"] = (f"layers.{i}.feed_forward.{w}.weight", None)
+    ours = random_lora(transformer)
+    written = z_image_lora.to_file(ours)
+    patched = {k: v.clone() for k, v in comfy_state_dict(transformer).items()}
+    used = set()
+    for x, (target, offset) in key_map.items():
+        if f"{x}.lora_B.weight" not in written:
+            continue
+        up, down = written[f"{x}.lora_B.weight"], written[f"{x}.lora_A.weight"]
+        alpha = written[f"{x}.alpha"].item()
+        used |= {f"{x}.lora_B.weight", f"{x}.lora_A.weight", f"{x}.alpha"}
+        weight = patched[target] if offset is None else patched[target].narrow(0, *offset)
+        weight += (up @ down) * (alpha / down.shape[0])
+    assert used == set(written)
+    merged = {name: module.weight.detach() + delta(ours, "lora_unet_" + name.replace(".", "_"))
+              for name, module in transformer.named_modules() if "lora_unet_" + name.replace(".", "_") + ".alpha"
+              in ours}
+    base = {k: v.detach().clone() for k, v in transformer.state_dict().items()}
+    base.update({f"{name}.weight": weight for name, weight in merged.items()})
+    transformer_copy = type(transformer).from_config(transformer.config)
+    transformer_copy.load_state_dict(base)
+    expected = comfy_state_dict(transformer_copy)
+    assert expected.keys() == patched.keys()
+    for key in expected:
+        torch.testing.assert_close(patched[key], expected[key], rtol=1e-5, atol=1e-6)

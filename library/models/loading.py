@@ -82,6 +82,9 @@ def load_components(model_path: str | Path, v2: bool = False, v_parameterization
             return load_chroma_files(path, t5xxl, ae, config, weight_dtype, vae_dtype)
         if path.is_file() and is_z_image_file(path):
             return load_z_image_files(path, text_encoder, ae, config, weight_dtype, vae_dtype)
+        if text_encoder is not None:
+            raise UserError(f"text_encoder: only for a Z-Image transformer file (musubi-tuner's separate files); "
+                            f"{path} is not one (a folder brings its own text encoder)")
         if path.is_file() and is_bfl_flux(path):
             return load_flux_files(path, clip_l, t5xxl, ae, None if model_config is None else str(model_config),
                                    weight_dtype, vae_dtype)
