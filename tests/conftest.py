@@ -102,3 +102,11 @@ def tiny_z_image_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from library.models.tiny_z_image import save_tiny_z_image
 
     return save_tiny_z_image(tmp_path_factory.mktemp("tiny_z_image") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny SD3.5-Medium-shaped diffusers pipeline folder (seed 0), written once per session. Read-only."""
+    from library.models.tiny_sd3 import save_tiny_sd3
+
+    return save_tiny_sd3(tmp_path_factory.mktemp("tiny_sd3") / "model", seed=0)

@@ -1,0 +1,216 @@
+"""SD3 / SD3.5: prompt encoding against diffusers' own SD3 encoder, kohya's SD3 objective, lora_sd3's key layout,
+diffusers' StableDiffusion3Pipeline reading the file, and sampling."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from library.config import UserError
+from library.models import sd3_lora
+from library.models.sd3 import SD3
+
+RANK, ALPHA = 4, 2.0
+
+
+@pytest.fixture(scope="module")
+def components(tiny_sd3_dir):
+    from library.models.loading import load_components
+
+    return load_components(tiny_sd3_dir)
+
+
+def settings(**changes):
+    from library.config.options import OPTIONS
+
+    return SimpleNamespace(**{**{name: o.default for name, o in OPTIONS.items()}, **changes})
+
+
+def encode(family, components, captions):
+    tokenize = family.tokenizer(components, None)
+    tokens = [tokenize(c) for c in captions]
+    batch = {k: torch.stack([t[k] for t in tokens]) for k in tokens[0]}
+    with torch.no_grad():
+        return family.encode_text(components.text_encoders, batch, None)
+
+
+def test_prompts_are_encoded_as_diffusers_sd3_pipeline_encodes_them(components):
+    """CLIP-L and CLIP-G penultimate states side by side, zero-padded to T5's width, then T5's states; the pooled
+    outputs concatenated: what kohya's Sd3TextEncodingStrategy and diffusers' encode_prompt both compute."""
+    from diffusers import StableDiffusion3Pipeline
+
+    assert isinstance(components.family, SD3) and components.family.last_block == 1
+    family = dataclasses.replace(components.family, t5_max_length=16)
+    encoded = encode(family, components, ["a photo of sks dog", "a red digit seven"])
+    assert encoded["encoder_hidden_states"].shape == (2, 77 + 16, 32) and encoded["pooled"].shape == (2, 32)
+    pipe = StableDiffusion3Pipeline(transformer=components.denoiser, vae=components.vae,
+                                    text_encoder=components.text_encoders[0], tokenizer=components.tokenizers[0],
+                                    text_encoder_2=components.text_encoders[1], tokenizer_2=components.tokenizers[1],
+                                    text_encoder_3=components.text_encoders[2], tokenizer_3=components.tokenizers[2],
+                                    scheduler=components.noise_scheduler)
+    with torch.no_grad():
+        states, _, pooled, _ = pipe.encode_prompt(["a photo of sks dog", "a red digit seven"], None, None,
+                                                  do_classifier_free_guidance=False, max_sequence_length=16)
+    torch.testing.assert_close(encoded["encoder_hidden_states"], states)
+    torch.testing.assert_close(encoded["pooled"], pooled)
+    masked = encode(dataclasses.replace(family, apply_t5_attn_mask=True), components, ["a photo of sks dog"])
+    assert not torch.allclose(masked["encoder_hidden_states"][0, 77:], encoded["encoder_hidden_states"][0, 77:])
+
+
+def test_the_objective_is_kohyas_sd3_formula(components):
+    """sd3_train_utils.get_noisy_model_input_and_timesteps: u from the density (logit_normal here), shifted by
+    training_shift, t = long(u * (t_max - t_min) + t_min), sigma = t / 1000, noisy = sigma noise + (1 - sigma) x0;
+    get_noise_pred_and_target: output * -sigma + noisy against x0, weighted (cosmap here is a loss weighting too)."""
+    config = settings(weighting_scheme="logit_normal", logit_mean=0.2, logit_std=1.1, training_shift=3.0,
+                      min_timestep=100, max_timestep=900)
+    objective = components.family.objective(components, config, torch.device("cpu"))
+    timesteps = objective.sample_timesteps(64, torch.Generator().manual_seed(4), "cpu")
+    u = torch.sigmoid(torch.randn(64, generator=torch.Generator().manual_seed(4)) * 1.1 + 0.2)
+    u = u * 3 / (1 + 2 * u)
+    assert torch.equal(timesteps, (u * 800 + 100).long().float())
+    x0, noise, output = torch.randn(3, 4, 2, 2), torch.randn(3, 4, 2, 2), torch.randn(3, 4, 2, 2)
+    t = timesteps[:3]
+    s = (t / 1000)[:, None, None, None]
+    noisy = s * noise + (1 - s) * x0
+    torch.testing.assert_close(objective.noisy_latents(x0, noise, t), noisy)
+    torch.testing.assert_close(objective.per_sample_loss(output, x0, noise, t),
+                               ((output * -s + noisy - x0) ** 2).mean(dim=(1, 2, 3)))
+    cosmap = components.family.objective(components, settings(weighting_scheme="cosmap"), torch.device("cpu"))
+    sig = t / 1000
+    torch.testing.assert_close(cosmap.per_sample_loss(output, x0, noise, t),
+                               ((output * -s + noisy - x0) ** 2).mean(dim=(1, 2, 3))
+                               * 2 / (math.pi * (1 - 2 * sig + 2 * sig ** 2)))
+
+
+def test_configured_takes_kohyas_settings_and_refuses_what_is_not_here(components):
+    family = components.family.configured(settings(t5xxl_max_token_length=32, apply_lg_attn_mask=True,
+                                                   apply_t5_attn_mask=True))
+    assert (family.t5_max_length, family.apply_lg_attn_mask, family.apply_t5_attn_mask) == (32, True, True)
+    with pytest.raises(UserError) as refused:
+        components.family.configured(settings(t5_dropout_rate=0.1, resolution=(72, 64)))
+    assert "t5_dropout_rate" in str(refused.value) and "multiples of 16" in str(refused.value)
+
+
+def trained(transformer, seed=0):
+    from library.config.network_args import parse_network_args
+    from library.network import lora
+
+    net, _ = parse_network_args([])
+    modules, overrides = SD3(last_block=len(transformer.transformer_blocks) - 1).denoiser_lora_targets(
+        transformer, RANK, ALPHA, net)
+    lora.attach_lora(transformer, modules, RANK, ALPHA, overrides=overrides)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, layer in lora.lora_layers(transformer):
+            layer.lora_B["default"].weight.copy_(torch.randn(layer.lora_B["default"].weight.shape, generator=g))
+    return transformer
+
+
+def deltas(transformer) -> dict[str, torch.Tensor]:
+    from library.network import lora
+
+    return {name: layer.lora_B["default"].weight @ layer.lora_A["default"].weight * layer.scaling["default"]
+            for name, layer in lora.lora_layers(transformer)}
+
+
+def file_delta(state, name):
+    down, up = state[f"{name}.lora_down.weight"], state[f"{name}.lora_up.weight"]
+    return up @ down * (state[f"{name}.alpha"] / down.shape[0])
+
+
+def test_keys_follow_kohyas_lora_sd3_layout(tiny_sd3_dir):
+    """lora_sd3 names every Linear of each SingleDiTBlock (x_block, context_block) after Stability's MMDiT:
+    attn.qkv (fused), attn.proj, mlp.fc1/fc2, adaLN_modulation.1, and SD3.5-M's attn2; the last block's context
+    block is pre-only (qkv and modulation)."""
+    from diffusers import SD3Transformer2DModel
+
+    from library.network import kohya_format
+
+    model = trained(SD3Transformer2DModel.from_pretrained(tiny_sd3_dir, subfolder="transformer",
+                                                          local_files_only=True))
+    state = SD3(last_block=1).export_lora_keys(kohya_format.kohya_state_dict({"lora_unet": model}, ALPHA))
+    block = [f"{side}_block_{n}" for side in ("x", "context")
+             for n in ("attn_qkv", "attn_proj", "mlp_fc1", "mlp_fc2", "adaLN_modulation_1")]
+    expected = {f"lora_unet_joint_blocks_0_{n}" for n in block + ["x_block_attn2_qkv", "x_block_attn2_proj"]}
+    expected |= {f"lora_unet_joint_blocks_1_{n}" for n in block if not n.startswith("context_block_attn_proj")
+                 and not n.startswith("context_block_mlp")}
+    assert {key.split(".")[0] for key in state} == expected
+    split = deltas(model)
+    name = "lora_unet_joint_blocks_0_x_block_attn_qkv"
+    assert state[f"{name}.alpha"].item() == 3 * ALPHA
+    torch.testing.assert_close(file_delta(state, name), torch.cat(
+        [split[f"transformer_blocks.0.attn.to_{p}"] for p in "qkv"]), rtol=1e-6, atol=1e-7)
+    # The pre-only context modulation: Stability's (shift, scale), diffusers' (scale, shift).
+    ours = split["transformer_blocks.1.norm1_context.linear"]
+    torch.testing.assert_close(file_delta(state, "lora_unet_joint_blocks_1_context_block_adaLN_modulation_1"),
+                               torch.cat(ours.chunk(2)[::-1]))
+    back = SD3(last_block=1).import_lora_keys(state)
+    ours_state = kohya_format.kohya_state_dict({"lora_unet": model}, ALPHA)
+    assert set(back) == set(ours_state) and all(torch.equal(back[k], ours_state[k]) for k in ours_state)
+
+
+def test_diffusers_load_lora_weights_takes_every_key_with_our_output(tiny_sd3_dir, tmp_path):
+    """diffusers' SD3 loader reads no kohya SD3 keys; sd3_lora.to_peft hands it every key of the file, and the
+    transformer's output equals ours to rtol 1e-4 / atol 1e-5 (alpha / rank folded into B)."""
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    from library.network import kohya_format
+
+    model = trained(SD3Transformer2DModel.from_pretrained(tiny_sd3_dir, subfolder="transformer",
+                                                          local_files_only=True))
+    path = tmp_path / "sd3_lora.safetensors"
+    kohya_format.save_lora_file(path, SD3(last_block=1).export_lora_keys(
+        kohya_format.kohya_state_dict({"lora_unet": model}, ALPHA)), {})
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir, local_files_only=True)
+    converted = sd3_lora.to_peft(kohya_format.load_kohya_lora(path)[0], pipe.transformer)
+    assert len(converted) == 2 * len(deltas(model))
+    pipe.load_lora_weights(converted)
+    g = torch.Generator().manual_seed(5)
+    inputs = dict(hidden_states=torch.randn(1, 16, 8, 8, generator=g),
+                  encoder_hidden_states=torch.randn(1, 12, 32, generator=g),
+                  pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([400.0]),
+                  return_dict=False)
+    with torch.no_grad():
+        expected, got = model(**inputs)[0], pipe.transformer(**inputs)[0]
+        base = SD3Transformer2DModel.from_pretrained(tiny_sd3_dir, subfolder="transformer",
+                                                     local_files_only=True)(**inputs)[0]
+    assert not torch.allclose(expected, base, atol=1e-3)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_sampling_is_sd3_pipelines_cfg(components, tmp_path):
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+
+    from library.monitoring.sampling import SamplingModels, generate_image, load_prompts
+
+    family = dataclasses.replace(components.family, t5_max_length=16)
+    tokenize = family.tokenizer(components, None)
+
+    def encode_text(text):
+        return family.encode_text(components.text_encoders, {k: v[None] for k, v in tokenize(text).items()}, None)
+
+    models = SamplingModels(components.denoiser, components.text_encoders, components.vae, components.tokenizers,
+                            components.noise_scheduler.config, family, None, encode_text)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a photo of sks dog --n a red digit --s 2 --w 64 --h 64 --d 3\n")
+    prompt = load_prompts(prompts)[0]
+    with torch.no_grad():
+        ours = np.asarray(generate_image(prompt, models, seed=3))
+        pipe = StableDiffusion3Pipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler.from_config(components.noise_scheduler.config),
+            vae=components.vae, text_encoder=components.text_encoders[0], tokenizer=components.tokenizers[0],
+            text_encoder_2=components.text_encoders[1], tokenizer_2=components.tokenizers[1],
+            text_encoder_3=components.text_encoders[2], tokenizer_3=components.tokenizers[2],
+            transformer=components.denoiser)
+        pos, neg = encode_text(prompt.prompt), encode_text(prompt.negative_prompt)
+        theirs = np.asarray(pipe(prompt_embeds=pos["encoder_hidden_states"], pooled_prompt_embeds=pos["pooled"],
+                                 negative_prompt_embeds=neg["encoder_hidden_states"],
+                                 negative_pooled_prompt_embeds=neg["pooled"], guidance_scale=5.0, width=64,
+                                 height=64, num_inference_steps=2,
+                                 generator=torch.Generator().manual_seed(3)).images[0])
+    assert ours.shape == (64, 64, 3)
+    assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 1  # uint8 rounding of the same decode
