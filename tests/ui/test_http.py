@@ -142,6 +142,7 @@ def test_a_lan_bind_needs_the_token_then_a_strict_cookie(tmp_path):
     assert security.load_or_create_token(token_file) == (token, False)
     c = client([tmp_path], host="0.0.0.0", token=token)
     assert c.get("/", follow_redirects=False).headers["location"] == "/login"
+    assert 'type="password" name="token"' in c.get("/login").text
     assert c.get("/runs").status_code == 401
     assert c.get("/files", params={"path": str(tmp_path / "x.png")}).status_code == 401
     assert c.post("/config/validate", data={}, headers=ORIGIN).status_code == 401
@@ -206,3 +207,7 @@ def test_lora_metadata_and_a_command_line_run_in_the_list(tmp_path):
     stream = c.get("/runs/events", params={"path": str(run)}).text
     assert stream.count("event: run") == 5 and '"status": "finished"' in stream and "event: done" in stream
     assert "<h1>" + str(run) in c.get("/runs/view", params={"path": str(run)}).text
+    assert "not running" in c.post("/runs/stop", data={"path": str(run)}, headers=ORIGIN).text
+    # Resume needs the run_config.toml of a run started from the UI, and a saved state.
+    assert c.post("/runs/resume", data={"path": str(run)}, headers=ORIGIN).status_code == 409
+    assert c.post("/runs/resume", data={"path": "/etc"}, headers=ORIGIN).status_code == 404
