@@ -155,12 +155,18 @@ def config(**changes):
                   v_pred_like_loss=None, v_parameterization=False, zero_terminal_snr=False, noise_offset=None,
                   multires_noise_iterations=None, adaptive_noise_scale=None, noise_offset_random_strength=False,
                   min_timestep=0, max_timestep=1000,
-                  loss_type="l2", huber_schedule="snr")
+                  loss_type="l2", huber_schedule="snr", timestep_sampling="sigma")
     return SimpleNamespace(**{**values, **changes})
 
 
 def test_defaults_are_accepted():
     assert unsupported(config()) == []
+
+
+@pytest.mark.parametrize("sampling", ["qwen_shift", "logsnr"])
+def test_musubis_samplings_are_refused_for_kohyas_families(sampling):
+    problems = unsupported(config(timestep_sampling=sampling))
+    assert len(problems) == 1 and f"timestep_sampling {sampling}" in problems[0]
 
 
 def test_huber_snr_schedule_is_refused():
