@@ -137,7 +137,7 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_note(tiny_sd1_dir, dat
     assert result.global_step == 1
     assert any(f"taking over the lock of a run that is no longer running (process {gone.pid} on h" in r.getMessage()
                for r in caplog.records)
-    assert sorted(p.name for p in out.iterdir()) == ["last.safetensors", "last_loss_by_timestep.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["events.jsonl", "last.safetensors", "last_loss_by_timestep.png"]
 
 
 def test_the_lock_is_held_while_training_and_released_after(tiny_sd1_dir, data, tmp_path, monkeypatch):
