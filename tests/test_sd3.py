@@ -214,3 +214,23 @@ def test_sampling_is_sd3_pipelines_cfg(components, tmp_path):
                                  generator=torch.Generator().manual_seed(3)).images[0])
     assert ours.shape == (64, 64, 3)
     assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 1  # uint8 rounding of the same decode
+
+
+def test_single_files_with_and_without_text_encoders_load_the_folders_weights(components, tiny_sd3_dir, tmp_path):
+    """Stability's layout, read by diffusers' own SD3 converter: the written file converts back exactly."""
+    from library.models.loading import load_components
+    from library.models.tiny_sd3 import save_tiny_sd3_files
+
+    files = save_tiny_sd3_files(tiny_sd3_dir, tmp_path)
+    whole = load_components(files["checkpoint"], model_config=tiny_sd3_dir)
+    split = load_components(files["checkpoint_no_te"], clip_l=str(files["clip_l"]), clip_g=str(files["clip_g"]),
+                            t5xxl=str(files["t5xxl"]), model_config=tiny_sd3_dir)
+    reference = [components.denoiser, components.vae, *components.text_encoders]
+    for loaded in (whole, split):
+        assert isinstance(loaded.family, SD3) and loaded.family.last_block == 1
+        for module, theirs in zip([loaded.denoiser, loaded.vae, *loaded.text_encoders], reference, strict=True):
+            expected = theirs.state_dict()
+            assert all(torch.equal(t, expected[k]) for k, t in module.state_dict().items())
+    with pytest.raises(UserError, match="give clip_g"):
+        load_components(files["checkpoint_no_te"], clip_l=str(files["clip_l"]), t5xxl=str(files["t5xxl"]),
+                        model_config=tiny_sd3_dir)

@@ -74,6 +74,9 @@ _MODEL = [
          metavar="PATH"),
     _opt("t5xxl_max_token_length", _to_int, None,
          "FLUX: T5 prompt length in tokens (default 512 for dev, 256 for schnell)"),
+    _opt("vae", _to_str, None,
+         "a VAE to use instead of the model's (a diffusers VAE folder, or a .safetensors file with diffusers' or "
+         "the original key names, e.g. SDXL's fp16-fixed VAE); FLUX.1's is ae", is_path=True, metavar="PATH"),
     _opt("apply_t5_attn_mask", _to_bool, False,
          "FLUX: mask T5's padding tokens, in T5 and in the transformer's attention"),
     _opt("guidance_scale", _to_float, 3.5, "FLUX dev: the guidance input of the transformer during training"),
@@ -81,6 +84,8 @@ _MODEL = [
          "kohya's flux_train_network.py --model_type: flux or chroma; the family is read from the weights, and a "
          "model_type that disagrees with them is an error", choices=("flux", "chroma")),
     # SD3 / SD3.5 (kohya's sd3_train_network.py names and defaults)
+    _opt("clip_g", _to_str, None, "SD3 from a checkpoint without text encoders: the CLIP-G text encoder "
+         ".safetensors (kohya's clip_g; clip_l and t5xxl name the other two)", is_path=True, metavar="PATH"),
     _opt("apply_lg_attn_mask", _to_bool, False, "SD3: pass the padding mask into CLIP-L and CLIP-G"),
     _opt("clip_l_dropout_rate", _to_float, 0.0, "SD3: kohya's per-caption dropout of CLIP-L's outputs"),
     _opt("clip_g_dropout_rate", _to_float, 0.0, "SD3: kohya's per-caption dropout of CLIP-G's outputs"),

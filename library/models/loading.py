@@ -16,6 +16,7 @@ from library.models.flux import is_flux_folder, load_flux_folder
 from library.models.flux_files import is_bfl_flux, load_flux_files
 from library.models.sd import SD1, SD2
 from library.models.sd3 import is_sd3_folder, load_sd3_folder
+from library.models.sd3_files import is_sd3_file, load_sd3_files
 from library.models.sdxl import SDXL
 from library.models.single_file import file_tokenizer, load_single_file
 from library.models.z_image import is_z_image_folder, load_z_image_folder
@@ -61,7 +62,8 @@ def load_components(model_path: str | Path, v2: bool = False, v_parameterization
                     weight_dtype: torch.dtype = torch.float32,
                     vae_dtype: torch.dtype = torch.float32, model_config: str | Path | None = None,
                     allow_pickle_checkpoints: bool = False, clip_l: str | None = None, t5xxl: str | None = None,
-                    ae: str | None = None, text_encoder: str | None = None) -> Components:
+                    ae: str | None = None, text_encoder: str | None = None,
+                    clip_g: str | None = None) -> Components:
     """Load the denoiser, VAE, text encoders, tokenizers and noise schedule from a local diffusers folder (SD,
     FLUX.1 or Chroma, told by its transformer/ folder), a single-file checkpoint (see library.models.single_file;
     `model_config` and `allow_pickle_checkpoints` apply there), a BFL FLUX.1 transformer file with the `clip_l`,
@@ -78,6 +80,8 @@ def load_components(model_path: str | Path, v2: bool = False, v_parameterization
     try:
         path = Path(model_path)
         config = None if model_config is None else str(model_config)
+        if path.is_file() and is_sd3_file(path):
+            return load_sd3_files(path, clip_l, clip_g, t5xxl, config, weight_dtype, vae_dtype)
         if path.is_file() and is_bfl_chroma(path):
             return load_chroma_files(path, t5xxl, ae, config, weight_dtype, vae_dtype)
         if path.is_file() and is_z_image_file(path):

@@ -262,7 +262,7 @@ ONE_SHAPE_FAMILIES: dict[str, tuple[str, str, str | None]] = {
     "sdxl": ("library.models.tiny", "save_tiny_sdxl", None),
     "flux": ("library.models.tiny_flux", "save_tiny_flux", "save_tiny_flux_files"),
     "chroma": ("library.models.tiny_chroma", "save_tiny_chroma", "save_tiny_chroma_files"),
-    "sd3": ("library.models.tiny_sd3", "save_tiny_sd3", None),
+    "sd3": ("library.models.tiny_sd3", "save_tiny_sd3", "save_tiny_sd3_files"),
     "z_image": ("library.models.tiny_z_image", "save_tiny_z_image", "save_tiny_z_image_files"),
 }
 

@@ -76,3 +76,42 @@ def save_tiny_sd3(path: str | os.PathLike[str], seed: int = 0, overwrite: bool =
     _write_pipeline(StableDiffusion3Pipeline(**build_tiny_sd3(seed)), target, ("tokenizer", "tokenizer_2"))
     logger.info("wrote tiny SD3 model (seed=%d) to %s", seed, target)
     return target
+
+
+def save_tiny_sd3_files(folder: str | os.PathLike[str], target: str | os.PathLike[str]) -> dict[str, Path]:
+    """The tiny SD3 folder's weights as the single files people share: Stability's checkpoint with the text encoders
+    inside (`sd3-tiny.safetensors`), one without them (`sd3-tiny-no-te.safetensors`) and kohya's separate clip_l,
+    clip_g and t5xxl files. Returns their paths by option name ("checkpoint", "checkpoint_no_te", "clip_l", ...)."""
+    from diffusers import AutoencoderKL, SD3Transformer2DModel
+    from safetensors.torch import save_file
+    from transformers import CLIPTextModelWithProjection, T5EncoderModel
+
+    from library.models.ldm_export import _vae_key_to_ldm
+    from library.models.sd3_files import ENCODER_PREFIX, PREFIX, sai_state_dict
+
+    folder, target = Path(folder), Path(target)
+    target.mkdir(parents=True, exist_ok=True)
+    local = {"local_files_only": True}
+    transformer = SD3Transformer2DModel.from_pretrained(folder, subfolder="transformer", **local)
+    vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", **local)
+    levels = len(vae.config.block_out_channels)
+    base = {PREFIX + k: v for k, v in sai_state_dict(transformer).items()}
+    for key, value in vae.state_dict().items():
+        ldm = _vae_key_to_ldm(key, levels)
+        base["first_stage_model." + ldm] = value[:, :, None, None] if ".mid.attn_1." in ldm and value.dim() == 2 \
+            else value
+    encoders = {"clip_l": CLIPTextModelWithProjection.from_pretrained(folder, subfolder="text_encoder", **local),
+                "clip_g": CLIPTextModelWithProjection.from_pretrained(folder, subfolder="text_encoder_2", **local),
+                "t5xxl": T5EncoderModel.from_pretrained(folder, subfolder="text_encoder_3", **local)}
+    # T5's embedding is stored once (shared.weight), as in the t5xxl files people use.
+    separate = {name: {k: v for k, v in model.state_dict().items() if k != "encoder.embed_tokens.weight"}
+                for name, model in encoders.items()}
+    files = {"checkpoint": ({**base, **{ENCODER_PREFIX.format(n) + k: v for n, sd in separate.items()
+                                        for k, v in sd.items()}}, "sd3-tiny.safetensors"),
+             "checkpoint_no_te": (base, "sd3-tiny-no-te.safetensors"),
+             **{name: (sd, f"{name}.safetensors") for name, sd in separate.items()}}
+    paths = {}
+    for name, (state, filename) in files.items():
+        paths[name] = target / filename
+        save_file({k: v.detach().contiguous() for k, v in state.items()}, str(paths[name]))
+    return paths

@@ -134,11 +134,11 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     precision = BasePrecision.from_config(config, weight_dtype)
     # The base's files are read straight into their storage precision (fp8 files stay fp8).
     with reading(precision.read_rule([config.pretrained_model_name_or_path],
-                                     [path for path in (config.clip_l, config.t5xxl) if path])):
+                                     [path for path in (config.clip_l, config.clip_g, config.t5xxl) if path])):
         components = load_components(config.pretrained_model_name_or_path, config.v2, config.v_parameterization,
                                      weight_dtype, vae_dtype, config.model_config, config.allow_pickle_checkpoints,
                                      clip_l=config.clip_l, t5xxl=config.t5xxl, ae=config.ae,
-                                     text_encoder=config.text_encoder)
+                                     text_encoder=config.text_encoder, clip_g=config.clip_g)
     family = components.family = components.family.configured(config)
     spec = network_spec(config, family)
     data.set_tokenizer(family.tokenizer(components, config.max_token_length))
