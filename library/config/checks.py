@@ -74,6 +74,8 @@ def check_values(v: dict[str, Any]) -> list[str]:
                             "folder, which has its own configs: remove model_config")
         if v["model_config"] is not None and not Path(v["model_config"]).is_dir():
             problems.append(f"model_config: {v['model_config']} is not a folder")
+        if v["vae"] is not None and not Path(v["vae"]).exists():
+            problems.append(f"vae: {v['vae']} does not exist (a VAE folder or .safetensors file)")
         for name in ("clip_l", "t5xxl", "ae"):  # FLUX.1's separate files
             if v[name] is not None and not Path(v[name]).is_file():
                 problems.append(f"{name}: {v[name]} is not a file")

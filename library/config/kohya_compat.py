@@ -51,6 +51,5 @@ UNSUPPORTED_KOHYA_OPTIONS: tuple[str, ...] = (
     "save_state_to_huggingface",
     "skip_until_initial_step", "token_warmup_min",
     "token_warmup_step",
-    "vae",
     "weighted_captions",
 )

@@ -21,6 +21,7 @@ from library.data.dataset import TrainingData, build_training_data
 from library.models.family import Components
 from library.models.loading import load_components
 from library.models.precision import BasePrecision, reading
+from library.models.vae_file import load_vae
 from library.monitoring.sampling import SamplePrompt, load_prompts
 from library.monitoring.tracking import StepMetrics, TimestepLoss, lr_names
 from library.network import kohya_format, lora
@@ -139,6 +140,8 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
                                      weight_dtype, vae_dtype, config.model_config, config.allow_pickle_checkpoints,
                                      clip_l=config.clip_l, t5xxl=config.t5xxl, ae=config.ae,
                                      text_encoder=config.text_encoder, clip_g=config.clip_g)
+    if config.vae is not None:  # kohya's separate VAE file
+        components.vae = load_vae(config.vae, components.vae, vae_dtype)
     family = components.family = components.family.configured(config)
     spec = network_spec(config, family)
     data.set_tokenizer(family.tokenizer(components, config.max_token_length))
