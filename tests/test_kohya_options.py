@@ -117,3 +117,64 @@ def paths_for_wildcards(tiny_sd1_dir):
         return ["--pretrained_model_name_or_path", str(tiny_sd1_dir), "--train_data_dir", str(tmp_path),
                 "--output_dir", str(tmp_path / "out")]
     return args
+
+
+@pytest.fixture(scope="module")
+def other_vae(tiny_sd1_dir):
+    """The tiny model's VAE with other weights: what a separate VAE file brings."""
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL.from_pretrained(tiny_sd1_dir / "vae", local_files_only=True)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for param in vae.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.01)
+    return vae
+
+
+@pytest.mark.parametrize("form", ["folder", "diffusers keys", "ldm keys"])
+def test_vae_replaces_the_models_vae(tiny_sd1_dir, other_vae, tmp_path, form):
+    from diffusers import AutoencoderKL
+    from safetensors.torch import save_file
+
+    from library.models.ldm_export import _vae_key_to_ldm
+    from library.models.vae_file import load_vae
+
+    base = AutoencoderKL.from_pretrained(tiny_sd1_dir / "vae", local_files_only=True)
+    state = {k: v.contiguous() for k, v in other_vae.state_dict().items()}
+    if form == "folder":
+        path = tmp_path / "vae_folder"
+        other_vae.save_pretrained(path)
+    elif form == "diffusers keys":
+        path = tmp_path / "vae.safetensors"
+        save_file(state, str(path))
+    else:  # as in a checkpoint, original key names under first_stage_model.
+        path = tmp_path / "vae_ldm.safetensors"
+        blocks = len(other_vae.config["block_out_channels"])
+        ldm = {"first_stage_model." + _vae_key_to_ldm(k, blocks): v for k, v in state.items()}
+        # LDM's attention projections are 1x1 convolutions
+        save_file({k: v[:, :, None, None] if ".attn_1." in k and k.endswith("weight") and v.dim() == 2 else v
+                   for k, v in ldm.items()}, str(path))
+    loaded = load_vae(path, base, torch.float32)
+    for key, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, state[key].reshape(value.shape), msg=key)
+    assert not torch.equal(loaded.state_dict()["decoder.conv_out.weight"], base.state_dict()["decoder.conv_out.weight"])
+
+
+@pytest.mark.usefixtures("fresh_accelerator_state")
+def test_a_run_encodes_with_the_vae_option(tiny_sd1_dir, small_dataset, other_vae, tmp_path, monkeypatch):
+    from library.training import loop, setup
+
+    other_vae.save_pretrained(tmp_path / "vae")
+    used = []
+    real_cache = setup.cache_inputs
+
+    def cache(config, data, components, *args, **kwargs):
+        used.append(components.vae.state_dict()["decoder.conv_out.weight"].clone())
+        return real_cache(config, data, components, *args, **kwargs)
+
+    monkeypatch.setattr(setup, "cache_inputs", cache)
+    config, _ = parse_config(base_args(tiny_sd1_dir, small_dataset(tmp_path / "d"), tmp_path / "out",
+                                       "--max_train_steps", "1", "--vae", str(tmp_path / "vae")))
+    loop.run(config)
+    torch.testing.assert_close(used[0], other_vae.state_dict()["decoder.conv_out.weight"])
