@@ -260,3 +260,34 @@ def test_sampling_is_chroma_pipelines_cfg_with_the_masked_prompts(components, tm
     assert ours.shape == (64, 64, 3)
     assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 1  # uint8 rounding of the same decode
     assert not np.array_equal(ours, no_cfg)
+
+
+def test_comfyuis_key_rule_takes_every_key_with_our_weight_change(tiny_chroma_dir):
+    """ComfyUI (comfy/lora.py model_lora_keys_unet) names every weight `diffusion_model.<path>.weight` of its native
+    (BFL-layout) Chroma `lora_unet_<path, . -> _>` and adds up @ down * alpha / rank to it: every key of our file
+    must name such a weight, and the patched weights must equal our trained model's, in BFL's layout."""
+    from diffusers import ChromaTransformer2DModel
+
+    from library.models.flux_files import bfl_state_dict
+    from library.network import kohya_format, lora
+
+    model = trained_transformer(tiny_chroma_dir)
+    state = Chroma().export_lora_keys(kohya_format.kohya_state_dict({"lora_unet": model}, ALPHA))
+    base = ChromaTransformer2DModel.from_pretrained(tiny_chroma_dir, subfolder="transformer", local_files_only=True)
+    native = bfl_state_dict(base)
+    key_map = {"lora_unet_" + k[:-len(".weight")].replace(".", "_"): k for k in native if k.endswith(".weight")}
+    names = {key.split(".")[0] for key in state}
+    assert names <= set(key_map)
+    patched = dict(native)
+    for name in names:
+        down, up = state[f"{name}.lora_down.weight"], state[f"{name}.lora_up.weight"]
+        patched[key_map[name]] = native[key_map[name]] + up @ down * (state[f"{name}.alpha"] / down.shape[0])
+    merged = base.state_dict()
+    for path, layer in lora.lora_layers(model):
+        merged[f"{path}.weight"] = merged[f"{path}.weight"] + (layer.lora_B["default"].weight
+                                                               @ layer.lora_A["default"].weight
+                                                               * layer.scaling["default"])
+    base.load_state_dict(merged)
+    expected = bfl_state_dict(base)
+    for key, tensor in expected.items():
+        torch.testing.assert_close(patched[key], tensor, rtol=1e-5, atol=1e-6)

@@ -234,3 +234,32 @@ def test_single_files_with_and_without_text_encoders_load_the_folders_weights(co
     with pytest.raises(UserError, match="give clip_g"):
         load_components(files["checkpoint_no_te"], clip_l=str(files["clip_l"]), t5xxl=str(files["t5xxl"]),
                         model_config=tiny_sd3_dir)
+
+
+def test_comfyuis_key_rule_takes_every_key_with_our_weight_change(tiny_sd3_dir):
+    """ComfyUI (comfy/lora.py model_lora_keys_unet) names every weight `diffusion_model.<path>.weight` of its native
+    (Stability-layout) MMDiT `lora_unet_<path, . -> _>` and adds up @ down * alpha / rank to it: every key of our
+    file must name such a weight, and the patched weights must equal our trained model's in Stability's layout
+    (the pre-only context modulation's halves included)."""
+    from diffusers import SD3Transformer2DModel
+
+    from library.models.sd3_files import sai_state_dict
+    from library.network import kohya_format
+
+    load = dict(subfolder="transformer", local_files_only=True)
+    model = trained(SD3Transformer2DModel.from_pretrained(tiny_sd3_dir, **load))
+    state = SD3(last_block=1).export_lora_keys(kohya_format.kohya_state_dict({"lora_unet": model}, ALPHA))
+    base = SD3Transformer2DModel.from_pretrained(tiny_sd3_dir, **load)
+    native = sai_state_dict(base)
+    key_map = {"lora_unet_" + k[:-len(".weight")].replace(".", "_"): k for k in native if k.endswith(".weight")}
+    names = {key.split(".")[0] for key in state}
+    assert names <= set(key_map)
+    patched = dict(native)
+    for name in names:
+        patched[key_map[name]] = native[key_map[name]] + file_delta(state, name)
+    merged = base.state_dict()
+    for path, delta in deltas(model).items():
+        merged[f"{path}.weight"] = merged[f"{path}.weight"] + delta
+    base.load_state_dict(merged)
+    for key, tensor in sai_state_dict(base).items():
+        torch.testing.assert_close(patched[key], tensor, rtol=1e-5, atol=1e-6)
