@@ -65,6 +65,7 @@ def test_min_max_timestep_scale_the_continuous_draw_as_musubi_does():
 def test_musubi_defaults_and_refusals():
     objective = musubi_flow.MusubiFlowObjective.from_config(config())
     assert objective.options.discrete_flow_shift == 1.0 and objective.options.timestep_sampling == "sigma"
+    assert objective.options.weighting_scheme == "none"
     assert musubi_flow.MusubiFlowObjective.from_config(
         config("--discrete_flow_shift", "2.5")).options.discrete_flow_shift == 2.5
     problems = musubi_flow.unsupported(config("--min_snr_gamma", "5", "--model_prediction_type", "raw",

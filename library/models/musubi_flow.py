@@ -96,7 +96,9 @@ class MusubiFlowObjective(FlowMatchingObjective):
     def from_config(cls, config: Any) -> MusubiFlowObjective:
         base = FlowMatchingObjective.from_config(config)
         shift = config.discrete_flow_shift if config.is_set("discrete_flow_shift") else DEFAULT_FLOW_SHIFT
-        options = FlowOptions(**{**base.options.__dict__, "discrete_flow_shift": shift,
+        # kohya's default "uniform" draws and weights as musubi's "none" does; the metadata says musubi's name.
+        scheme = config.weighting_scheme if config.is_set("weighting_scheme") else "none"
+        options = FlowOptions(**{**base.options.__dict__, "discrete_flow_shift": shift, "weighting_scheme": scheme,
                                  "model_prediction_type": "raw"})
         return cls(options, base.noise, base.loss, min_timestep=config.min_timestep,
                    max_timestep=config.max_timestep)
