@@ -178,3 +178,35 @@ def test_a_run_encodes_with_the_vae_option(tiny_sd1_dir, small_dataset, other_va
                                        "--max_train_steps", "1", "--vae", str(tmp_path / "vae")))
     loop.run(config)
     torch.testing.assert_close(used[0], other_vae.state_dict()["decoder.conv_out.weight"])
+
+
+def test_resize_interpolation_picks_the_resize_filter(sample_data_dir, tmp_path, paths_for_wildcards):
+    import dataclasses
+
+    import numpy as np
+    from PIL import Image
+
+    from library.data.cache import variant_key
+    from library.data.dataset import resolve_datasets
+    from library.data.images import prepare_image
+
+    path = sorted((sample_data_dir / "10_sks shape").glob("*.png"))[0]  # 64 x 64
+    image = Image.open(path).convert("RGB")
+    lanczos = prepare_image(path, (64, 64), (40, 40), (40, 40), (0, 0), False)
+    nearest = prepare_image(path, (64, 64), (40, 40), (40, 40), (0, 0), False, "nearest")
+    expected = np.asarray(image.resize((40, 40), Image.Resampling.NEAREST), dtype=np.float32) / 127.5 - 1
+    torch.testing.assert_close(nearest, torch.from_numpy(expected.transpose(2, 0, 1).copy()))
+    assert not torch.equal(nearest, lanczos)
+
+    (tmp_path / "1_x").mkdir()
+    config, _ = parse_config(paths_for_wildcards(tmp_path) + ["--resize_interpolation", "area"])
+    [spec] = resolve_datasets(config)
+    subset = spec.subsets[0]
+    assert subset.resize_interpolation == "area"
+    # a latent cache entry made with another filter is not reused
+    record = type("Record", (), {"size": (64, 64), "resized": (40, 40), "bucket": (40, 40), "crop": (0, 0),
+                                 "subset": subset})()
+    plain = type(record)()
+    plain.__dict__.update(vars(record), subset=dataclasses.replace(subset, resize_interpolation=None))
+    assert variant_key(record, False, "d", "v", torch.float32) != variant_key(plain, False, "d", "v", torch.float32)
+    assert "interpolation" not in variant_key(plain, False, "d", "v", torch.float32)  # old entries stay valid

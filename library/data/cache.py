@@ -63,9 +63,11 @@ def latent_cache_path(image_path: Path) -> Path:
 
 
 def variant_key(record: ImageRecord, flipped: bool, image_digest: str, vae_id: str, dtype: torch.dtype) -> str:
-    return json.dumps({"format": CACHE_FORMAT, "image": image_digest, "size": record.size,
-                       "resized": record.resized, "bucket": record.bucket, "crop": record.crop, "flipped": flipped,
-                       "vae": vae_id, "dtype": str(dtype)}, sort_keys=True)
+    # resize_interpolation only when set, so the entries written before it existed stay valid.
+    interpolation = record.subset.resize_interpolation
+    key = {"format": CACHE_FORMAT, "image": image_digest, "size": record.size, "resized": record.resized,
+           "bucket": record.bucket, "crop": record.crop, "flipped": flipped, "vae": vae_id, "dtype": str(dtype)}
+    return json.dumps({**key, "interpolation": interpolation} if interpolation else key, sort_keys=True)
 
 
 class MemoryLatents:
@@ -180,7 +182,8 @@ def _encode(items: list[tuple[int, bool]], records: Sequence[ImageRecord], vae: 
 
     def pixels(batch: list[tuple[int, bool]]) -> torch.Tensor:
         return torch.stack([prepare_image(records[i].path, records[i].size, records[i].resized, records[i].bucket,
-                                          records[i].crop, flipped) for i, flipped in batch])
+                                          records[i].crop, flipped, records[i].subset.resize_interpolation)
+                            for i, flipped in batch])
 
     ahead = max(2, getattr(pool, "_max_workers", 2))
     pending: deque[tuple[list[tuple[int, bool]], Future]] = deque()

@@ -85,14 +85,15 @@ class TrainingDataset(torch.utils.data.Dataset):
             item["latent_mean"], item["latent_logvar"] = self.latents.get(record_index, flipped)
         else:
             item["pixels"] = prepare_image(record.path, record.size, record.resized, record.bucket, (left, top),
-                                           flipped)
+                                           flipped, subset.resize_interpolation)
         # Read from the files each time, also with cached latents, so a cache never holds a stale mask.
         if subset.conditioning_data_dir is not None:  # kohya prefers these masks to the alpha channel
             item["loss_mask"] = prepare_mask(subset.conditioning_data_dir / record.path.name, record.size,
-                                             record.resized, record.bucket, (left, top), flipped, alpha=False)
+                                             record.resized, record.bucket, (left, top), flipped, alpha=False,
+                                             interpolation=subset.resize_interpolation)
         elif subset.alpha_mask:
             item["loss_mask"] = prepare_mask(record.path, record.size, record.resized, record.bucket, (left, top),
-                                             flipped, alpha=True)
+                                             flipped, alpha=True, interpolation=subset.resize_interpolation)
         caption = process_caption(record.caption, subset, epoch, item_rng(self.seed, "caption", epoch, index))
         item["caption"] = caption
         # The family's token ids, or its cached text-encoder outputs: a dict of tensors either way.

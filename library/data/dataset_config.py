@@ -19,6 +19,8 @@ from library.config import Config, ConfigError
 from library.config.checks import bucket_steps_problem
 
 logger = logging.getLogger(__name__)
+# kohya's resize_interpolation choices (library.data.images maps them to PIL's filters)
+RESIZE_INTERPOLATIONS = ("lanczos", "nearest", "bilinear", "linear", "bicubic", "cubic", "area")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class SubsetSpec:
     conditioning_data_dir: Path | None = None  # masked_loss: a mask image per image, under the same file name
     secondary_separator: str | None = None  # kohya's: becomes caption_separator after shuffling and dropping
     enable_wildcard: bool = False  # kohya's: {a|b|c} picks one each time; a caption file's lines are alternatives
+    resize_interpolation: str | None = None  # kohya's: the resize filter (library.data.images.RESIZE_FILTERS)
 
     @property
     def caption_ops(self) -> bool:
@@ -117,7 +120,7 @@ SUBSET_KEYS: dict[str, Callable[[Any], Any]] = {
     "caption_separator": _str, "keep_tokens": _int, "keep_tokens_separator": _str, "caption_prefix": _str,
     "caption_suffix": _str, "caption_dropout_rate": _float, "caption_dropout_every_n_epochs": _int,
     "caption_tag_dropout_rate": _float, "flip_aug": _bool, "random_crop": _bool, "alpha_mask": _bool,
-    "secondary_separator": _str, "enable_wildcard": _bool,
+    "secondary_separator": _str, "enable_wildcard": _bool, "resize_interpolation": _str,
 }
 SUBSET_ONLY_KEYS: dict[str, Callable[[Any], Any]] = {"image_dir": _str, "is_reg": _bool,
                                                      "conditioning_data_dir": _str}
@@ -370,6 +373,9 @@ def check_dataset_spec(spec: DatasetSpec, config: Config | None, where: str) -> 
             rate = getattr(subset, name)
             need(0 <= rate <= 1, f"{at}: {name} must be in [0, 1] (got {rate})")
         need(subset.caption_separator != "", f"{at}: caption_separator must not be empty")
+        need(subset.resize_interpolation in (None, *RESIZE_INTERPOLATIONS),
+             f"{at}: resize_interpolation {subset.resize_interpolation!r} must be one of "
+             f"{', '.join(RESIZE_INTERPOLATIONS)}")
         if subset.conditioning_data_dir is not None:
             need(subset.conditioning_data_dir.is_dir(),
                  f"{at}: conditioning_data_dir {subset.conditioning_data_dir} is not a folder")

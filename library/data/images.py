@@ -93,24 +93,35 @@ def to_tensor(image: Image.Image) -> torch.Tensor:
     return torch.from_numpy(array.transpose(2, 0, 1).copy())
 
 
+# kohya's resize_interpolation names -> PIL filters ("area" averages the covered pixels: PIL's box filter).
+RESIZE_FILTERS = {"lanczos": Image.Resampling.LANCZOS, "nearest": Image.Resampling.NEAREST,
+                  "bilinear": Image.Resampling.BILINEAR, "linear": Image.Resampling.BILINEAR,
+                  "bicubic": Image.Resampling.BICUBIC, "cubic": Image.Resampling.BICUBIC,
+                  "area": Image.Resampling.BOX}
+
+
 def prepare_image(path: Path, size: tuple[int, int], resized: tuple[int, int], bucket: tuple[int, int],
-                  crop_left_top: tuple[int, int], flipped: bool) -> torch.Tensor:
-    """Decode, resize to `resized`, crop `bucket` at crop_left_top, maybe flip: the pixels the VAE sees."""
+                  crop_left_top: tuple[int, int], flipped: bool, interpolation: str | None = None) -> torch.Tensor:
+    """Decode, resize to `resized` (with `interpolation`, a RESIZE_FILTERS name; default Lanczos), crop `bucket` at
+    crop_left_top, maybe flip: the pixels the VAE sees."""
     try:
         image = open_image(path)
     except ImageProblem as e:
         raise UserError(f"{path}: {e} (it was readable when the dataset was checked)") from None
-    return to_tensor(_fit(image, path, size, resized, bucket, crop_left_top, flipped))
+    return to_tensor(_fit(image, path, size, resized, bucket, crop_left_top, flipped, interpolation))
 
 
 def _fit(image: Image.Image, path: Path, size: tuple[int, int], resized: tuple[int, int], bucket: tuple[int, int],
-         crop_left_top: tuple[int, int], flipped: bool) -> Image.Image:
+         crop_left_top: tuple[int, int], flipped: bool, interpolation: str | None = None) -> Image.Image:
     """Resize, crop and flip as training does; a mask goes through the same steps so it stays on its pixels."""
     if image.size != size:
         raise UserError(f"{path}: the image changed since the dataset was checked ({size} -> {image.size}); "
                         "restart training")
     if resized != image.size:
-        image = image.resize(resized, Image.Resampling.LANCZOS, reducing_gap=3.0)
+        if interpolation is None:
+            image = image.resize(resized, Image.Resampling.LANCZOS, reducing_gap=3.0)
+        else:
+            image = image.resize(resized, RESIZE_FILTERS[interpolation])
     left, top = crop_left_top
     if (left, top, left + bucket[0], top + bucket[1]) != (0, 0) + image.size:
         image = image.crop((left, top, left + bucket[0], top + bucket[1]))
@@ -138,13 +149,14 @@ def read_mask(path: Path, alpha: bool) -> Image.Image:
 
 
 def prepare_mask(path: Path, size: tuple[int, int], resized: tuple[int, int], bucket: tuple[int, int],
-                 crop_left_top: tuple[int, int], flipped: bool, alpha: bool) -> torch.Tensor:
+                 crop_left_top: tuple[int, int], flipped: bool, alpha: bool,
+                 interpolation: str | None = None) -> torch.Tensor:
     """The (height, width) loss mask in [0, 1] that lines up with prepare_image's pixels (see read_mask)."""
     try:
         mask = read_mask(path, alpha)
     except ImageProblem as e:
         raise UserError(f"{path}: {e} (it was readable when the dataset was checked)") from None
-    mask = _fit(mask, path, size, resized, bucket, crop_left_top, flipped)
+    mask = _fit(mask, path, size, resized, bucket, crop_left_top, flipped, interpolation)
     return torch.from_numpy(np.asarray(mask, dtype=np.float32) / 255.0)
 
 # ------------------------------------------------------------------------------------------------------ buckets
