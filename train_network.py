@@ -67,8 +67,9 @@ def hide_unused_packages(config: Config) -> list[str]:
 
     A name set to None in sys.modules reads as not installed to importlib.util.find_spec, which is how diffusers,
     transformers, peft and accelerate ask before importing an optional package. Hidden here:
-    - bitsandbytes, unless the optimizer is one of its own: those libraries import it whenever it is installed, and
-      it brings torch's compiler stack with it (about a second and 45 MiB at start-up);
+    - bitsandbytes, unless the optimizer is one of its own or it stores the base (int8, nf4): those libraries
+      import it whenever it is installed, and it brings torch's compiler stack with it (about a second and 45 MiB
+      at start-up);
     - scipy, unless the run samples images (a sample prompt may ask for the LMS sampler, which uses it) or builds
       an optimizer or scheduler from a package not known to do without it: transformers imports it for
       object-detection losses (about 55 MiB);
@@ -83,7 +84,8 @@ def hide_unused_packages(config: Config) -> list[str]:
     optimizer = optimizer_package(config)  # None: a name its own check refuses; nothing is hidden meanwhile
     scheduler = ((config.lr_scheduler_type or "").rpartition(".")[0] or "torch").split(".")[0]  # "StepLR": torch's
     without_scipy = {"torch", "transformers", "diffusers", "lion_pytorch", "prodigyopt", "dadaptation", "schedulefree"}
-    unused = {"bitsandbytes": optimizer not in ("bitsandbytes", None),
+    quantized_base = config.base_model_precision in ("int8", "nf4")
+    unused = {"bitsandbytes": optimizer not in ("bitsandbytes", None) and not quantized_base,
               "scipy": not config.sample_prompts and optimizer in without_scipy and scheduler in without_scipy,
               "boto3": True}
     hidden = [name for name, hide in unused.items() if hide]

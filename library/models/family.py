@@ -17,6 +17,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from library.config import UserError
+
 Tokenizer = Callable[[str], dict[str, torch.Tensor]]
 
 
@@ -94,6 +96,12 @@ class Family(ABC):
     @abstractmethod
     def objective(self, components: Components, config: Any, device: torch.device) -> Any:
         """The training objective (what is predicted, how timesteps are drawn and losses weighted)."""
+
+    def block_swap_plan(self, denoiser: torch.nn.Module, blocks_to_swap: int) -> list[tuple[Any, int]]:
+        """blocks_to_swap -> (run of blocks, how many of them to swap) per run, with kohya's limits for the family
+        (library.models.offload). Raises UserError for a family kohya swaps no blocks of, or too many blocks."""
+        raise UserError(f"blocks_to_swap: not offered for {self.name}'s denoiser (kohya swaps the blocks of "
+                        "transformer families such as FLUX.1); remove it")
 
     # --- LoRA files and metadata -------------------------------------------------------------------------------
     def lora_prefixes(self, train_denoiser: bool, train_text_encoder: bool, denoiser: torch.nn.Module,

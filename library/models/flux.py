@@ -158,6 +158,18 @@ class Flux(Family):
             raise UserError(problems)
         return FlowMatchingObjective.from_config(config)
 
+    def block_swap_plan(self, denoiser: torch.nn.Module, blocks_to_swap: int) -> list[tuple[Any, int]]:
+        """kohya's split: half (rounded down) of the count in double blocks, twice the rest in single blocks, each
+        at most its number of blocks less 2 (FLUX.1-dev: up to 35)."""
+        double, single = denoiser.transformer_blocks, denoiser.single_transformer_blocks
+        swap_double = blocks_to_swap // 2
+        swap_single = (blocks_to_swap - swap_double) * 2
+        if swap_double > len(double) - 2 or swap_single > len(single) - 2:
+            raise UserError(f"blocks_to_swap {blocks_to_swap}: FLUX swaps at most {len(double) - 2} double blocks and "
+                            f"{len(single) - 2} single blocks; this asks for {swap_double} double and {swap_single} "
+                            "single blocks")
+        return [(double, swap_double), (single, swap_single)]
+
     # --- LoRA files and metadata -------------------------------------------------------------------------------
     def lora_text_encoders(self, text_encoders: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
         return list(text_encoders) if self.train_t5xxl else [text_encoders[0]]  # T5 only when asked, as kohya

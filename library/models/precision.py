@@ -3,10 +3,11 @@
 Only the denoiser's and text encoders' linear (and, for fp8, conv) layers are stored low; they compute in the
 mixed-precision dtype, and the LoRA stays fp32 whatever the base holds, so the LoRA file is the same.
 
-- fp8: diffusers' layerwise casting (`apply_layerwise_casting`): each layer's weight is stored as float8_e4m3fn and
-  cast to the compute dtype for its forward only. It must be applied after the adapter is attached (before, peft's
-  LoRA forward runs in fp8), so it is done in two halves: `prepare` before attaching (cast, and tell peft the
-  compute dtype, so the LoRA starts exactly as it would on a bf16 base), `finish` after.
+- fp8: each layer's weight is stored as float8_e4m3fn and a compute-dtype copy is made for its forward only
+  (`cast_around_forward`; the layers chosen as diffusers' layerwise casting chooses them, whose in-place cast
+  breaks a convolution's backward). It is done in two halves: `prepare` before the adapter is attached (cast, and
+  tell peft the compute dtype, so the LoRA starts exactly as it would on a bf16 base), `finish` after (the hooks,
+  on the layers peft now wraps).
 - int8 / nf4: bitsandbytes' Linear8bitLt / Linear4bit (QLoRA's layers), which peft wraps with its own LoRA layers;
   bitsandbytes (>= 0.48) runs both forward and backward on CPU as well as CUDA.
 
@@ -37,7 +38,7 @@ LOW_PRECISIONS = ("fp8", "int8", "nf4")
 # adaptive-norm linears - a quarter of FLUX's weights - in bf16).
 SKIP_PATTERNS = ("lora_", "lycoris", "pos_embed", "patch_embed", "^proj_in$", "^proj_out$", "norm_out", "^conv_in$",
                  "^conv_out$", "time_embed", "time_text_embed", "embedder", "embed_tokens", "embeddings")
-# The layer types apply_layerwise_casting hooks (diffusers.hooks._common).
+# The layer types diffusers' apply_layerwise_casting casts (diffusers.hooks._common).
 _LAYERS = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.ConvTranspose1d,
            torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d, torch.nn.Embedding)
 
@@ -113,12 +114,11 @@ class BasePrecision:
 
     def finish(self, denoiser: torch.nn.Module, text_encoders: Sequence[torch.nn.Module]) -> None:
         """After the adapter is attached: the fp8 layers cast to the compute dtype around their forward."""
-        from diffusers.hooks import apply_layerwise_casting
-
         for module, kind in self._parts(denoiser, text_encoders):
             if kind == "fp8":
-                apply_layerwise_casting(module, storage_dtype=FP8, compute_dtype=self.compute_dtype,
-                                        skip_modules_pattern=SKIP_PATTERNS)
+                for layer in managed_layers(module, fp8=True).values():
+                    if layer.weight.dtype == FP8:
+                        cast_around_forward(layer, self.compute_dtype)
         if self.lowered:
             logger.info("frozen base stored as %s, computed in %s; the LoRA stays float32", self.describe(),
                         str(self.compute_dtype).removeprefix("torch."))
@@ -131,15 +131,31 @@ class BasePrecision:
         return parts
 
 
+def skip_patterns(module: torch.nn.Module) -> tuple[str, ...]:
+    """SKIP_PATTERNS, the layers whose weight another module shares (T5's `shared` embedding is also its
+    encoder's embed_tokens, which a cast of one layer would leave in fp8 for the other), and the model's
+    `_keep_in_fp32_modules`."""
+    owners: dict[int, list[str]] = {}
+    for name, layer in module.named_modules(remove_duplicate=False):
+        for param in layer.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(name)
+    tied = sorted({name for names in owners.values() if len(names) > 1 for name in names})
+    # Layers the model keeps in fp32 cast their input to their weight's dtype (T5's feed-forward `wo`).
+    kept = getattr(module, "_keep_in_fp32_modules", None) or []
+    return (SKIP_PATTERNS + tuple(f"^{re.escape(name)}$" for name in tied)
+            + tuple(f"(^|\\.){re.escape(name)}$" for name in kept))
+
+
 def managed_layers(module: torch.nn.Module, fp8: bool) -> dict[str, torch.nn.Module]:
-    """The layers stored low, by name: what apply_layerwise_casting hooks with SKIP_PATTERNS (the same walk: a
-    skipped name ends the descent), linear layers only for int8 / nf4 (their bitsandbytes twins exist only
-    for those)."""
+    """The layers stored low, by name: those diffusers' apply_layerwise_casting would take with `skip_patterns`
+    (the same walk: a skipped name ends the descent), linear layers only for int8 / nf4 (their bitsandbytes twins
+    exist only for those)."""
     kinds = _LAYERS if fp8 else (torch.nn.Linear,)
     found: dict[str, torch.nn.Module] = {}
+    patterns = skip_patterns(module)
 
     def walk(layer: torch.nn.Module, name: str) -> None:
-        if name and any(re.search(pattern, name) for pattern in SKIP_PATTERNS):
+        if name and any(re.search(pattern, name) for pattern in patterns):
             return
         if isinstance(layer, _LAYERS):
             if isinstance(layer, kinds):
@@ -150,6 +166,27 @@ def managed_layers(module: torch.nn.Module, fp8: bool) -> dict[str, torch.nn.Mod
 
     walk(module, "")
     return found
+
+
+def cast_around_forward(layer: torch.nn.Module, dtype: torch.dtype) -> None:
+    """The layer computes with compute-dtype copies of its fp8 parameters, made for each forward and dropped after
+    it. diffusers' apply_layerwise_casting casts the parameters in place and back after the forward instead, so a
+    convolution's backward, which reads the weight it saved, found fp8 there ("expected scalar type BFloat16");
+    here what backward saved is the copy, whatever the layer."""
+    stored: dict[str, torch.nn.Parameter] = {}
+
+    def before(module: torch.nn.Module, args: Any) -> None:
+        for name, param in module._parameters.items():
+            if param is not None and param.dtype in FP8_DTYPES:
+                stored[name] = param
+                module._parameters[name] = torch.nn.Parameter(param.to(dtype), requires_grad=False)
+
+    def after(module: torch.nn.Module, args: Any, output: Any) -> None:
+        module._parameters.update(stored)
+        stored.clear()
+
+    layer.register_forward_pre_hook(before)
+    layer.register_forward_hook(after)
 
 
 def _raise_leftovers(module: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -13,6 +13,7 @@ from library.config import Config, UserError
 from library.config.network_args import network_args_of
 from library.data.cache import check_finite_latents, sample_cached_latents
 from library.models.family import Components, Family
+from library.models.offload import install_offloading
 from library.models.precision import BasePrecision
 from library.network import kohya_format
 from library.network import targets as network_setup
@@ -173,7 +174,8 @@ def build_model(config: Config, components: Components, device: torch.device,
         for group in groups:
             for param in group["params"]:
                 param.data = param.data.to(WEIGHT_DTYPES[config.mixed_precision])
-    if config.gradient_checkpointing:
+    install_offloading_of(config, family, unet, device)
+    if config.gradient_checkpointing or config.cpu_offload_checkpointing:  # kohya turns it on for the latter
         unet.enable_gradient_checkpointing()
         if train_text_encoder:
             for text_encoder in family.lora_text_encoders(text_encoders):
@@ -188,6 +190,24 @@ def build_model(config: Config, components: Components, device: torch.device,
     if spec.initial_weights is not None:
         load_adapter(config, model, spec.initial_weights, strict=False, source=str(config.network_weights))
     return model, groups
+
+
+def install_offloading_of(config: Config, family: Family, denoiser: torch.nn.Module, device: torch.device) -> None:
+    """blocks_to_swap and cpu_offload_checkpointing (library.models.offload): checked against the family's limits
+    and installed where there is a CUDA device to offload from; elsewhere logged as having no effect."""
+    if not (config.blocks_to_swap or config.cpu_offload_checkpointing):
+        return
+    asked = "blocks_to_swap" if config.blocks_to_swap else "cpu_offload_checkpointing"
+    if device.type != "cuda":
+        # Checked against the family's limits only where it acts: a kohya config made for the full-size model
+        # then also runs on a tiny one.
+        logger.info("%s: no effect without a CUDA device (the weights and activations are in host memory already)",
+                    asked)
+        return
+    plan = family.block_swap_plan(denoiser, config.blocks_to_swap) if config.blocks_to_swap else []
+    install_offloading(denoiser, plan, config.cpu_offload_checkpointing, device)
+    logger.info("%s: %s", asked, ", ".join(f"{count} of {len(blocks)} blocks swapped" for blocks, count in plan)
+                or "checkpointed activations kept in CPU memory")
 
 
 def compile_repeated_blocks(denoiser: torch.nn.Module, backend: str) -> None:

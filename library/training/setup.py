@@ -314,6 +314,7 @@ PATH_OPTIONS = ("seed", "train_batch_size", "gradient_accumulation_steps", "reso
                 "debiased_estimation_loss", "scale_v_pred_loss_like_noise_pred", "v_pred_like_loss",
                 "zero_terminal_snr", "masked_loss", "alpha_mask", "loraplus_lr_ratio", "loraplus_unet_lr_ratio",
                 "loraplus_text_encoder_lr_ratio", "scale_weight_norms", "ema_decay", "timestep_sampling",
+                "base_model_precision", "fp8_base", "fp8_base_unet",
                 "sigmoid_scale", "discrete_flow_shift", "model_prediction_type", "weighting_scheme", "logit_mean",
                 "logit_std", "mode_scale", "guidance_scale", "t5xxl_max_token_length", "apply_t5_attn_mask")
 
@@ -350,5 +351,13 @@ def training_metadata(session: Session) -> dict[str, str]:
         max_token_length=config.max_token_length,
         training_comment=config.training_comment, title=config.metadata_title, author=config.metadata_author,
         description=config.metadata_description, license=config.metadata_license, tags=config.metadata_tags,
-        extra={**data.kohya_metadata(), **model_hashes},
+        extra={**data.kohya_metadata(), **model_hashes, **precision_metadata(config)},
     )
+
+
+def precision_metadata(config: Config) -> dict[str, str]:
+    """The frozen base's storage precision, recorded only when it is lowered (kohya's ss_fp8_base names)."""
+    if not BasePrecision.from_config(config, torch.float32).lowered:
+        return {}
+    return {"ss_fp8_base": str(config.fp8_base), "ss_fp8_base_unet": str(config.fp8_base_unet),
+            "ss_base_model_precision": config.base_model_precision}
