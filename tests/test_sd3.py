@@ -90,8 +90,33 @@ def test_configured_takes_kohyas_settings_and_refuses_what_is_not_here(component
                                                    apply_t5_attn_mask=True))
     assert (family.t5_max_length, family.apply_lg_attn_mask, family.apply_t5_attn_mask) == (32, True, True)
     with pytest.raises(UserError) as refused:
-        components.family.configured(settings(t5_dropout_rate=0.1, resolution=(72, 64)))
-    assert "t5_dropout_rate" in str(refused.value) and "multiples of 16" in str(refused.value)
+        components.family.configured(settings(t5_dropout_rate=1.5, resolution=(72, 64)))
+    assert "t5_dropout_rate 1.5" in str(refused.value) and "multiples of 16" in str(refused.value)
+
+
+def test_per_encoder_dropout_zeroes_each_encoders_part_as_kohya_does(components):
+    """kohya's drop_cached_text_encoder_outputs: a dropped CLIP-L zeroes its columns of the 77 CLIP tokens and of
+    the pooled output, CLIP-G likewise, T5 its tokens; the draws come from the step's generator."""
+    family = components.family.configured(settings(clip_l_dropout_rate=0.5, clip_g_dropout_rate=0.3,
+                                                   t5_dropout_rate=0.2, t5xxl_max_token_length=16))
+    assert components.family.configured(settings()).step_conditioning(4, torch.Generator()) == {}
+    drop = family.step_conditioning(64, torch.Generator().manual_seed(2))["text_drop"]
+    expected = torch.rand(64, 3, generator=torch.Generator().manual_seed(2)) < torch.tensor([0.5, 0.3, 0.2])
+    assert torch.equal(drop, expected)
+    encoded = encode(family, components, ["a photo of sks dog", "a red digit seven"])
+    which = torch.tensor([[True, False, True], [False, True, False]])
+    states, pooled = family.dropped(encoded, which, family.clip_widths)
+    want_states, want_pooled = encoded["encoder_hidden_states"].clone(), encoded["pooled"].clone()
+    want_states[0, :77, :16], want_pooled[0, :16], want_states[0, 77:] = 0, 0, 0  # CLIP-L and T5
+    want_states[1, :77, 16:32], want_pooled[1, 16:] = 0, 0  # CLIP-G
+    assert torch.equal(states, want_states) and torch.equal(pooled, want_pooled)
+    latents = torch.randn(2, 16, 8, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = family.denoise(components.denoiser, latents, torch.tensor([300.0, 700.0]), encoded,
+                             {"text_drop": which})
+        direct = family.denoise(components.denoiser, latents, torch.tensor([300.0, 700.0]),
+                                {"encoder_hidden_states": want_states, "pooled": want_pooled}, {})
+    torch.testing.assert_close(got, direct, rtol=0, atol=0)
 
 
 def trained(transformer, seed=0):

@@ -88,6 +88,11 @@ class Family(ABC):
         """Per-image conditioning besides the text, read from a collated batch."""
         return {}
 
+    def step_conditioning(self, batch_size: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """Per-step random conditioning drawn from the step's generator (after the noise and timesteps), e.g. SD3's
+        per-encoder caption dropout; nothing is drawn by default."""
+        return {}
+
     @abstractmethod
     def denoise(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 text: Mapping[str, torch.Tensor], conditioning: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -75,6 +75,8 @@ class SD3(Family):
     apply_lg_attn_mask: bool = False
     apply_t5_attn_mask: bool = False
     train_t5xxl: bool = False
+    dropout_rates: tuple[float, float, float] = (0.0, 0.0, 0.0)  # kohya's clip_l / clip_g / t5 dropout rates
+    clip_widths: tuple[int, int] = (768, 1280)  # CLIP-L's and CLIP-G's widths (hidden states and projections)
 
     base_model_version = "sd3"
     text_encoder_folders = ("text_encoder", "text_encoder_2", "text_encoder_3")
@@ -99,10 +101,11 @@ class SD3(Family):
                 logger.warning("%s has no effect for SD3, as in kohya's SD3 trainer: timesteps are drawn by "
                                "weighting_scheme and training_shift, and the output is always preconditioned to x0",
                                name)
-        problems = [f"{name} {getattr(config, name)}: per-encoder caption dropout is not implemented here yet "
-                    "(caption_dropout_rate drops whole captions)"
-                    for name in ("clip_l_dropout_rate", "clip_g_dropout_rate", "t5_dropout_rate")
-                    if getattr(config, name)]
+        rates = tuple(getattr(config, name) for name in ("clip_l_dropout_rate", "clip_g_dropout_rate",
+                                                         "t5_dropout_rate"))
+        problems = [f"{name} {rate}: a probability, between 0 and 1" for name, rate in zip(
+            ("clip_l_dropout_rate", "clip_g_dropout_rate", "t5_dropout_rate"), rates, strict=True)
+            if not 0 <= rate <= 1]
         if any(side % 16 for side in config.resolution):
             problems.append(f"resolution {config.resolution}: SD3 needs sides that are multiples of 16")
         if config.enable_bucket and config.bucket_reso_steps % 16:
@@ -115,7 +118,8 @@ class SD3(Family):
             raise UserError(problems)
         return dataclasses.replace(self, t5_max_length=config.t5xxl_max_token_length,
                                    apply_lg_attn_mask=config.apply_lg_attn_mask,
-                                   apply_t5_attn_mask=config.apply_t5_attn_mask, train_t5xxl=train_t5xxl)
+                                   apply_t5_attn_mask=config.apply_t5_attn_mask, train_t5xxl=train_t5xxl,
+                                   dropout_rates=rates)
 
     # --- prompts ----------------------------------------------------------------------------------------------
     def tokenizer(self, components: Components, max_token_length: int | None) -> Tokenizer:
@@ -153,15 +157,43 @@ class SD3(Family):
                 "pooled": torch.cat(pooled, dim=-1)}
 
     # --- the denoiser ------------------------------------------------------------------------------------------
+    def step_conditioning(self, batch_size: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """kohya's per-encoder dropout: for each caption, CLIP-L's, CLIP-G's and T5's outputs are each zeroed with
+        their rate (drawn from the step's generator, so a resumed run drops what the original dropped)."""
+        if not any(self.dropout_rates):
+            return {}
+        return {"text_drop": torch.rand(batch_size, 3, generator=generator) < torch.tensor(self.dropout_rates)}
+
+    @staticmethod
+    def dropped(text: Mapping[str, torch.Tensor], drop: torch.Tensor,
+                clip_widths: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The encoded prompt with the dropped encoders' parts zeroed (kohya's drop_cached_text_encoder_outputs):
+        CLIP-L's and CLIP-G's columns of the first 77 tokens and of the pooled output, T5's tokens."""
+        states, pooled = text["encoder_hidden_states"].clone(), text["pooled"].clone()
+        l_width, g_width = clip_widths
+        drop = drop.to(states.device)
+        for i in range(states.shape[0]):
+            if drop[i, 0]:
+                states[i, :77, :l_width] = 0
+                pooled[i, :l_width] = 0
+            if drop[i, 1]:
+                states[i, :77, l_width:l_width + g_width] = 0
+                pooled[i, l_width:] = 0
+            if drop[i, 2]:
+                states[i, 77:] = 0
+        return states, pooled
+
     def denoise(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 text: Mapping[str, torch.Tensor], conditioning: Mapping[str, torch.Tensor]) -> torch.Tensor:
         _, _, height, width = noisy.shape
         if height % 2 or width % 2:  # a dataset_config subset's own resolution can get past `configured`
             raise UserError(f"SD3 needs image sides that are multiples of 16; got {8 * width}x{8 * height} pixels")
         dtype = noisy.dtype
-        return denoiser(hidden_states=noisy, encoder_hidden_states=text["encoder_hidden_states"].to(dtype),
-                        pooled_projections=text["pooled"].to(dtype), timestep=timesteps.to(dtype),
-                        return_dict=False)[0]
+        states, pooled = text["encoder_hidden_states"], text["pooled"]
+        if "text_drop" in conditioning:
+            states, pooled = self.dropped(text, conditioning["text_drop"], self.clip_widths)
+        return denoiser(hidden_states=noisy, encoder_hidden_states=states.to(dtype),
+                        pooled_projections=pooled.to(dtype), timestep=timesteps.to(dtype), return_dict=False)[0]
 
     def objective(self, components: Components, config: Any, device: torch.device) -> SD3Objective:
         class WithoutTimestepRange:  # min/max_timestep are SD3's own (see SD3Objective), not ignored
@@ -236,10 +268,12 @@ def is_sd3_folder(path: Path) -> bool:
         return False
 
 
-def family_of(transformer: Any) -> SD3:
-    """Large (38 blocks) or Medium, as kohya's modelspec names them, and the context-pre-only block."""
+def family_of(transformer: Any, text_encoders: Sequence[Any]) -> SD3:
+    """Large (38 blocks) or Medium, as kohya's modelspec names them, the context-pre-only block and the CLIPs'
+    widths."""
     layers = transformer.config.num_layers
-    return SD3(last_block=layers - 1, large=layers >= 38)
+    widths = tuple(encoder.config.hidden_size for encoder in text_encoders[:2])
+    return SD3(last_block=layers - 1, large=layers >= 38, clip_widths=widths)
 
 
 def load_sd3_folder(path: Path, weight_dtype: torch.dtype, vae_dtype: torch.dtype) -> Components:
@@ -265,4 +299,4 @@ def load_sd3_folder(path: Path, weight_dtype: torch.dtype, vae_dtype: torch.dtyp
     except (OSError, ValueError, json.JSONDecodeError) as e:
         raise UserError(f"{path}: cannot load the SD3 model: {e}") from None
     return Components(denoiser=transformer, vae=vae, text_encoders=encoders, tokenizers=tokenizers,
-                      noise_scheduler=scheduler, v_prediction=False, family=family_of(transformer))
+                      noise_scheduler=scheduler, v_prediction=False, family=family_of(transformer, encoders))

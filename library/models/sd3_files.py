@@ -185,4 +185,4 @@ def load_sd3_files(path: Path, clip_l: str | None, clip_g: str | None, t5xxl: st
     transformer.eval()
     vae.eval()
     return Components(denoiser=transformer, vae=vae, text_encoders=encoders, tokenizers=tokenizers,
-                      noise_scheduler=scheduler, v_prediction=False, family=family_of(transformer))
+                      noise_scheduler=scheduler, v_prediction=False, family=family_of(transformer, encoders))

@@ -191,7 +191,8 @@ class Trainer:
             if "loss_mask" in batch:
                 extra["mask"] = batch["loss_mask"]
             with accelerator.autocast():
-                conditioning = s.components.family.batch_conditioning(batch)
+                conditioning = {**s.components.family.batch_conditioning(batch),
+                                **s.components.family.step_conditioning(latents.shape[0], generator)}
                 per_sample = diffusion_loss(s.model, latents, batch["text"], conditioning, noise, timesteps, obj,
                                             **extra)
                 per_sample = per_sample * batch["loss_weight"]
