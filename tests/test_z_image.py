@@ -348,3 +348,26 @@ def test_comfyui_applies_the_file_to_its_fused_layout_as_we_trained_it(component
     assert expected.keys() == patched.keys()
     for key in expected:
         torch.testing.assert_close(patched[key], expected[key], rtol=1e-5, atol=1e-6)
+
+
+def test_fp8_base_stores_the_transformer_in_fp8_and_trains_the_lora(tiny_z_image_dir):
+    """fp8_base (the precision options of library.models.precision) on Z-Image: the frozen Linear weights are
+    float8_e4m3fn, the step runs in bf16 and the LoRA gets its gradients."""
+    from library.models.loading import load_components
+    from library.training.model import build_model
+
+    run = config("--fp8_base", "--mixed_precision", "bf16", "--network_module", "networks.lora_zimage",
+                 "--network_train_unet_only", "--resolution", "64")
+    loaded = load_components(tiny_z_image_dir, weight_dtype=torch.bfloat16, vae_dtype=torch.bfloat16)
+    loaded.family = loaded.family.configured(run)
+    model, groups = build_model(run, loaded, torch.device("cpu"))
+    assert model.denoiser.layers[0].feed_forward.w1.base_layer.weight.dtype == torch.float8_e4m3fn
+    _, encoded = encode(loaded, ["a photo of sks dog"])
+    noisy = torch.randn(1, 16, 8, 8, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(noisy, torch.tensor([500.0]), encoded, {}).float().square().mean().backward()
+    params = [p for group in groups for p in group["params"]]
+    assert len(params) == 2 * 7 * 2 and all(p.grad is not None for p in params)
+    # B starts at zero (kohya's and peft's init), so the first gradient reaches every B.
+    ups = [p for name, p in model.denoiser.named_parameters() if "lora_B" in name]
+    assert len(ups) == 2 * 7 and all(p.grad.abs().sum() > 0 for p in ups)
