@@ -18,6 +18,7 @@ from accelerate.utils import DistributedType, broadcast_object_list, set_seed
 from library.config import Config, UserError
 from library.core.memory import return_free_heap
 from library.data.dataset import TrainingData, build_training_data
+from library.models import memory_estimate as memory
 from library.models.family import Components
 from library.models.loading import load_components
 from library.models.precision import BasePrecision, reading
@@ -133,6 +134,7 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     # The images are checked before the model is loaded, so data problems surface in seconds.
     data = build_training_data(config, None, seed, accelerator.num_processes)
     precision = BasePrecision.from_config(config, weight_dtype)
+    check_memory(config, accelerator, precision, vae_dtype)
     # The base's files are read straight into their storage precision (fp8 files stay fp8).
     with reading(precision.read_rule([config.pretrained_model_name_or_path],
                                      [path for path in (config.clip_l, config.clip_g, config.t5xxl) if path])):
@@ -361,3 +363,39 @@ def precision_metadata(config: Config) -> dict[str, str]:
         return {}
     return {"ss_fp8_base": str(config.fp8_base), "ss_fp8_base_unet": str(config.fp8_base_unet),
             "ss_base_model_precision": config.base_model_precision}
+
+
+def check_memory(config: Config, accelerator: Accelerator, precision: BasePrecision, vae_dtype: torch.dtype,
+                 available: float | None = None) -> None:
+    """Estimate what the run will hold from the model files' headers and stop before loading (UserError) where it
+    exceeds the memory available (the CUDA device's, or the host's shared by this machine's processes), naming the
+    options that would fit. `available` stands in for the measured memory in tests."""
+    files = memory.model_files(config.pretrained_model_name_or_path,
+                               {"text": [config.clip_l, config.t5xxl], "vae": [config.ae]})
+    if files is None:
+        return
+    counts: dict[str, memory.Counts] = {}
+    try:
+        for path, part in files:
+            for name, found in memory.count_file(path, part).items():
+                counts[name] = counts.get(name, memory.Counts()) + found
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # the loader names what is wrong with the file
+    device = accelerator.device
+    settings = memory.Settings(precision.denoiser, precision.text_encoders, precision.compute_dtype, vae_dtype,
+                               config.network_dim, config.gradient_checkpointing or config.cpu_offload_checkpointing,
+                               reads_low=Path(config.pretrained_model_name_or_path).is_file())
+    sharing = 1 if device.type == "cuda" else accelerator.num_processes
+    need = memory.estimate(counts, settings)
+    if available is None:
+        available = memory.available_memory(device) / sharing
+    where = "on the GPU" if device.type == "cuda" else "in host memory"
+    logger.info("memory estimate %s: %s (%.1f GiB available)", where, need.describe(), available / memory.GIB)
+    if need.total <= available:
+        return
+    fits = memory.alternatives(counts, settings, available, device.type == "cuda")
+    raise UserError([f"this run needs about {need.total / memory.GIB:.1f} GiB {where} ({need.describe()}) and "
+                     f"{available / memory.GIB:.1f} GiB is available: it would run out of memory; stopped before "
+                     "loading",
+                     f"options that would fit: {'; '.join(fits)}" if fits else
+                     "none of base_model_precision fp8 / int8 / nf4 or gradient_checkpointing alone would fit"])
