@@ -12,8 +12,9 @@ mixed-precision dtype, and the LoRA stays fp32 whatever the base holds, so the L
   bitsandbytes (>= 0.48) runs both forward and backward on CPU as well as CUDA.
 
 Reading: inside `reading(rule)`, library.models.safetensors_io reads the matrices the rule names straight into fp8
-(fp8 files stay fp8), so a 12 B transformer is never held in bf16 first. Whatever of those stays high precision
-(embeddings, skipped layers) is cast up again by `prepare`.
+(fp8 files stay fp8), so a 12 B transformer is never held in bf16 first (loaders that hand the tensors to
+diffusers' from_single_file or from_pretrained get the compute dtype instead: those cast what they are given).
+Whatever of those stays high precision (embeddings, skipped layers) is cast up again by `prepare`.
 """
 from __future__ import annotations
 

@@ -135,8 +135,10 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     data = build_training_data(config, None, seed, accelerator.num_processes)
     precision = BasePrecision.from_config(config, weight_dtype)
     check_memory(config, accelerator, precision, vae_dtype)
-    # The base's files are read straight into their storage precision (fp8 files stay fp8).
-    with reading(precision.read_rule([config.pretrained_model_name_or_path],
+    # Separate component files (kohya's FLUX files) are read straight into their storage precision (fp8 files stay
+    # fp8). A single SD checkpoint is not: diffusers' from_single_file casts what it is given to the training dtype.
+    separate = any((config.clip_l, config.t5xxl, config.ae))
+    with reading(precision.read_rule([config.pretrained_model_name_or_path] if separate else [],
                                      [path for path in (config.clip_l, config.clip_g, config.t5xxl) if path])):
         components = load_components(config.pretrained_model_name_or_path, config.v2, config.v_parameterization,
                                      weight_dtype, vae_dtype, config.model_config, config.allow_pickle_checkpoints,
