@@ -373,7 +373,7 @@ def check_memory(config: Config, accelerator: Accelerator, precision: BasePrecis
     exceeds the memory available (the CUDA device's, or the host's shared by this machine's processes), naming the
     options that would fit. `available` stands in for the measured memory in tests."""
     files = memory.model_files(config.pretrained_model_name_or_path,
-                               {"text": [config.clip_l, config.t5xxl], "vae": [config.ae]})
+                               {"text": [config.clip_l, config.t5xxl, config.text_encoder], "vae": [config.ae]})
     if files is None:
         return
     counts: dict[str, memory.Counts] = {}
