@@ -82,7 +82,7 @@ class SD3(Family):
     text_encoder_folders = ("text_encoder", "text_encoder_2", "text_encoder_3")
     tokenizer_folders = ("tokenizer", "tokenizer_2", "tokenizer_3")
     lora_text_prefixes = ("lora_te1", "lora_te2", "lora_te3")  # CLIP-L, CLIP-G, T5 (kohya's lora_sd3)
-    default_sampling_scale = 5.0  # kohya's SD3 sample default CFG scale
+    default_sampling_scale = 7.5  # kohya's SD3 sample default CFG scale (sd3_train_utils)
 
     @property
     def name(self) -> str:  # type: ignore[override]
