@@ -41,8 +41,9 @@ IGNORED_KOHYA_OPTIONS: dict[str, str] = {
 # kohya options this trainer does not offer (yet): named so a kohya user learns exactly what to change.
 UNSUPPORTED_KOHYA_OPTIONS: tuple[str, ...] = (
     "async_upload", "base_weights", "base_weights_multiplier", "cache_info",
-    "color_aug", "console_log_file",
+    "console_log_file",
     "dataset_class",
+    "enable_scaled_pos_embed", "pos_emb_random_crop_rate",  # sd3_train_network.py, for SD3.5 Medium
     "face_crop_aug_range",
     "fused_backward_pass",
     "huggingface_path_in_repo", "huggingface_repo_id", "huggingface_repo_type", "huggingface_repo_visibility",
