@@ -141,6 +141,9 @@ def check_values(v: dict[str, Any]) -> list[str]:
         else:
             need(width % 8 == 0 and height % 8 == 0,
                  f"resolution {width}x{height}: sides must be multiples of 8 (the VAE downsamples 8x)")
+        need(not (v["color_aug"] and (v["cache_latents"] or v["cache_latents_to_disk"])),
+             "color_aug changes the pixels each time and cannot use cached latents; turn off color_aug or "
+             "cache_latents / cache_latents_to_disk")
         need(not (v["random_crop"] and (v["cache_latents"] or v["cache_latents_to_disk"])),
              "random_crop draws a new crop each time and cannot use cached latents; turn off random_crop or "
              "cache_latents / cache_latents_to_disk")

@@ -119,6 +119,9 @@ _DATASET = [
     _opt("resize_interpolation", _to_str, None,
          "kohya's: the filter images are resized with (default: Lanczos); area averages the covered pixels",
          choices=("lanczos", "nearest", "bilinear", "linear", "bicubic", "cubic", "area")),
+    _opt("color_aug", _to_bool, False,
+         "kohya's: a random hue shift (up to 8 of 180 steps) or gamma (0.95-1.05) on a third of the uses of an image; "
+         "latents are then not cached"),
     _opt("enable_bucket", _to_bool, False, "aspect-ratio buckets"),
     _opt("min_bucket_reso", _to_int, 256, "smallest bucket side"),
     _opt("max_bucket_reso", _to_int, 1024, "largest bucket side"),
