@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from library.config import parse_config
+from library.config import ConfigError, parse_config
 
 
 def base_args(model, data, out, *extra: str) -> list[str]:
@@ -210,3 +210,30 @@ def test_resize_interpolation_picks_the_resize_filter(sample_data_dir, tmp_path,
     plain.__dict__.update(vars(record), subset=dataclasses.replace(subset, resize_interpolation=None))
     assert variant_key(record, False, "d", "v", torch.float32) != variant_key(plain, False, "d", "v", torch.float32)
     assert "interpolation" not in variant_key(plain, False, "d", "v", torch.float32)  # old entries stay valid
+
+
+def test_color_aug_shifts_hue_or_gamma_on_a_third_of_the_uses(sample_data_dir, tmp_path, paths_for_wildcards):
+    import random
+
+    from PIL import Image
+
+    from library.data.images import color_augment, prepare_image
+
+    path = sorted((sample_data_dir / "10_sks shape").glob("*.png"))[0]
+    image = Image.open(path).convert("RGB")
+    changed = [color_augment(image, random.Random(seed)).tobytes() != image.tobytes() for seed in range(300)]
+    assert 0.25 < sum(changed) / len(changed) < 0.42  # kohya's 0.33
+    assert color_augment(image, random.Random(5)).tobytes() == color_augment(image, random.Random(5)).tobytes()
+    seed = next(s for s in range(300) if changed[s])
+    plain = prepare_image(path, (64, 64), (64, 64), (64, 64), (0, 0), False)
+    augmented = prepare_image(path, (64, 64), (64, 64), (64, 64), (0, 0), False,
+                              augment=lambda im: color_augment(im, random.Random(seed)))
+    assert not torch.equal(plain, augmented)
+
+    (tmp_path / "1_x").mkdir()
+    with pytest.raises(ConfigError, match="color_aug changes the pixels each time"):
+        parse_config(paths_for_wildcards(tmp_path) + ["--color_aug", "--cache_latents"])
+    config, _ = parse_config(paths_for_wildcards(tmp_path) + ["--color_aug"])
+    from library.data.dataset import resolve_datasets
+
+    assert resolve_datasets(config)[0].subsets[0].color_aug

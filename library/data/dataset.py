@@ -21,7 +21,7 @@ import torch
 from library.data.captions import process_caption
 from library.config import Config, UserError
 from library.data.dataset_config import DatasetSpec, resolve_datasets
-from library.data.images import prepare_image, prepare_mask
+from library.data.images import color_augment, prepare_image, prepare_mask
 from library.data.scan import ImageRecord, SubsetReport, balance_regularisation, scan_datasets
 from library.core.seeds import derive_seed
 
@@ -84,8 +84,12 @@ class TrainingDataset(torch.utils.data.Dataset):
         if self.latents is not None:
             item["latent_mean"], item["latent_logvar"] = self.latents.get(record_index, flipped)
         else:
+            augment = None
+            if subset.color_aug:
+                rng = item_rng(self.seed, "color", epoch, index)
+                augment = lambda image: color_augment(image, rng)  # noqa: E731 (one use, right here)
             item["pixels"] = prepare_image(record.path, record.size, record.resized, record.bucket, (left, top),
-                                           flipped, subset.resize_interpolation)
+                                           flipped, subset.resize_interpolation, augment)
         # Read from the files each time, also with cached latents, so a cache never holds a stale mask.
         if subset.conditioning_data_dir is not None:  # kohya prefers these masks to the alpha channel
             item["loss_mask"] = prepare_mask(subset.conditioning_data_dir / record.path.name, record.size,

@@ -42,6 +42,7 @@ class SubsetSpec:
     caption_tag_dropout_rate: float = 0.0
     flip_aug: bool = False
     random_crop: bool = False
+    color_aug: bool = False  # kohya's: a random hue shift or gamma each time the image is used
     alpha_mask: bool = False  # the images' alpha channel weights the loss
     conditioning_data_dir: Path | None = None  # masked_loss: a mask image per image, under the same file name
     secondary_separator: str | None = None  # kohya's: becomes caption_separator after shuffling and dropping
@@ -120,6 +121,7 @@ SUBSET_KEYS: dict[str, Callable[[Any], Any]] = {
     "caption_separator": _str, "keep_tokens": _int, "keep_tokens_separator": _str, "caption_prefix": _str,
     "caption_suffix": _str, "caption_dropout_rate": _float, "caption_dropout_every_n_epochs": _int,
     "caption_tag_dropout_rate": _float, "flip_aug": _bool, "random_crop": _bool, "alpha_mask": _bool,
+    "color_aug": _bool,
     "secondary_separator": _str, "enable_wildcard": _bool, "resize_interpolation": _str,
 }
 SUBSET_ONLY_KEYS: dict[str, Callable[[Any], Any]] = {"image_dir": _str, "is_reg": _bool,
@@ -382,6 +384,9 @@ def check_dataset_spec(spec: DatasetSpec, config: Config | None, where: str) -> 
             # kohya reads these masks only for masked_loss and refuses the key otherwise.
             need(config is None or config.masked_loss,
                  f"{at}: conditioning_data_dir holds loss masks, which need masked_loss = true")
+        need(not (caching_latents and subset.color_aug),
+             f"{at}: color_aug changes the pixels each time and cannot use cached latents; turn off color_aug or "
+             "cache_latents / cache_latents_to_disk")
         need(not (caching_latents and subset.random_crop),
              f"{at}: random_crop draws a new crop each time and cannot use cached latents; turn off random_crop "
              "or cache_latents")

@@ -38,12 +38,13 @@ def plan_caching(config: Config, data: TrainingData, train_text_encoder: bool) -
     if config.is_set("cache_latents") or config.cache_latents_to_disk:
         latents = config.cache_latents or config.cache_latents_to_disk
     else:
-        cropped = sorted({str(r.subset.image_dir) for r in data.records if r.subset.random_crop})
+        cropped = sorted({str(r.subset.image_dir) for r in data.records if r.subset.random_crop or r.subset.color_aug})
         latents = not cropped
         notes.append("latents are cached in memory: the VAE encodes each image once and every step samples from "
                      "its cached posterior, as it would encoding the image then (cache_latents = false turns this "
                      "off)" if latents else
-                     f"latents are encoded each step: random_crop draws a new crop each time ({', '.join(cropped)})")
+                     f"latents are encoded each step: random_crop / color_aug change the pixels each time "
+                     f"({', '.join(cropped)})")
     if config.cache_text_encoder_outputs_to_disk:
         # sd-scripts: _to_disk turns on cache_text_encoder_outputs. The outputs are encoded once at start here
         # and kept in memory: no file beside the images.
