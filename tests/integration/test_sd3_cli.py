@@ -26,7 +26,8 @@ def sd3_toml(tiny_sd3_dir, sample_data_dir, tmp_path_factory) -> str:
     # kohya's SD3 options on the tiny model (per-encoder dropout too), CLIP-L and CLIP-G trained too.
     return (f'pretrained_model_name_or_path = "{tiny_sd3_dir}"\ntrain_data_dir = "{data.parent}"\n'
             'resolution = 64\ncaption_extension = ".txt"\ntrain_batch_size = 2\nseed = 3\nlearning_rate = 1e-3\n'
-            'network_dim = 4\nnetwork_alpha = 2\nt5xxl_max_token_length = 16\napply_lg_attn_mask = true\n'
+            'network_module = "networks.lora_sd3"\nnetwork_dim = 4\nnetwork_alpha = 2\n'
+            't5xxl_max_token_length = 16\napply_lg_attn_mask = true\n'
             'apply_t5_attn_mask = true\nweighting_scheme = "logit_normal"\ntraining_shift = 3.0\n'
             'clip_l_dropout_rate = 0.3\nclip_g_dropout_rate = 0.3\nt5_dropout_rate = 0.3\n')
 
@@ -49,6 +50,7 @@ def test_trains_and_writes_kohyas_sd3_file(reference):
     assert {m.split("_")[1] for m in modules} == {"unet", "te1", "te2"}  # T5 only with train_t5xxl, as kohya
     assert all(state_dict[f"{m}.lora_up.weight"].abs().sum() > 0 for m in modules if m.startswith("lora_unet"))
     assert metadata["ss_base_model_version"] == "sd3"
+    assert metadata["ss_network_module"] == "networks.lora_sd3"
     assert metadata["modelspec.architecture"] == "stable-diffusion-3-m/lora"
     assert metadata["ss_training_shift"] == "3.0" and metadata["ss_apply_lg_attn_mask"] == "True"
 
