@@ -146,7 +146,9 @@ def test_an_option_not_offered_asks_for_nothing_when_off_on_the_command_line_too
         _, notes = parse_config(required_args(paths) + off)
         assert any("dataset_class" in note and "asks for nothing" in note for note in notes), (off, notes)
     problems = problems_of(required_args(paths) + ["--dataset_class=my.Dataset"])
-    assert problems == ["command line: dataset_class is a kohya option this trainer does not support yet; remove it"]
+    assert problems == ["command line: dataset_class is a kohya option this trainer refuses: it imports and runs a "
+                        "Python class named in the config; give the images as kohya folders (train_data_dir) or a "
+                        "dataset_config TOML; remove it"]
 
 
 @pytest.mark.parametrize("text, message", [
@@ -224,7 +226,7 @@ save_last_n_steps = 0
 max_train_epochs = 0
 clip_skip = 0
 cache_info = false
-color_aug = false
+weighted_captions = false
 """
     config, notes = parse_config(["--config", write_toml(tmp_path / "gui.toml", text)])
     assert config.dynamo_backend == "no" and config.persistent_data_loader_workers is True
@@ -232,7 +234,7 @@ color_aug = false
     assert (config.min_snr_gamma, config.scale_weight_norms, config.save_last_n_steps, config.max_train_epochs,
             config.clip_skip) == (None,) * 5
     noted = "\n".join(notes)
-    for name in ("epoch", "noise_offset_type", "cache_info", "color_aug"):
+    for name in ("epoch", "noise_offset_type", "cache_info", "weighted_captions"):
         assert f"{name} " in noted, notes
 
     problems = problems_of(["--config", write_toml(tmp_path / "bad.toml", "".join(

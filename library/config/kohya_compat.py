@@ -38,6 +38,12 @@ IGNORED_KOHYA_OPTIONS: dict[str, str] = {
                         "which costs a file read, not a VAE pass; entries that match are always reused",
 }
 
+# Why some kohya options are refused for good (the others are not offered yet).
+REFUSED_WHY: dict[str, str] = {
+    "dataset_class": "it imports and runs a Python class named in the config; give the images as kohya folders "
+                     "(train_data_dir) or a dataset_config TOML",
+}
+
 # kohya options this trainer does not offer (yet): named so a kohya user learns exactly what to change.
 UNSUPPORTED_KOHYA_OPTIONS: tuple[str, ...] = (
     "async_upload", "base_weights", "base_weights_multiplier", "cache_info",

@@ -16,7 +16,13 @@ import tomllib
 from library.config.checks import check_values
 from library.config.dump import config_toml
 from library.config.errors import ConfigError, UserError
-from library.config.kohya_compat import CHOICE_HINTS, IGNORED_KOHYA_OPTIONS, UNSUPPORTED_KOHYA_OPTIONS, ZERO_IS_UNSET
+from library.config.kohya_compat import (
+    CHOICE_HINTS,
+    IGNORED_KOHYA_OPTIONS,
+    REFUSED_WHY,
+    UNSUPPORTED_KOHYA_OPTIONS,
+    ZERO_IS_UNSET,
+)
 from library.config.option_types import Option, _to_str
 from library.config.options import ALIASES, GROUPS, OPTIONS
 
@@ -165,6 +171,8 @@ def _check_key(name: str, where: str) -> tuple[str | None, str | None, str | Non
         return ALIASES[name], None, None
     if name in IGNORED_KOHYA_OPTIONS:
         return None, None, f"{where}: {name} has no effect here: {IGNORED_KOHYA_OPTIONS[name]}"
+    if name in REFUSED_WHY:
+        return None, f"{where}: {name} is a kohya option this trainer refuses: {REFUSED_WHY[name]}; remove it", None
     if name in UNSUPPORTED_KOHYA_OPTIONS:
         return None, f"{where}: {name} is a kohya option this trainer does not support yet; remove it", None
     return None, f"{where}: unknown option {name!r}" + _suggest(name, list(OPTIONS) + list(ALIASES)), None
