@@ -83,8 +83,8 @@ def main() -> int:
             write_sparse(path, shapes[name], dtype)
             files[stored, name] = path
     print(f"FLUX.1-dev at full size; rank 16, bf16 compute, gradient checkpointing; budget {args.available_gib} GiB")
-    print("| files | base_model_precision | estimate (GiB) | parts (GiB) |")
-    print("|---|---|---|---|")
+    print(f"| files | base_model_precision | estimate (GiB) | fits {args.available_gib:g} GiB | parts (GiB) |")
+    print("|---|---|---|---|---|")
     for stored in ("bf16", "fp8"):
         counts: dict[str, memory.Counts] = {}
         for name, part in (("transformer", "denoiser"), ("clip_l", "text"), ("t5xxl", "text"), ("ae", "vae")):
@@ -94,7 +94,8 @@ def main() -> int:
             settings = memory.Settings(kind, kind and "fp8", torch.bfloat16, torch.bfloat16, 16, True)
             need = memory.estimate(counts, settings)
             parts = ", ".join(f"{k} {v / memory.GIB:.1f}" for k, v in need.parts.items())
-            print(f"| {stored} | {kind or 'no_change'} | {need.total / memory.GIB:.1f} | {parts} |")
+            fits = "yes" if need.total <= args.available_gib * memory.GIB else "no"
+            print(f"| {stored} | {kind or 'no_change'} | {need.total / memory.GIB:.1f} | {fits} | {parts} |")
     if args.refuse:
         data = work / "data" / "1_sks"
         data.mkdir(parents=True, exist_ok=True)
