@@ -386,7 +386,7 @@ def check_memory(config: Config, accelerator: Accelerator, precision: BasePrecis
     device = accelerator.device
     settings = memory.Settings(precision.denoiser, precision.text_encoders, precision.compute_dtype, vae_dtype,
                                config.network_dim, config.gradient_checkpointing or config.cpu_offload_checkpointing,
-                               reads_low=Path(config.pretrained_model_name_or_path).is_file())
+                               reads_low=any((config.clip_l, config.t5xxl, config.ae)))  # as build_session reads
     sharing = 1 if device.type == "cuda" else accelerator.num_processes
     need = memory.estimate(counts, settings)
     if available is None:
