@@ -65,3 +65,9 @@ def test_a_run_that_cannot_fit_stops_before_loading_naming_what_fits(files, tiny
     assert 'base_model_precision = "fp8"' in text and 'base_model_precision = "nf4"' in text
     with pytest.raises(UserError, match="none of base_model_precision"):
         check_memory(config, accelerator, precision, torch.bfloat16, available=1.0)
+
+
+def test_a_full_matrix_network_dim_counts_no_more_than_the_matrices(files):
+    counts = {"denoiser": memory.count_file(files["transformer"], "denoiser")["denoiser"]}
+    huge = memory.estimate(counts, memory.Settings(None, None, torch.bfloat16, torch.bfloat16, 100000, True))
+    assert huge.parts["LoRA and optimizer"] == counts["denoiser"].matrices * 16

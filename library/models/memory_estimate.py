@@ -136,7 +136,9 @@ def estimate(counts: dict[str, Counts], settings: Settings) -> Estimate:
 
     vae_bytes = (vae.matrices + vae.other) * torch.finfo(settings.vae_dtype).bits / 8
     stored = held(denoiser, settings.denoiser) * (1 - settings.swapped_fraction)
-    lora = denoiser.lora_per_rank * settings.rank * 16  # fp32 weight, gradient, two AdamW moments
+    # fp32 weight, gradient, two AdamW moments; never more than the matrices themselves (a LyCORIS "full matrix"
+    # network_dim such as 100000 is not a rank)
+    lora = min(denoiser.lora_per_rank * settings.rank, denoiser.matrices) * 16
     # A rough allowance: the checkpointed block inputs and one block's working set, or every block's activations.
     activations = (0.15 if settings.gradient_checkpointing else 1.0) * denoiser.matrices * compute + 0.5 * GIB
     loading = {"denoiser as read": read(denoiser, settings.denoiser),
