@@ -116,8 +116,8 @@ def test_text_encoder_outputs_to_disk_turns_caching_on_as_in_kohya():
     from library.training.caching import plan_caching
 
     values = {name: option.default for name, option in OPTIONS.items()}
-    varying = SimpleNamespace(records=[SimpleNamespace(subset=SimpleNamespace(caption_ops=True, random_crop=False,
-                                                                              image_dir="d"))])
+    subset = SimpleNamespace(caption_ops=True, random_crop=False, color_aug=False, image_dir="d")
+    varying = SimpleNamespace(records=[SimpleNamespace(subset=subset)])
     assert not plan_caching(Config(values), varying, train_text_encoder=False).text
     plan = plan_caching(Config(values | {"cache_text_encoder_outputs_to_disk": True}), varying,
                         train_text_encoder=False)

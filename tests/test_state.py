@@ -99,7 +99,7 @@ def test_snapshot_names_and_retention(tiny_sd1_dir, small_data, tmp_path):
     assert names == sorted([
         "last-step00000006.safetensors", "last-step00000008.safetensors", "last-step00000008-state",
         "last-000001.safetensors", "last-000002.safetensors", "last-000002-state",
-        "last.safetensors", "last-state", "last_loss_by_timestep.png"])
+        "last.safetensors", "last-state", "last_loss_by_timestep.png", "events.jsonl"])
     assert find_latest_state(tmp_path) == tmp_path / "last-state"
 
 

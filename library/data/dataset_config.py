@@ -133,8 +133,7 @@ DATASET_KEYS: dict[str, Callable[[Any], Any]] = {
 _ALIASES = {"caption_extention": "caption_extension"}  # kohya's misspelling, accepted on its command line
 # kohya dataset keys this trainer does not offer; named so the user knows exactly what to change.
 UNSUPPORTED_KEYS = (
-    "cache_info", "color_aug", "enable_wildcard", "face_crop_aug_range",
-    "metadata_file", "network_multiplier", "resize_interpolation", "secondary_separator", "token_warmup_min",
+    "cache_info", "face_crop_aug_range", "metadata_file", "network_multiplier", "token_warmup_min",
     "token_warmup_step", "max_token_length", "debug_dataset",
 )
 # A TOML key -> the --config / command-line option that is its fallback.
