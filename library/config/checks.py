@@ -108,6 +108,10 @@ def check_values(v: dict[str, Any]) -> list[str]:
     for name in ("network_dim", "train_batch_size", "gradient_accumulation_steps", "max_train_steps",
                  "lr_scheduler_num_cycles"):
         need(v[name] >= 1, f"{name} must be at least 1 (got {v[name]})")
+    need(v["initial_step"] is None or v["initial_step"] >= 0,
+         f"initial_step must not be negative (got {v['initial_step']})")
+    need(v["initial_epoch"] is None or v["initial_epoch"] >= 1,
+         f"initial_epoch must be at least 1, the first epoch (got {v['initial_epoch']})")
     need(v["max_train_epochs"] is None or v["max_train_epochs"] >= 1,
          f"max_train_epochs must be at least 1 (got {v['max_train_epochs']})")
     need(v["max_data_loader_n_workers"] >= 0, "max_data_loader_n_workers must be 0 or more")

@@ -53,10 +53,10 @@ UNSUPPORTED_KOHYA_OPTIONS: tuple[str, ...] = (
     "face_crop_aug_range",
     "fused_backward_pass",
     "huggingface_path_in_repo", "huggingface_repo_id", "huggingface_repo_type", "huggingface_repo_visibility",
-    "huggingface_token", "in_json", "initial_epoch", "initial_step",
+    "huggingface_token", "in_json",
     "resume_from_huggingface",
     "save_state_to_huggingface",
-    "skip_until_initial_step", "token_warmup_min",
+    "token_warmup_min",
     "token_warmup_step",
     "weighted_captions",
 )

@@ -222,6 +222,16 @@ _TRAINING = [
          "CUDA: keep the activations gradient checkpointing saves in CPU memory (turns on gradient_checkpointing; "
          "not with blocks_to_swap); without CUDA it has no effect"),
     _opt("seed", _to_int, None, "random seed (a random one is drawn and recorded when unset)"),
+    _opt("initial_step", _to_int, None,
+         "kohya's: start counting at this optimizer step (e.g. to continue from a LoRA given as network_weights): "
+         "saves, samples, logs, the learning-rate schedule and per-step noise go on from there, and the run ends "
+         "at max_train_steps; overrides initial_epoch; with resume the state's own step is used"),
+    _opt("initial_epoch", _to_int, None,
+         "kohya's: start at this epoch (1 is the first), that is at initial_step (epoch - 1) x steps per epoch"),
+    _opt("skip_until_initial_step", _to_bool, False,
+         "kohya's: with initial_step / initial_epoch, also start the data where a run from step 0 would be at that "
+         "step (same images, same order; nothing is loaded to be skipped); without it the data starts at the "
+         "beginning of that step's epoch"),
 ]
 _OPTIMIZER = [
     _opt("optimizer_type", _to_optimizer_type, "AdamW",

@@ -51,6 +51,7 @@ from library.training.preflight import (
     prepare_output_dir,
 )
 from library.training.schedules import build_lr_scheduler, warmup_steps
+from library.training.start import fast_forward, initial_position, resume_note
 from library.training.state import (
     Checkpointer,
     TrainState,
@@ -183,6 +184,14 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
                                       timescale=config.lr_scheduler_timescale,
                                       scheduler_type=config.lr_scheduler_type,
                                       scheduler_args=config.lr_scheduler_args)
+    start = None if resumed is not None else initial_position(config, plan.steps_per_epoch,
+                                                              config.gradient_accumulation_steps, plan.total_steps)
+    if start is not None:
+        fast_forward(lr_scheduler, start[0])  # before prepare, which may hand the schedule to DeepSpeed
+        state.global_step, state.epoch, state.batch_in_epoch = start
+        logger.info("starting at step %d (epoch %d, batch %d): initial_step / initial_epoch%s", start[0],
+                    start[1] + 1, start[2],
+                    ", data skipped to that step" if config.skip_until_initial_step else "")
     # prepare wraps the module (DDP, a DeepSpeed engine, torch.compile) but keeps this very object inside; holding
     # it spares accelerate's unwrap_model, which imports deepspeed (half a second) just to check for an engine.
     unwrapped = model
@@ -208,6 +217,9 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     metrics = StepMetrics(TimestepLoss(config.min_timestep, config.max_timestep, config.loss_timestep_bins),
                           plan.steps_per_epoch)
     if resumed is not None:
+        note = resume_note(config, resumed.global_step)
+        if note:
+            logger.warning(note)
         resume(resume_dir, resumed, state, checkpointer, metrics)
         if accelerator.distributed_type == DistributedType.DEEPSPEED:
             realign_cpu_adam(optimizer)
