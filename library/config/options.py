@@ -164,9 +164,10 @@ _NETWORK = [
     _opt("network_module", _to_str, "networks.lora",
          "networks.lora (kohya's targets and defaults), lycoris.kohya (LyCORIS' preset and conv defaults) or "
          "networks.lora_flux (kohya's name for FLUX.1 and Chroma), networks.lora_sd3 (kohya's name for SD3) or "
-         "networks.lora_zimage (musubi-tuner's name for Z-Image), the same here; all train through peft and write "
-         "the family's file format",
-         choices=("networks.lora", "lycoris.kohya", "networks.lora_flux", "networks.lora_sd3", "networks.lora_zimage")),
+         "networks.lora_zimage / networks.lora_qwen_image (musubi-tuner's names for Z-Image / Qwen-Image), the same "
+         "here; all train through peft and write the family's file format",
+         choices=("networks.lora", "lycoris.kohya", "networks.lora_flux", "networks.lora_sd3", "networks.lora_zimage",
+                  "networks.lora_qwen_image")),
     _opt("network_dim", _to_int, 4, "LoRA rank"),
     _opt("network_alpha", _to_float, 1.0, "LoRA alpha; the update is scaled by alpha / dim"),
     _opt("network_dropout", _to_float, 0.0, "dropout probability on lora_down's output (kohya's)"),

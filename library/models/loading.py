@@ -14,6 +14,7 @@ from library.models.chroma import is_bfl_chroma, is_chroma_folder, load_chroma_f
 from library.models.family import Components, Family
 from library.models.flux import is_flux_folder, load_flux_folder
 from library.models.flux_files import is_bfl_flux, load_flux_files
+from library.models.qwen_image import is_qwen_image_folder, load_qwen_image_folder
 from library.models.sd import SD1, SD2
 from library.models.sd3 import is_sd3_folder, load_sd3_folder
 from library.models.sd3_files import is_sd3_file, load_sd3_files
@@ -98,6 +99,8 @@ def load_components(model_path: str | Path, v2: bool = False, v_parameterization
                                      allow_pickle=allow_pickle_checkpoints, architectures=tuple(FAMILIES)).parts
         elif is_z_image_folder(path):
             return load_z_image_folder(path, weight_dtype, vae_dtype)
+        elif is_qwen_image_folder(path):
+            return load_qwen_image_folder(path, weight_dtype, vae_dtype)
         elif is_chroma_folder(path):
             return load_chroma_folder(path, weight_dtype, vae_dtype)
         elif is_sd3_folder(path):

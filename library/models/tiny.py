@@ -4,7 +4,8 @@ Used by the quickstart, the tests and the benchmarks, so that nothing is ever fe
 The layout mirrors SD1.x (cross-attention transformer blocks with 1x1-conv proj_in/proj_out, an 8x VAE,
 a CLIP text model, SD's DDPM schedule) so key names and code paths match the real models; only widths shrink.
 
-    python -m library.models.tiny OUTPUT_DIR [--family sd1|sd2|sdxl|flux|chroma|sd3 [--files]] [--seed N] [--overwrite]
+    python -m library.models.tiny OUTPUT_DIR [--family sd1|sd2|sdxl|flux|chroma|sd3|z_image|qwen_image [--files]]
+                                             [--seed N] [--overwrite]
                                              [--size tiny|small] [--prediction-type epsilon|v_prediction]
 """
 
@@ -264,6 +265,7 @@ ONE_SHAPE_FAMILIES: dict[str, tuple[str, str, str | None]] = {
     "chroma": ("library.models.tiny_chroma", "save_tiny_chroma", "save_tiny_chroma_files"),
     "sd3": ("library.models.tiny_sd3", "save_tiny_sd3", "save_tiny_sd3_files"),
     "z_image": ("library.models.tiny_z_image", "save_tiny_z_image", "save_tiny_z_image_files"),
+    "qwen_image": ("library.models.tiny_qwen_image", "save_tiny_qwen_image", None),
 }
 
 
