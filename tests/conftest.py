@@ -105,6 +105,14 @@ def tiny_z_image_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen_image_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen-Image-shaped diffusers pipeline folder (seed 0), written once per session. Read-only."""
+    from library.models.tiny_qwen_image import save_tiny_qwen_image
+
+    return save_tiny_qwen_image(tmp_path_factory.mktemp("tiny_qwen_image") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_sd3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny SD3.5-Medium-shaped diffusers pipeline folder (seed 0), written once per session. Read-only."""
     from library.models.tiny_sd3 import save_tiny_sd3

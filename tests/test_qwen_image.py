@@ -1,0 +1,269 @@
+"""Qwen-Image: the prompt embedding, VAE normalisation, denoiser call and objective against musubi-tuner's formulas
+(qwen_image_train_network.py, qwen_image/qwen_image_utils.py), the LoRA key layout from musubi's rules, diffusers'
+and ComfyUI's key rules reading our file, and sampling with QwenImagePipeline."""
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+from library.config import UserError, parse_config
+from library.models import musubi_flow, qwen_image_lora
+
+TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+            "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+            "<|im_start|>assistant\n")  # musubi's get_qwen_prompt_embeds, prompt_template_encode_start_idx 34
+
+
+def config(*args: str):
+    return parse_config(["--pretrained_model_name_or_path", ".", "--train_data_dir", ".", "--output_dir", ".",
+                         *args])[0]
+
+
+@pytest.fixture(scope="module")
+def components(tiny_qwen_image_dir):
+    from library.models.loading import load_components
+
+    return load_components(tiny_qwen_image_dir)
+
+
+def encode(components, captions):
+    family = components.family
+    tokenize = family.tokenizer(components, None)
+    tokens = [tokenize(c) for c in captions]
+    batch = {k: torch.stack([t[k] for t in tokens]) for k in tokens[0]}
+    with torch.no_grad():
+        return family.encode_text(components.text_encoders, batch, None)
+
+
+# --- musubi's formulas, written from its code --------------------------------------------------------------------
+
+def musubi_prompt_embeds(tokenizer, vlm, prompts):
+    """get_qwen_prompt_embeds: the template, max_length 1024 + 34, padded to the longest; last hidden states, the
+    masked rows split per prompt, the first 34 dropped."""
+    tokens = tokenizer([TEMPLATE.format(p) for p in prompts], max_length=1024 + 34, padding=True, truncation=True,
+                       return_tensors="pt")
+    hidden = vlm(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
+                 output_hidden_states=True).hidden_states[-1]
+    mask = tokens.attention_mask.bool()
+    split = torch.split(hidden[mask], mask.sum(dim=1).tolist())
+    return [e[34:] for e in split]
+
+
+def musubi_pack(latents):  # pack_latents for (B, C, 1, H, W)
+    b, c, _, h, w = latents.shape
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def musubi_unpack(latents, height, width):  # unpack_latents: pixel height / width -> (B, C, 1, H, W)
+    b, n, c = latents.shape
+    height, width = 2 * (height // 16), 2 * (width // 16)
+    x = latents.view(b, 1, height // 2, width // 2, c // 4, 2, 2).permute(0, 1, 4, 2, 5, 3, 6)
+    return x.reshape(b, 1, c // 4, height, width).permute(0, 2, 1, 3, 4)
+
+
+def test_prompts_are_musubis_template_with_the_34_template_tokens_dropped(components):
+    from library.models.qwen_image import QwenImage
+
+    family = components.family
+    assert isinstance(family, QwenImage) and family.base_model_version == "qwen_image"
+    tokenizer = components.tokenizers[0]
+    # The tiny tokenizer keeps the template's words whole, so its system turn is 34 tokens as in Qwen's vocabulary.
+    assert len(tokenizer(TEMPLATE.split("{}")[0]).input_ids) == 34
+    captions = ["a photo of sks dog", "red"]
+    encoded = encode(components, captions)
+    with torch.no_grad():
+        theirs = musubi_prompt_embeds(tokenizer, components.text_encoders[0], captions)
+    mask = encoded["attention_mask"]
+    assert mask.sum(dim=1).tolist() == [len(e) for e in theirs]
+    for states, keep, reference in zip(encoded["encoder_hidden_states"], mask, theirs, strict=True):
+        torch.testing.assert_close(states[keep], reference, rtol=1e-5, atol=1e-5)
+
+
+def test_vae_is_musubis_normalised_mode_of_one_frame(components):
+    vae = components.vae
+    inner = vae.vae
+    pixels = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    with torch.no_grad():
+        posterior = vae.encode(pixels).latent_dist
+        # encode_pixels_to_latents: mode of the posterior, (z - latents_mean) / latents_std per channel
+        mode = inner.encode(pixels.unsqueeze(2)).latent_dist.mode()
+        mean = torch.tensor(inner.config.latents_mean).view(1, 16, 1, 1, 1)
+        std = torch.tensor(inner.config.latents_std).view(1, 16, 1, 1, 1)
+        expected = ((mode - mean) / std).squeeze(2)
+        decoded = vae.decode(expected)[0]
+        reference = inner.decode(expected.unsqueeze(2) * std + mean).sample[:, :, 0]
+    torch.testing.assert_close(posterior.mean, expected)
+    # a "sample" of the cached posterior is the mode, in every dtype the caches use
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert torch.exp(0.5 * posterior.logvar.to(dtype)).abs().max() == 0
+    assert vae.config.scaling_factor == 1.0 and vae.config.get("shift_factor") is None
+    torch.testing.assert_close(decoded, reference)
+
+
+def test_denoise_is_musubis_call_dit(components):
+    """call_dit: packed latents, img_shapes [(1, H/2, W/2)], timestep t / 1000, captions padded to the batch's
+    longest with the mask; the unpacked output is the prediction of noise - x0."""
+    encoded = encode(components, ["a photo of sks dog", "red"])
+    noisy = torch.randn(2, 16, 8, 6, generator=torch.Generator().manual_seed(0))
+    timesteps = torch.tensor([300.0, 800.0])
+    with torch.no_grad():
+        ours = components.family.denoise(components.denoiser, noisy, timesteps, encoded, {})
+        lengths = encoded["attention_mask"].sum(dim=1)
+        longest = int(lengths.max())
+        mask = torch.arange(longest)[None] < lengths[:, None]
+        theirs = components.denoiser(hidden_states=musubi_pack(noisy.unsqueeze(2)), timestep=timesteps / 1000.0,
+                                     encoder_hidden_states=encoded["encoder_hidden_states"][:, :longest],
+                                     encoder_hidden_states_mask=mask, img_shapes=[[(1, 4, 3)]] * 2,
+                                     return_dict=False)[0]
+    torch.testing.assert_close(ours, musubi_unpack(theirs, 64, 48).squeeze(2))
+
+
+def test_loss_and_qwen_shift_are_musubis():
+    """The raw prediction against noise - latents; qwen_shift from the latent's size in 2x2 patches."""
+    g = torch.Generator().manual_seed(0)
+    latents, noise, prediction = (torch.randn(3, 16, 4, 4, generator=g) for _ in range(3))
+    objective = musubi_flow.MusubiFlowObjective.from_config(config("--timestep_sampling", "qwen_shift"))
+    loss = objective.per_sample_loss(prediction, latents, noise, torch.tensor([100.0, 500.0, 900.0]))
+    torch.testing.assert_close(loss, ((prediction - (noise - latents)) ** 2).mean(dim=(1, 2, 3)))
+    t = objective.sample_timesteps(64, torch.Generator().manual_seed(3), "cpu", (128, 96)) / 1000
+    m = (0.9 - 0.5) / (8192 - 256)
+    shift = math.exp(m * (64 * 48) + 0.5 - m * 256)
+    u = torch.randn(64, generator=torch.Generator().manual_seed(3)).sigmoid()
+    torch.testing.assert_close(t, u * shift / (1 + (shift - 1) * u))
+
+
+def test_configured_refuses_what_does_not_apply(components, tiny_qwen_image_dir):
+    family = components.family
+    assert family.configured(config("--resolution", "64")) is family
+    with pytest.raises(UserError) as error:
+        family.configured(config("--clip_skip", "2", "--guidance_scale", "1.0", "--resolution", "72",
+                                 "--vae", str(tiny_qwen_image_dir / "vae")))
+    text = str(error.value)
+    assert "clip_skip" in text and "guidance_scale" in text and "multiples of 16" in text and "vae:" in text
+    with pytest.raises(UserError, match="noise_offset"):
+        family.objective(None, config("--noise_offset", "0.1"), torch.device("cpu"))
+
+
+# --- LoRA keys --------------------------------------------------------------------------------------------------
+
+def musubi_lora_names(transformer) -> set[str]:
+    """musubi's networks.lora create_modules with lora_qwen_image's target class and default exclude pattern."""
+    exclude = re.compile(r".*(_mod_).*")
+    names = set()
+    for name, module in transformer.named_modules():
+        if module.__class__.__name__ != "QwenImageTransformerBlock":
+            continue
+        for child_name, child in module.named_modules():
+            original = (name + "." if name else "") + child_name
+            if child.__class__.__name__ == "Linear" and not exclude.fullmatch(original):
+                names.add(f"lora_unet.{original}".replace(".", "_"))
+    return names
+
+
+def random_lora(transformer, rank=4, alpha=2.0, seed=0):
+    from library.config.network_args import NetworkArgs
+
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for name in qwen_image_lora.targets(transformer, NetworkArgs()):
+        layer = transformer.get_submodule(name)
+        key = "lora_unet_" + name.replace(".", "_")
+        state[f"{key}.lora_down.weight"] = torch.randn(rank, layer.in_features, generator=g)
+        state[f"{key}.lora_up.weight"] = torch.randn(layer.out_features, rank, generator=g)
+        state[f"{key}.alpha"] = torch.tensor(alpha)
+    return state
+
+
+def delta(state, name):
+    down, up = state[f"{name}.lora_down.weight"], state[f"{name}.lora_up.weight"]
+    return up @ down * float(state[f"{name}.alpha"]) / down.shape[0]
+
+
+def test_targets_and_file_keys_are_musubis(components):
+    ours = random_lora(components.denoiser)
+    names = {k.split(".")[0] for k in ours}
+    assert names == musubi_lora_names(components.denoiser)
+    assert len(names) == 14 * len(components.denoiser.transformer_blocks)  # the modulation layers included
+    assert {"lora_unet_transformer_blocks_1_img_mod_1", "lora_unet_transformer_blocks_0_attn_to_add_out"} <= names
+    written = qwen_image_lora.to_file(ours)
+    assert written.keys() == ours.keys()  # musubi's own layout
+    assert all(torch.equal(qwen_image_lora.from_file(written)[k], ours[k]) for k in ours)
+    peft = {f"transformer.{qwen_image_lora.module_path(k.split('.')[0])}.lora_"
+            f"{'A' if 'down' in k else 'B'}.weight": v for k, v in ours.items() if not k.endswith("alpha")}
+    read = qwen_image_lora.from_file(peft)
+    assert read.keys() == ours.keys() and all(float(read[f"{n}.alpha"]) == 4.0 for n in names)
+
+
+def test_diffusers_load_lora_weights_consumes_every_key_with_the_same_change(tiny_qwen_image_dir, components):
+    """QwenImagePipeline.load_lora_weights on our file: every module of the file becomes a LoRA layer whose weight
+    change equals ours (alpha / rank applied), to 1e-6."""
+    from diffusers import QwenImagePipeline
+
+    from library.models.loading import load_components
+
+    fresh = load_components(tiny_qwen_image_dir)
+    ours = random_lora(components.denoiser)
+    pipe = QwenImagePipeline(scheduler=fresh.noise_scheduler, vae=fresh.vae.vae, text_encoder=fresh.text_encoders[0],
+                             tokenizer=fresh.tokenizers[0], transformer=fresh.denoiser)
+    pipe.load_lora_weights(qwen_image_lora.to_file(ours), adapter_name="ours")
+    loaded = {name: module for name, module in pipe.transformer.named_modules() if hasattr(module, "lora_A")}
+    assert {"lora_unet_" + name.replace(".", "_") for name in loaded} == {k.split(".")[0] for k in ours}
+    for name, module in loaded.items():
+        torch.testing.assert_close(module.get_delta_weight("ours"), delta(ours, "lora_unet_" + name.replace(".", "_")),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_comfyui_key_rule_applies_every_key_to_its_weight(components):
+    """ComfyUI's comfy/lora.py model_lora_keys_unet: `lora_unet_<path with _>` names `diffusion_model.<path>.weight`
+    of every model; its Qwen-Image model (comfy/ldm/qwen_image/model.py) has diffusers' module names. Every key
+    of our file finds its weight, and alpha / rank * up @ down has the weight's shape."""
+    comfy_state = {f"diffusion_model.{k}": v for k, v in components.denoiser.state_dict().items()}
+    key_map = {"lora_unet_" + k[len("diffusion_model."):-len(".weight")].replace(".", "_"): k
+               for k in comfy_state if k.endswith(".weight")}
+    written = qwen_image_lora.to_file(random_lora(components.denoiser))
+    used = set()
+    for name, target in key_map.items():
+        if f"{name}.lora_up.weight" in written:
+            used |= {f"{name}.{role}" for role in ("lora_up.weight", "lora_down.weight", "alpha")}
+            assert delta(written, name).shape == comfy_state[target].shape
+    assert used == set(written)
+
+
+# --- sampling ---------------------------------------------------------------------------------------------------
+
+def test_sampling_is_qwen_image_pipelines_with_true_cfg(components, tmp_path):
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+    from library.monitoring.sampling import SamplingModels, generate_image, load_prompts
+
+    family = components.family
+    tokenize = family.tokenizer(components, None)
+
+    def encode_text(text):
+        tokens = {k: v[None] for k, v in tokenize(text).items()}
+        return family.encode_text(components.text_encoders, tokens, None)
+
+    models = SamplingModels(components.denoiser, components.text_encoders, components.vae, components.tokenizers,
+                            components.noise_scheduler.config, family, None, encode_text)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a photo of sks dog --n red --s 2 --w 64 --h 64 --d 3\n"
+                       "a photo of sks dog --n red --l 1 --s 2 --w 64 --h 64 --d 3\n")
+    default_cfg, no_cfg = load_prompts(prompts)
+    with torch.no_grad():
+        ours = np.asarray(generate_image(default_cfg, models, seed=3))
+        plain = np.asarray(generate_image(no_cfg, models, seed=3))
+        pipe = QwenImagePipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler.from_config(components.noise_scheduler.config),
+            vae=components.vae.vae, text_encoder=components.text_encoders[0], tokenizer=components.tokenizers[0],
+            transformer=components.denoiser)
+        theirs = np.asarray(pipe(prompt="a photo of sks dog", negative_prompt="red", true_cfg_scale=4.0,
+                                 num_inference_steps=2, width=64, height=64,
+                                 generator=torch.Generator().manual_seed(3)).images[0])
+    assert ours.shape == (64, 64, 3)
+    assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 1  # uint8 rounding of the same decode
+    assert not np.array_equal(ours, plain)
