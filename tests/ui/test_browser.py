@@ -87,7 +87,7 @@ def test_configure_train_watch_stop_resume_in_a_browser(ui, browser, tmp_path):
     prompts.write_text("a photo of sks --w 32 --h 32 --s 8 --d 1\n", encoding="utf-8")
     run_dir = tmp_path / "run"
     # Elements are replaced under the driver's feet (the form by HTMX, the run view by its events).
-    wait = WebDriverWait(browser, 120, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,))
+    wait = WebDriverWait(browser, 300, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,))
     started = time.monotonic()
 
     def phase(name: str) -> None:
@@ -109,6 +109,8 @@ def test_configure_train_watch_stop_resume_in_a_browser(ui, browser, tmp_path):
     assert by_id("opt-network_dim").get_attribute("value") == "8"
     set_field("max_train_steps", "20")
     set_field("sample_every_n_steps", "10")
+    # Four batches to a step: the stop lands before step 20 with seconds to spare even on a fast, quiet machine.
+    set_field("gradient_accumulation_steps", "4")
     set_field("sample_prompts", str(prompts))
     set_field("output_dir", str(run_dir))
     by_id("check-button").click()
