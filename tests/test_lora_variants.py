@@ -87,7 +87,8 @@ def test_kohya_network_args_parse():
 
 @pytest.mark.parametrize("args, message", [
     (["conv_dims=4"], "unknown key 'conv_dims' (did you mean conv_dim?); supported: algo, conv_dim"),
-    (["algo=ia3"], "network_args: algo=ia3: expected one of lora, locon, loha, lokr"),
+    (["algo=glora"], "network_args: algo=glora: expected one of lora, locon, loha, lokr, ia3, diag-oft, dylora"),
+    (["algo=ia3"], "algo=ia3 is LyCORIS'; set network_module = \"lycoris.kohya\""),
     (["conv_dim=0"], "network_args: conv_dim=0: must be at least 1"),
     (["conv_dim=four"], "network_args: conv_dim=four: expected an integer"),
     (["rank_dropout=1"], "network_args: rank_dropout=1: must be in [0, 1)"),

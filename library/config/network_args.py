@@ -15,7 +15,9 @@ import difflib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-ALGOS = ("lora", "locon", "loha", "lokr")
+ALGOS = ("lora", "locon", "loha", "lokr", "ia3", "diag-oft", "dylora")
+# LyCORIS-only algorithms (library.network.lycoris_layers); they need network_module = "lycoris.kohya"
+LYCORIS_ONLY_ALGOS = ("ia3", "diag-oft", "dylora")
 LYCORIS_MODULE = "lycoris.kohya"
 NETWORK_MODULES = ("networks.lora", LYCORIS_MODULE)
 # LyCORIS presets offered (lycoris/config.py BUILTIN_PRESET_CONFIGS, mapped onto diffusers' modules by
@@ -23,14 +25,17 @@ NETWORK_MODULES = ("networks.lora", LYCORIS_MODULE)
 PRESETS = ("full", "attn-mlp", "attn-only", "unet-transformer-only", "unet-convblock-only", "unet-only")
 UNET_ONLY_PRESETS = ("unet-transformer-only", "unet-convblock-only", "unet-only")
 # LyCORIS switches not offered here: accepted when off (LyCORIS reads every value but "false" as on).
-LYCORIS_OFF_SWITCHES = ("use_scalar", "train_norm", "rs_lora", "bypass_mode", "rescaled", "full_matrix",
-                        "unbalanced_factorization")
+LYCORIS_OFF_SWITCHES = ("use_scalar", "rs_lora", "bypass_mode", "full_matrix", "unbalanced_factorization")
+# LyCORIS keys read by one algorithm only: (key, algo)
+LYCORIS_ALGO_KEYS = {"constraint": "diag-oft", "rescaled": "diag-oft", "block_size": "dylora"}
 # LyCORIS' kohya entry point (lycoris/kohya.py create_network) reads `use_cp` (the kohya_ss GUI writes it for LoKr)
 # before `use_tucker`: the first of them given decides.
 LYCORIS_ALIASES = {"use_cp": "use_tucker"}
 # Keys the kohya_ss GUI writes that LyCORIS' kohya entry point never reads (its modules keep their defaults):
 # accepted with a valid value, without effect.
-LYCORIS_UNREAD = ("rank_dropout_scale",)
+# train_on_input (IA3) is one: LyCORIS 4.1.3's kohya.py passes its modules no such argument, so IA3 scales the
+# output channels whatever the GUI's box says.
+LYCORIS_UNREAD = ("rank_dropout_scale", "train_on_input")
 LORAPLUS_KEYS = ("loraplus_lr_ratio", "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio")
 
 
@@ -61,6 +66,10 @@ class NetworkArgs:
     lycoris: bool = False  # network_module = "lycoris.kohya": LyCORIS' targets (preset) and conv defaults
     preset: str = "full"  # LyCORIS' preset; only read with `lycoris`
     use_tucker: bool = False  # LyCORIS (use_cp): k x k convs of LoHa / LoKr in Tucker form (hada_t*, lokr_t2)
+    train_norm: bool = False  # LyCORIS: also train the LayerNorm / GroupNorm layers in the preset's blocks
+    constraint: float = 0.0  # Diag-OFT: bound on the rotations' norm (times the layer's width); 0: none
+    rescaled: bool = False  # Diag-OFT: also train a scale per output channel
+    block_size: int = 4  # DyLoRA: ranks added per step of the random truncation (kohya_ss writes its "unit")
 
     @property
     def trains_text_encoder(self) -> bool:
@@ -88,7 +97,7 @@ class NetworkArgs:
 
     @property
     def variant(self) -> str:
-        """The adapter family: "lora" (LoRA, LoCon, DoRA), "loha" or "lokr"."""
+        """The adapter family: "lora" (LoRA, LoCon, DoRA), "loha", "lokr", "ia3", "diag-oft" or "dylora"."""
         return "lora" if self.algo in ("lora", "locon") else self.algo
 
     @property
@@ -194,6 +203,13 @@ def _lr_weight(value: str) -> str | tuple[float, ...]:
     return value.strip()
 
 
+def _non_negative(value: str) -> float:
+    result = _float(value)
+    if result < 0:
+        raise ValueError("must not be negative")
+    return result
+
+
 def _preset(value: str) -> str:
     lowered = value.strip().lower()
     if lowered not in PRESETS:
@@ -270,7 +286,8 @@ _CONVERTERS.update({"train_blocks": _train_blocks, "split_qkv": _bool, "train_t5
                     "train_double_block_indices": _block_indices, "train_single_block_indices": _block_indices})
 SUPPORTED_KEYS: tuple[str, ...] = tuple(_CONVERTERS)
 _LYCORIS_CONVERTERS: dict[str, Callable[[str], Any]] = {
-    "preset": _preset, "use_tucker": _bool, "use_cp": _bool, "rank_dropout_scale": _bool,
+    "preset": _preset, "use_tucker": _bool, "use_cp": _bool, "rank_dropout_scale": _bool, "train_norm": _bool,
+    "train_on_input": _bool, "constraint": _non_negative, "rescaled": _bool, "block_size": _positive_int,
     **{key: _off for key in LYCORIS_OFF_SWITCHES}}
 
 
@@ -339,9 +356,17 @@ def _combination_problems(settings: NetworkArgs, given: set[str]) -> list[str]:
         for key in ("factor", "decompose_both"):
             if key in given:
                 problems.append(f"network_args: {key} applies to algo=lokr only (algo is {settings.algo})")
-    if settings.use_tucker and settings.variant == "lora":
+    if settings.use_tucker and settings.variant not in ("loha", "lokr"):
         problems.append("network_args: use_tucker works with algo=loha or lokr here (LyCORIS' Tucker LoCon, "
                         "lora_mid, is not offered); remove it or set it to false")
+    if settings.algo in LYCORIS_ONLY_ALGOS and not settings.lycoris:
+        problems.append(f"network_args: algo={settings.algo} is LyCORIS'; set network_module = \"{LYCORIS_MODULE}\"")
+    for key, algo in LYCORIS_ALGO_KEYS.items():
+        if key in given and settings.algo != algo:
+            problems.append(f"network_args: {key} applies to algo={algo} only (algo is {settings.algo})")
+    if settings.algo in LYCORIS_ONLY_ALGOS and settings.rank_dropout:
+        problems.append(f"network_args: rank_dropout is not offered with algo={settings.algo}; remove it or set it "
+                        "to 0")
     if settings.dora_wd and settings.variant != "lora":
         problems.append(f"network_args: dora_wd works with algo=lora or locon (peft has no DoRA for "
                         f"{settings.algo})")
@@ -381,7 +406,11 @@ def network_option_problems(v: Mapping[str, Any]) -> list[str]:
     """Config check: network_args and the network options that depend on them (raw option values)."""
     settings, problems = parse_network_args(v["network_args"], {key: v.get(key) for key in LORAPLUS_KEYS},
                                             v.get("network_module") or "networks.lora")
-    if v.get("network_dropout") and settings.variant != "lora":
+    if settings.algo == "dylora":
+        for key, dim in (("network_dim", v.get("network_dim")), ("conv_dim", settings.conv_dim)):
+            if dim and dim % settings.block_size:
+                problems.append(f"DyLoRA: {key} {dim} must be a multiple of block_size {settings.block_size}")
+    if v.get("network_dropout") and settings.variant != "lora" and settings.algo not in LYCORIS_ONLY_ALGOS:
         problems.append(f"network_dropout is not available for algo={settings.algo} (LyCORIS has none either); "
                         "use rank_dropout or module_dropout")
     decay = v.get("ema_decay")

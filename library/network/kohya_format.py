@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from library.core.atomic import write_atomically
-from library.network import lycoris
+from library.network import lycoris, lycoris_layers
 from library.network.lora import (
     _DORA,
     _DOWN,
@@ -105,6 +105,10 @@ def kohya_state_dict(
     """
     state_dict: dict[str, torch.Tensor] = {}
     for name, (module_name, layer) in kohya_layer_names(modules, adapter_name, rename).items():
+        if isinstance(layer, lycoris_layers.AdapterLayer):
+            for role, tensor in layer.export(dtype).items():
+                state_dict[f"{name}.{role}"] = tensor
+            continue
         if not _is_lora(layer):
             for role, tensor in lycoris.export(layer, adapter_name, dtype).items():
                 state_dict[f"{name}.{role}"] = tensor
@@ -211,6 +215,9 @@ def dims_from_state_dict(state_dict: Mapping[str, torch.Tensor]) -> tuple[int, f
         elif role == _ALPHA:
             alphas[name] = float(tensor.item())
     if not ranks:
+        if has_no_rank(state_dict):
+            raise ValueError("IA3 / Diag-OFT / norm weights have no rank to read: set network_dim and network_alpha "
+                             "(conv_dim, constraint) as they were trained instead of dim_from_weights")
         raise ValueError("no '.lora_down.weight' (or LoHa / LoKr) keys: not a kohya-format LoRA")
     per_module = {name: (rank, alphas.get(name, float(rank))) for name, rank in ranks.items()}
     distinct = sorted(set(per_module.values()))
@@ -218,6 +225,15 @@ def dims_from_state_dict(state_dict: Mapping[str, torch.Tensor]) -> tuple[int, f
         raise ValueError(f"LoRA modules have different (rank, alpha): {distinct[:_MAX_LISTED]}; expected one")
     rank, alpha = distinct[0]
     return rank, alpha
+
+
+_RANKLESS_ROLES = ("weight", "on_input", "oft_blocks", "rescale", "w_norm", "b_norm")
+
+
+def has_no_rank(state_dict: Mapping[str, torch.Tensor]) -> bool:
+    """Whether a file holds only LyCORIS IA3 / Diag-OFT / norm weights (and alphas), which have no rank."""
+    roles = {_split_key(key)[1] for key in state_dict}
+    return bool(roles & set(_RANKLESS_ROLES)) and roles <= {*_RANKLESS_ROLES, _ALPHA}
 
 
 @dataclass
@@ -269,17 +285,33 @@ def apply_kohya_state_dict(
     pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     params_of = {name: layer_parameters(layer, adapter_name) for name, (_, layer) in expected.items()}
+    # IA3 / Diag-OFT / DyLoRA / norm layers: the file's keys are not always their trainable tensors
+    file_roles = {name: layer.file_roles() for name, (_, layer) in expected.items()
+                  if isinstance(layer, lycoris_layers.AdapterLayer)}
     in_file: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in state_dict.items():
         name, role = _split_key(key)
         name = aliases.get(name, name)
-        if name in expected and (role == _ALPHA or role in params_of[name]):
+        if name in file_roles and role in file_roles[name]:
+            in_file.setdefault(name, {})[role] = tensor
+        elif name in expected and name not in file_roles and (role == _ALPHA or role in params_of[name]):
             in_file.setdefault(name, {})[role] = tensor
         else:
             report.unexpected.append(key)
 
     for name, (_, layer) in expected.items():
         found = in_file.get(name, {})
+        if name in file_roles:
+            absent = [f"{name}.{role}" for role in file_roles[name] if role not in found]
+            if absent:
+                report.missing.extend(absent)
+                continue
+            pairs, layer_problems = layer.import_tensors(found)
+            problems.extend(f"{name}.{problem}" for problem in layer_problems)
+            if not layer_problems:
+                pending.extend(pairs)
+                report.loaded.append(name)
+            continue
         params = params_of[name]
         absent = [f"{name}.{role}" for role in params if role not in found]
         if absent:

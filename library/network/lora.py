@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from library.network import dora, lycoris
+from library.network import dora, lycoris, lycoris_layers
 
 # kohya networks/lora.py: LoRA goes on every Linear / 1x1 Conv2d inside these blocks.
 UNET_TARGET_BLOCKS = ("Transformer2DModel",)
@@ -42,7 +42,7 @@ def _base_layer(module: nn.Module) -> nn.Module:
 def _is_lora_wrapper(module: nn.Module) -> bool:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    return isinstance(module, BaseTunerLayer)
+    return isinstance(module, (BaseTunerLayer, lycoris_layers.AdapterLayer))
 
 
 def _is_conv_3x3(layer: nn.Module) -> bool:
@@ -129,12 +129,15 @@ def _has_dora(layer: nn.Module, adapter_name: str) -> bool:
 
 
 def lora_layers(model: nn.Module, adapter_name: str = "default") -> list[tuple[str, nn.Module]]:
-    """(module name, peft layer) for every LoRA / LoHa / LoKr layer carrying `adapter_name`, in model order."""
+    """(module name, layer) for every LoRA / LoHa / LoKr (peft) or IA3 / Diag-OFT / DyLoRA / norm layer
+    (library.network.lycoris_layers) carrying `adapter_name`, in model order."""
     found = []
     for name, module in model.named_modules():
         if _is_lora(module) and adapter_name in module.lora_A:
             found.append((name, module))
         elif lycoris.is_lycoris_layer(module) and adapter_name in module.r:
+            found.append((name, module))
+        elif isinstance(module, lycoris_layers.AdapterLayer) and module.adapter_name == adapter_name:
             found.append((name, module))
     return found
 
@@ -142,6 +145,8 @@ def lora_layers(model: nn.Module, adapter_name: str = "default") -> list[tuple[s
 def layer_parameters(layer: nn.Module, adapter_name: str = "default") -> dict[str, nn.Parameter]:
     """One layer's trainable tensors by their role in the file: lora_down / lora_up (/ dora_scale), or the
     LyCORIS roles."""
+    if isinstance(layer, lycoris_layers.AdapterLayer):
+        return layer.roles()
     if not _is_lora(layer):
         return lycoris.roles(layer, adapter_name)
     params = {_DOWN: layer.lora_A[adapter_name].weight, _UP: layer.lora_B[adapter_name].weight}
@@ -182,6 +187,8 @@ def attach_lora(
     decompose_both: bool = False,
     lycoris_shapes: bool = False,
     use_tucker: bool = False,
+    norm_targets: Iterable[str] = (),
+    lycoris_options: Mapping[str, object] | None = None,
 ) -> list[nn.Parameter]:
     """Inject peft LoRA (or LoHa / LoKr) layers into `model` in place; return the trainable parameters.
 
@@ -196,12 +203,13 @@ def attach_lora(
     from peft import LoraConfig, inject_adapter_in_model
 
     targets = list(dict.fromkeys(target_modules))
+    norm_targets = list(dict.fromkeys(norm_targets))
     if not targets:
         raise ValueError("attach_lora: no target modules given")
     if rank <= 0:
         raise ValueError(f"attach_lora: rank must be positive, got {rank}")
     existing = {name for name, _ in model.named_modules()}
-    unknown = [t for t in targets if t not in existing]
+    unknown = [t for t in targets + norm_targets if t not in existing]
     if unknown:
         raise ValueError(f"attach_lora: {len(unknown)} target modules not in the model, e.g. {unknown[:_MAX_LISTED]}")
     overrides = {name: (int(r), float(a)) for name, (r, a) in (overrides or {}).items()}
@@ -210,7 +218,10 @@ def attach_lora(
 
     if algo == "lora" and (rank_dropout or module_dropout):
         raise ValueError("attach_lora: kohya's rank/module dropout for LoRA is network_setup.add_kohya_dropout")
-    if algo in ("loha", "lokr"):
+    if algo in lycoris_layers.ALGOS:
+        lycoris_layers.attach(model, algo, targets, rank, alpha, overrides, adapter_name,
+                              module_dropout=module_dropout, **dict(lycoris_options or {}))
+    elif algo in ("loha", "lokr"):
         lycoris.attach_lycoris(model, algo, targets, rank, alpha, overrides, rank_dropout, module_dropout, factor,
                                decompose_both, adapter_name, lycoris_shapes, use_tucker)
     elif algo == "lora":
@@ -236,15 +247,21 @@ def attach_lora(
                 dora.add_input_dora(layer, adapter_name)
     else:
         raise ValueError(f"attach_lora: unknown algo {algo!r}")
+    if norm_targets:
+        lycoris_layers.attach(model, "norm", norm_targets, rank, alpha, {}, adapter_name,
+                              module_dropout=module_dropout)
 
     wrapped = lora_layers(model, adapter_name)
     # peft matches list entries as name suffixes too; with full names the set must come out exact.
     got = {name for name, _ in wrapped}
-    if got != set(targets):
+    if got != set(targets + norm_targets):
         raise RuntimeError(
-            f"peft attached LoRA to {sorted(got ^ set(targets))[:_MAX_LISTED]} unlike the requested targets"
+            f"peft attached LoRA to {sorted(got ^ set(targets + norm_targets))[:_MAX_LISTED]} unlike the requested "
+            "targets"
         )
     for name, layer in wrapped:
+        if isinstance(layer, lycoris_layers.AdapterLayer):
+            continue  # built with the requested shapes; no peft rank / alpha to check
         want_rank, want_alpha = overrides.get(name, (rank, alpha))
         got_alpha = float(layer.lora_alpha[adapter_name] if _is_lora(layer) else layer.alpha[adapter_name])
         whole_lokr = "lokr_w1" in layer_parameters(layer, adapter_name) and "lokr_w2" in layer_parameters(

@@ -57,3 +57,29 @@ def text_encoder_targets(text_encoder: nn.Module, preset: str) -> list[str]:
     if preset == "attn-only":
         return lora._targets_inside(text_encoder, _TE_ATTENTION, allow_conv_1x1=False)
     return []
+
+
+def _norms_inside(model: nn.Module, block_classes: tuple[str, ...]) -> list[str]:
+    from library.network import lycoris_layers
+
+    found: list[str] = []
+    for block_name, block in model.named_modules():
+        if type(block).__name__ not in block_classes:
+            continue
+        for name, module in block.named_modules(prefix=block_name):
+            if lycoris_layers.is_norm(module) and name not in found and not name.endswith(".base_layer"):
+                found.append(name)
+    return found
+
+
+def norm_targets(model: nn.Module, preset: str, part: str) -> list[str]:
+    """LyCORIS' train_norm: the LayerNorm / GroupNorm layers inside the preset's blocks (`part` "unet" or
+    "text_encoder"); LyCORIS wraps every module whose class is named *Norm* there, and trains those two kinds."""
+    if part != "unet":
+        blocks = {"full": lora.TEXT_ENCODER_TARGET_BLOCKS, "attn-mlp": lora.TEXT_ENCODER_TARGET_BLOCKS,
+                  "attn-only": _TE_ATTENTION}.get(preset, ())
+        return _norms_inside(model, blocks)
+    blocks = {"full": _TRANSFORMER + _CONV_BLOCKS, "unet-only": _TRANSFORMER + _CONV_BLOCKS,
+              "attn-mlp": _TRANSFORMER, "unet-transformer-only": _TRANSFORMER,
+              "unet-convblock-only": _CONV_BLOCKS}.get(preset, ())
+    return _norms_inside(model, blocks)

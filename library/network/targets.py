@@ -2,12 +2,16 @@
 the variant (LoRA, DoRA, LoHa, LoKr) and kohya's rank / module dropout for LoRA."""
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from library.config import UserError
 from library.config.network_args import NetworkArgs
-from library.network import blocks, lora, presets
+from library.network import blocks, lora, lycoris_layers, presets
+
+logger = logging.getLogger(__name__)
 
 
 def attach_network(model: nn.Module, part: str, rank: int, alpha: float, dropout: float,
@@ -21,6 +25,7 @@ def attach_network(model: nn.Module, part: str, rank: int, alpha: float, dropout
     A family whose denoiser is not a UNet passes its own `denoiser_targets` (module names, per-module (rank,
     alpha))."""
     overrides: dict[str, tuple[int, float]] = {}
+    norm_targets: list[str] = []
     if denoiser_targets is None and part == "unet" and net.flux_keys:
         raise UserError(f"network_args {', '.join(net.flux_keys)}: only for FLUX.1 (kohya's networks.lora_flux)")
     if denoiser_targets is not None:
@@ -33,6 +38,8 @@ def attach_network(model: nn.Module, part: str, rank: int, alpha: float, dropout
             overrides.update({name: conv_rank_alpha for name in conv})
         else:
             targets = presets.text_encoder_targets(model, net.preset)
+        if net.train_norm:
+            norm_targets = presets.norm_targets(model, net.preset, part)
         if not targets:
             raise UserError(f"network_args: preset={net.preset} trains no layer of the {part}")
     elif part == "unet":
@@ -63,6 +70,15 @@ def attach_network(model: nn.Module, part: str, rank: int, alpha: float, dropout
     else:
         targets = lora.text_encoder_target_modules(model)
     lycoris_dropout = net.variant != "lora"
+    lycoris_options: dict[str, object] = {}
+    if net.algo in lycoris_layers.ALGOS:
+        lycoris_options = {"ia3": {},
+                           "diag-oft": {"constraint": net.constraint, "rescaled": net.rescaled},
+                           "dylora": {"block_size": net.block_size}}[net.algo]
+        if dropout:
+            logger.info("network_dropout: no effect with algo=%s (LyCORIS' kohya entry point does not read it)",
+                        net.algo)
+            dropout = 0.0
     # peft's DoRA (output axis) computes its weight norm by calling lora_A, where kohya's hook would drop ranks:
     # it keeps peft's dropout on the layer input.
     peft_dropout = net.dora_wd and net.wd_on_output
@@ -71,7 +87,8 @@ def attach_network(model: nn.Module, part: str, rank: int, alpha: float, dropout
         use_dora=net.dora_wd, dora_on_output=net.wd_on_output,
         rank_dropout=(net.rank_dropout or 0.0) if lycoris_dropout else 0.0,
         module_dropout=(net.module_dropout or 0.0) if lycoris_dropout else 0.0, factor=net.factor,
-        decompose_both=net.decompose_both, lycoris_shapes=net.lycoris, use_tucker=net.use_tucker)
+        decompose_both=net.decompose_both, lycoris_shapes=net.lycoris, use_tucker=net.use_tucker,
+        norm_targets=norm_targets, lycoris_options=lycoris_options)
     kohya_dropout = 0.0 if peft_dropout else dropout
     if not lycoris_dropout and (net.rank_dropout or net.module_dropout or kohya_dropout):
         add_kohya_dropout(model, net.rank_dropout or 0.0, net.module_dropout or 0.0, dropout=kohya_dropout)

@@ -13,6 +13,7 @@ from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin, DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
 
 from library.config import Config, UserError
+from library.config.network_args import network_args_of
 from library.training.extension_locks import check_extension_locks
 from library.training.optim import parse_key_values, resolve_optimizer_type
 
@@ -33,9 +34,12 @@ def accelerator_kwargs(config: Config) -> dict[str, Any]:
         timeout = datetime.timedelta(minutes=config.ddp_timeout) if config.ddp_timeout else None
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         handlers.append(InitProcessGroupKwargs(backend=backend, timeout=timeout))
-    if config.ddp_gradient_as_bucket_view or config.ddp_static_graph:
+    # DyLoRA trains one block of ranks per step: the others get no gradient, which DDP must be told of.
+    unused = network_args_of(config).algo == "dylora"
+    if config.ddp_gradient_as_bucket_view or config.ddp_static_graph or unused:
         handlers.append(DistributedDataParallelKwargs(
-            gradient_as_bucket_view=config.ddp_gradient_as_bucket_view, static_graph=config.ddp_static_graph))
+            gradient_as_bucket_view=config.ddp_gradient_as_bucket_view, static_graph=config.ddp_static_graph,
+            find_unused_parameters=unused))
 
     kwargs: dict[str, Any] = {
         "mixed_precision": config.mixed_precision,

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from library.config import UserError
-from library.network import kohya_format, lora
+from library.network import kohya_format, lora, lycoris_layers
 from library.network.blocks import BlockLR
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,15 @@ def apply_max_norm(models: Iterable[nn.Module], max_norm: float,
     for model in models:
         for _, layer in lora.lora_layers(model, adapter_name):
             params = lora.layer_parameters(layer, adapter_name)
-            if "lora_down.weight" in params:
+            if isinstance(layer, lycoris_layers.AdapterLayer):
+                # LyCORIS' own rule per algorithm: Diag-OFT clamps its blocks' norm; IA3, DyLoRA and norms have
+                # none (LyCORIS skips them)
+                rule = lycoris_layers.max_norm_delta(layer)
+                if rule is None:
+                    continue
+                updown, factors = rule
+                params = {"oft_blocks": factors[0]}
+            elif "lora_down.weight" in params:
                 down, up = params["lora_down.weight"], params["lora_up.weight"]
                 # For a 3x3 conv, up (1x1) after down (3x3) has the same Frobenius norm as the flattened product.
                 updown = (up.float().flatten(1) @ down.float().flatten(1)) * layer.scaling[adapter_name]

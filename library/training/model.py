@@ -113,6 +113,9 @@ def network_spec(config: Config, family: Family) -> NetworkSpec:
         return NetworkSpec(config.network_dim, config.network_alpha)
     try:
         state_dict = family.import_lora_keys(kohya_format.load_kohya_lora(config.network_weights)[0])
+        if not config.dim_from_weights and kohya_format.has_no_rank(state_dict):
+            # IA3 / Diag-OFT files: shaped by the config's options, checked when loaded
+            return NetworkSpec(config.network_dim, config.network_alpha, state_dict)
         dim, alpha = kohya_format.dims_from_state_dict(state_dict)
     except (OSError, ValueError, SafetensorError) as e:
         raise UserError(f"network_weights {config.network_weights}: {_unreadable(e)}") from None
