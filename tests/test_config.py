@@ -226,7 +226,7 @@ save_last_n_steps = 0
 max_train_epochs = 0
 clip_skip = 0
 cache_info = false
-weighted_captions = false
+fused_backward_pass = false
 """
     config, notes = parse_config(["--config", write_toml(tmp_path / "gui.toml", text)])
     assert config.dynamo_backend == "no" and config.persistent_data_loader_workers is True
@@ -234,7 +234,7 @@ weighted_captions = false
     assert (config.min_snr_gamma, config.scale_weight_norms, config.save_last_n_steps, config.max_train_epochs,
             config.clip_skip) == (None,) * 5
     noted = "\n".join(notes)
-    for name in ("epoch", "noise_offset_type", "cache_info", "weighted_captions"):
+    for name in ("epoch", "noise_offset_type", "cache_info", "fused_backward_pass"):
         assert f"{name} " in noted, notes
 
     problems = problems_of(["--config", write_toml(tmp_path / "bad.toml", "".join(

@@ -129,6 +129,8 @@ def check_values(v: dict[str, Any]) -> list[str]:
     for name in ("caption_dropout_rate", "caption_tag_dropout_rate"):
         need(0 <= v[name] <= 1, f"{name} must be in [0, 1] (got {v[name]})")
     need(v["caption_separator"] != "", "caption_separator must not be empty")
+    need(v["token_warmup_min"] >= 0, f"token_warmup_min must not be negative (got {v['token_warmup_min']})")
+    need(v["token_warmup_step"] >= 0, f"token_warmup_step must not be negative (got {v['token_warmup_step']})")
     for name in ("cache_text_encoder_outputs", "cache_text_encoder_outputs_to_disk"):
         need(not v[name] or v["network_train_unet_only"],
              f"{name} needs a frozen text encoder: set network_train_unet_only")
@@ -152,9 +154,9 @@ def check_values(v: dict[str, Any]) -> list[str]:
              "random_crop draws a new crop each time and cannot use cached latents; turn off random_crop or "
              "cache_latents / cache_latents_to_disk")
         need(not ((v["cache_text_encoder_outputs"] or v["cache_text_encoder_outputs_to_disk"])
-                  and (v["shuffle_caption"] or v["caption_tag_dropout_rate"] > 0)),
-             "shuffle_caption and caption_tag_dropout_rate change the caption each time and cannot use "
-             "cache_text_encoder_outputs; turn off one")
+                  and (v["shuffle_caption"] or v["caption_tag_dropout_rate"] > 0 or v["token_warmup_step"] > 0)),
+             "shuffle_caption, caption_tag_dropout_rate and token_warmup_step change the caption each time and "
+             "cannot use cache_text_encoder_outputs; turn off one")
     need(v["network_alpha"] > 0, f"network_alpha must be positive (got {v['network_alpha']})")
     need(0 <= v["network_dropout"] < 1, f"network_dropout must be in [0, 1) (got {v['network_dropout']})")
     for name in ("learning_rate", "unet_lr", "text_encoder_lr"):

@@ -56,7 +56,4 @@ UNSUPPORTED_KOHYA_OPTIONS: tuple[str, ...] = (
     "huggingface_token", "in_json",
     "resume_from_huggingface",
     "save_state_to_huggingface",
-    "token_warmup_min",
-    "token_warmup_step",
-    "weighted_captions",
 )

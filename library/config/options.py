@@ -64,6 +64,9 @@ _MODEL = [
          "only for files you trust (python -m library.models.single_file IN.ckpt OUT.safetensors converts one safely)"),
     _opt("clip_skip", _to_int, None, "use the text encoder's n-th layer from the end (2: the penultimate)"),
     _opt("max_token_length", _to_int, None, "caption length in tokens: 75 (default), 150 or 225 (kohya's chunking)"),
+    _opt("weighted_captions", _to_bool, False,
+         "kohya's: read (word:1.2), (word) and [word] in captions (and sample prompts) as weights that scale the "
+         "text encoder's output for those tokens; SD1.x, SD2.x and SDXL only, as in sd-scripts"),
     _opt("zero_terminal_snr", _to_bool, False, "rescale the noise schedule so the last timestep is pure noise"),
     # FLUX.1 (kohya's flux_train_network.py names and defaults)
     _opt("clip_l", _to_str, None, "FLUX from separate files: the CLIP-L text encoder .safetensors", is_path=True,
@@ -135,6 +138,11 @@ _DATASET = [
     _opt("enable_wildcard", _to_bool, False,
          "kohya's: {a|b|c} in a caption picks one each time it is used, and a caption file's lines are alternatives "
          "({{ and }} are literal braces)"),
+    _opt("token_warmup_min", _to_int, 1,
+         "kohya's caption warm-up: train on only the first this many tags (after the kept ones) at step 0 ..."),
+    _opt("token_warmup_step", _to_float, 0.0,
+         "... and on more of them step by step, all from this step on (a fraction of the run's steps when below 1; "
+         "0: no warm-up)"),
     _opt("keep_tokens", _to_int, 0, "leading tags kept in place when shuffling or dropping"),
     _opt("keep_tokens_separator", _to_str, "", "tags before this separator are kept in place"),
     _opt("caption_prefix", _to_str, None, "text put before every caption"),

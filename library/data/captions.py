@@ -2,6 +2,7 @@
 and whole-caption dropout."""
 from __future__ import annotations
 
+import math
 import random
 import re
 from pathlib import Path
@@ -36,13 +37,16 @@ def read_caption(image_path: Path, caption_extension: str, all_lines: bool = Fal
     return CaptionRead(None, None, None)
 
 
-def process_caption(caption: str, subset: SubsetSpec, epoch: int, rng: random.Random) -> str:
-    """kohya's process_caption: prefix/suffix, whole-caption dropout, wildcards, kept tokens, shuffle, tag dropout,
-    then the secondary separator.
+def process_caption(caption: str, subset: SubsetSpec, epoch: int, rng: random.Random, step: int | None = None,
+                    total_steps: int = 0) -> str:
+    """kohya's process_caption: prefix/suffix, whole-caption dropout, wildcards, kept tokens, token warm-up,
+    shuffle, tag dropout, then the secondary separator.
 
     `epoch` counts from 0; caption_dropout_every_n_epochs drops in epochs n, 2n, ... counted from 1, as kohya does.
+    `step` is the optimizer step the caption is trained at (None: not in training, no warm-up); `total_steps` turns
+    a fractional token_warmup_step into steps.
     """
-    caption = _process_caption(caption, subset, epoch, rng)
+    caption = _process_caption(caption, subset, epoch, rng, step, total_steps)
     if subset.secondary_separator and caption:
         caption = caption.replace(subset.secondary_separator, subset.caption_separator)
     return caption
@@ -59,7 +63,17 @@ def expand_wildcards(caption: str, rng: random.Random) -> str:
     return caption.replace(opening, "{").replace(closing, "}")
 
 
-def _process_caption(caption: str, subset: SubsetSpec, epoch: int, rng: random.Random) -> str:
+def warmup_tags(step: int | None, tags: int, minimum: int, warmup_step: float, total_steps: int) -> int | None:
+    """kohya's token warm-up: how many tags a caption keeps at `step`, or None for all of them. From `minimum` at
+    step 0 it grows linearly to every tag at `warmup_step` (warmup_step x total_steps when below 1)."""
+    warmup = math.floor(warmup_step * total_steps) if warmup_step < 1 else int(warmup_step)
+    if not warmup or step is None or step >= warmup:
+        return None
+    return math.floor(step * (tags - minimum) / warmup) + minimum
+
+
+def _process_caption(caption: str, subset: SubsetSpec, epoch: int, rng: random.Random, step: int | None,
+                     total_steps: int) -> str:
     if subset.caption_prefix:
         caption = subset.caption_prefix + " " + caption
     if subset.caption_suffix:
@@ -71,7 +85,8 @@ def _process_caption(caption: str, subset: SubsetSpec, epoch: int, rng: random.R
     caption = expand_wildcards(caption, rng) if subset.enable_wildcard else caption.split("\n")[0]
     separator, keep_separator = subset.caption_separator, subset.keep_tokens_separator
     has_keep_separator = bool(keep_separator) and keep_separator in caption
-    if not (subset.shuffle_caption or subset.caption_tag_dropout_rate > 0 or has_keep_separator):
+    if not (subset.shuffle_caption or subset.caption_tag_dropout_rate > 0 or has_keep_separator
+            or subset.token_warmup_step > 0):
         return caption
 
     def tags(text: str) -> list[str]:
@@ -87,6 +102,9 @@ def _process_caption(caption: str, subset: SubsetSpec, epoch: int, rng: random.R
     else:
         all_tags = tags(caption)
         fixed, flex = all_tags[:subset.keep_tokens], all_tags[subset.keep_tokens:]
+    kept = warmup_tags(step, len(flex), subset.token_warmup_min, subset.token_warmup_step, total_steps)
+    if kept is not None:  # the first tags as written, before shuffling (kohya's order)
+        flex = flex[:kept]
     if subset.shuffle_caption:
         rng.shuffle(flex)
     if subset.caption_tag_dropout_rate > 0:

@@ -36,9 +36,11 @@ def item_rng(seed: int, purpose: str, epoch: int, index: int) -> random.Random:
 
 
 class SampleKey(NamedTuple):
-    """What the sampler yields for each item: the epoch is part of the key so the item's random draws follow it."""
+    """What the sampler yields for each item: the epoch is part of the key so the item's random draws follow it;
+    the step the item is trained at (None outside training) drives kohya's caption token warm-up."""
     epoch: int
     index: int
+    step: int | None = None
 
 
 class TrainingDataset(torch.utils.data.Dataset):
@@ -57,12 +59,13 @@ class TrainingDataset(torch.utils.data.Dataset):
         self.prior_loss_weight = prior_loss_weight
         self.latents: Any = None  # object with get(record_index, flipped) -> (mean, logvar)
         self.text_encoder_outputs: dict[str, torch.Tensor] | None = None
+        self.total_steps = 0  # the run's optimizer steps, for a token warm-up given as a fraction of them
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, key: SampleKey | tuple[int, int] | int) -> dict[str, Any]:
-        epoch, index = (0, key) if isinstance(key, int) else key
+        epoch, index, step = (0, key, None) if isinstance(key, int) else (*key, None)[:3]
         record_index = self.samples[index]
         record = self.records[record_index]
         subset = record.subset
@@ -98,7 +101,8 @@ class TrainingDataset(torch.utils.data.Dataset):
         elif subset.alpha_mask:
             item["loss_mask"] = prepare_mask(record.path, record.size, record.resized, record.bucket, (left, top),
                                              flipped, alpha=True, interpolation=subset.resize_interpolation)
-        caption = process_caption(record.caption, subset, epoch, item_rng(self.seed, "caption", epoch, index))
+        caption = process_caption(record.caption, subset, epoch, item_rng(self.seed, "caption", epoch, index), step,
+                                  self.total_steps)
         item["caption"] = caption
         # The family's token ids, or its cached text-encoder outputs: a dict of tensors either way.
         if self.text_encoder_outputs is not None:
@@ -151,16 +155,22 @@ class BucketBatchSampler(torch.utils.data.Sampler):
         self.num_batches = math.ceil(unpadded / num_processes) * num_processes
         self.epoch = 0
         self.start_batch = 0
+        self.start_step: int | None = None  # the optimizer step of start_batch, when iterated for training
+        self.batches_per_step = 1  # gradient accumulation: each process's batches per optimizer step
 
-    def set_epoch(self, epoch: int, start_batch: int | None = None) -> None:
+    def set_epoch(self, epoch: int, start_batch: int | None = None, start_step: int | None = None) -> None:
         """Iterate epoch `epoch` from batch `start_batch` (counted over all processes: per-process batches done x
-        num_processes). Without start_batch the start is kept when the epoch is unchanged (accelerate's
-        DataLoaderShard calls set_epoch(epoch) again when iteration begins), else reset to 0."""
+        num_processes), whose optimizer step is `start_step`. Without start_batch the start is kept when the epoch
+        is unchanged (accelerate's DataLoaderShard calls set_epoch(epoch) again when iteration begins), else reset
+        to 0; the same for start_step (reset to None)."""
+        same = epoch == self.epoch
         if start_batch is None:
-            start_batch = self.start_batch if epoch == self.epoch else 0
+            start_batch = self.start_batch if same else 0
+        if start_step is None:
+            start_step = self.start_step if same else None
         if not 0 <= start_batch <= self.num_batches:
             raise ValueError(f"start_batch {start_batch} outside the epoch's {self.num_batches} batches")
-        self.epoch, self.start_batch = epoch, start_batch
+        self.epoch, self.start_batch, self.start_step = epoch, start_batch, start_step
 
     def batches(self, epoch: int) -> list[list[int]]:
         """Every batch of the epoch as sample indices."""
@@ -177,9 +187,11 @@ class BucketBatchSampler(torch.utils.data.Sampler):
         return batches
 
     def __iter__(self) -> Iterator[list[SampleKey]]:
-        epoch = self.epoch
-        for batch in self.batches(epoch)[self.start_batch:]:
-            yield [SampleKey(epoch, i) for i in batch]
+        epoch, start_step, per_step = self.epoch, self.start_step, self.num_processes * self.batches_per_step
+        for k, batch in enumerate(self.batches(epoch)[self.start_batch:]):
+            # Batches are dealt round-robin: the k-th from here is its process's (k // num_processes)-th.
+            step = None if start_step is None else start_step + k // per_step
+            yield [SampleKey(epoch, i, step) for i in batch]
 
     def __len__(self) -> int:
         return self.num_batches - self.start_batch
@@ -227,7 +239,9 @@ class TrainingData:
         """Over all processes (each process gets batches_per_epoch / num_processes)."""
         return self.sampler.num_batches
 
-    def dataloader(self, num_workers: int = 0, persistent_workers: bool = False) -> torch.utils.data.DataLoader:
+    def dataloader(self, num_workers: int = 0, persistent_workers: bool = False,
+                   batches_per_step: int = 1) -> torch.utils.data.DataLoader:
+        self.sampler.batches_per_step = batches_per_step
         return torch.utils.data.DataLoader(self.dataset, batch_sampler=self.sampler, collate_fn=collate,
                                            num_workers=num_workers,
                                            persistent_workers=persistent_workers and num_workers > 0)

@@ -48,11 +48,14 @@ class SubsetSpec:
     secondary_separator: str | None = None  # kohya's: becomes caption_separator after shuffling and dropping
     enable_wildcard: bool = False  # kohya's: {a|b|c} picks one each time; a caption file's lines are alternatives
     resize_interpolation: str | None = None  # kohya's: the resize filter (library.data.images.RESIZE_FILTERS)
+    token_warmup_min: int = 1  # kohya's: tags used at step 0 ...
+    token_warmup_step: float = 0.0  # ... growing to all of them by this step (a fraction of the run when below 1)
 
     @property
     def caption_ops(self) -> bool:
         """Whether the caption changes from one use to the next in ways a text-encoder cache cannot follow."""
-        return self.shuffle_caption or self.caption_tag_dropout_rate > 0 or self.enable_wildcard
+        return (self.shuffle_caption or self.caption_tag_dropout_rate > 0 or self.enable_wildcard
+                or self.token_warmup_step > 0)
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,7 @@ SUBSET_KEYS: dict[str, Callable[[Any], Any]] = {
     "caption_tag_dropout_rate": _float, "flip_aug": _bool, "random_crop": _bool, "alpha_mask": _bool,
     "color_aug": _bool,
     "secondary_separator": _str, "enable_wildcard": _bool, "resize_interpolation": _str,
+    "token_warmup_min": _int, "token_warmup_step": _float,
 }
 SUBSET_ONLY_KEYS: dict[str, Callable[[Any], Any]] = {"image_dir": _str, "is_reg": _bool,
                                                      "conditioning_data_dir": _str}
@@ -133,8 +137,7 @@ DATASET_KEYS: dict[str, Callable[[Any], Any]] = {
 _ALIASES = {"caption_extention": "caption_extension"}  # kohya's misspelling, accepted on its command line
 # kohya dataset keys this trainer does not offer; named so the user knows exactly what to change.
 UNSUPPORTED_KEYS = (
-    "cache_info", "face_crop_aug_range", "metadata_file", "network_multiplier", "token_warmup_min",
-    "token_warmup_step", "max_token_length", "debug_dataset",
+    "cache_info", "face_crop_aug_range", "metadata_file", "network_multiplier", "max_token_length", "debug_dataset",
 )
 # A TOML key -> the --config / command-line option that is its fallback.
 _COMMAND_LINE_NAME = {"batch_size": "train_batch_size"}
@@ -374,6 +377,8 @@ def check_dataset_spec(spec: DatasetSpec, config: Config | None, where: str) -> 
             rate = getattr(subset, name)
             need(0 <= rate <= 1, f"{at}: {name} must be in [0, 1] (got {rate})")
         need(subset.caption_separator != "", f"{at}: caption_separator must not be empty")
+        need(subset.token_warmup_min >= 0, f"{at}: token_warmup_min must not be negative")
+        need(subset.token_warmup_step >= 0, f"{at}: token_warmup_step must not be negative")
         need(subset.resize_interpolation in (None, *RESIZE_INTERPOLATIONS),
              f"{at}: resize_interpolation {subset.resize_interpolation!r} must be one of "
              f"{', '.join(RESIZE_INTERPOLATIONS)}")
@@ -390,8 +395,8 @@ def check_dataset_spec(spec: DatasetSpec, config: Config | None, where: str) -> 
              f"{at}: random_crop draws a new crop each time and cannot use cached latents; turn off random_crop "
              "or cache_latents")
         need(not (caching_text and subset.caption_ops),
-             f"{at}: shuffle_caption and caption_tag_dropout_rate change the caption each time and cannot use "
-             "cache_text_encoder_outputs; turn off one")
+             f"{at}: shuffle_caption, caption_tag_dropout_rate, enable_wildcard and token_warmup_step change the "
+             "caption each time and cannot use cache_text_encoder_outputs; turn off one")
     return problems
 
 

@@ -62,6 +62,7 @@ class Family(ABC):
     lora_denoiser_prefix: str = "lora_unet"
     default_sampling_scale: float = 7.5  # a sample prompt's CFG scale without --l (kohya's)
     trains_text_encoders: bool = True  # False: the reference trainer never trains them; only the denoiser gets LoRA
+    offers_weighted_captions: bool = False  # kohya's weighted_captions: SD1.x / SD2.x / SDXL's CLIP encoders only
 
     def configured(self, config: Any) -> Family:
         """This family with the run's settings that shape its prompts and conditioning (FLUX's T5 length, mask,

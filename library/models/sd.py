@@ -1,13 +1,14 @@
 """Stable Diffusion 1.x and 2.x: one CLIP text encoder, a UNet conditioned on its hidden states, DDPM noise."""
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from library.config import UserError
-from library.models.clip_text import encode_prompt, tokenize
+from library.models.clip_text import apply_weights, encode_prompt, tokenize, tokenize_weighted
 from library.models.family import Components, Family, Tokenizer
 from library.models.objective import DiffusionObjective
 
@@ -16,18 +17,31 @@ class StableDiffusion(Family):
     text_encoder_folders = ("text_encoder",)
     tokenizer_folders = ("tokenizer",)
     lora_text_prefixes = ("lora_te",)
+    offers_weighted_captions = True
 
     def __init__(self, name: str, base_model_version: str, v2: bool):
         self.name = name
         self.base_model_version = base_model_version
         self.v2 = v2
+        self.weighted_captions = False  # kohya's (word:1.2) weights on the text encoder's outputs
+
+    def configured(self, config: Any) -> StableDiffusion:
+        if not config.weighted_captions:
+            return self
+        weighted = copy.copy(self)
+        weighted.weighted_captions = True
+        return weighted
 
     def tokenizer(self, components: Components, max_token_length: int | None) -> Tokenizer:
-        return functools.partial(_token_dict, components.tokenizer, max_token_length=max_token_length)
+        return functools.partial(_token_dict, components.tokenizer, max_token_length=max_token_length,
+                                 weighted=self.weighted_captions)
 
     def encode_text(self, text_encoders: Sequence[torch.nn.Module], tokens: Mapping[str, torch.Tensor],
                     clip_skip: int | None) -> dict[str, torch.Tensor]:
-        return {"encoder_hidden_states": encode_prompt(text_encoders[0], tokens["input_ids"], clip_skip)}
+        states = encode_prompt(text_encoders[0], tokens["input_ids"], clip_skip)
+        if "weights" in tokens:
+            states = apply_weights(states, tokens["weights"])
+        return {"encoder_hidden_states": states}
 
     def denoise(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 text: Mapping[str, torch.Tensor], conditioning: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -53,7 +67,11 @@ class StableDiffusion(Family):
                 "negative_prompt_embeds": negative["encoder_hidden_states"]}
 
 
-def _token_dict(tokenizer: Any, caption: str, max_token_length: int | None) -> dict[str, torch.Tensor]:
+def _token_dict(tokenizer: Any, caption: str, max_token_length: int | None,
+                weighted: bool = False) -> dict[str, torch.Tensor]:
+    if weighted:
+        ids, weights = tokenize_weighted(tokenizer, caption, max_token_length)
+        return {"input_ids": ids, "weights": weights}
     return {"input_ids": tokenize(tokenizer, caption, max_token_length)}
 
 

@@ -1,11 +1,12 @@
 """SDXL: two CLIP text encoders (penultimate states joined, the second's pooled output) and size conditioning."""
 from __future__ import annotations
 
+import copy
 from typing import Any, Mapping, Sequence
 
 import torch
 
-from library.models.clip_text import join_chunks, tokenize
+from library.models.clip_text import apply_weights, join_chunks, tokenize, tokenize_weighted
 from library.models.family import Components, Family, Tokenizer
 from library.models.objective import DiffusionObjective
 from library.models.sd import ddpm_objective
@@ -18,11 +19,24 @@ class StableDiffusionXL(Family):
     text_encoder_folders = ("text_encoder", "text_encoder_2")
     tokenizer_folders = ("tokenizer", "tokenizer_2")
     lora_text_prefixes = ("lora_te1", "lora_te2")
+    offers_weighted_captions = True
+    weighted_captions = False  # kohya's (word:1.2) weights on both encoders' hidden states (not the pooled output)
+
+    def configured(self, config: Any) -> StableDiffusionXL:
+        if not config.weighted_captions:
+            return self
+        weighted = copy.copy(self)
+        weighted.weighted_captions = True
+        return weighted
 
     def tokenizer(self, components: Components, max_token_length: int | None) -> Tokenizer:
         first, second = components.tokenizers
 
         def tokens(caption: str) -> dict[str, torch.Tensor]:
+            if self.weighted_captions:
+                (ids, weights), (ids_2, weights_2) = (tokenize_weighted(t, caption, max_token_length)
+                                                      for t in (first, second))
+                return {"input_ids": ids, "input_ids_2": ids_2, "weights": weights, "weights_2": weights_2}
             return {"input_ids": tokenize(first, caption, max_token_length),
                     "input_ids_2": tokenize(second, caption, max_token_length)}
         return tokens
@@ -33,10 +47,12 @@ class StableDiffusionXL(Family):
         encoder's projected pooled output (of the first chunk for long captions). clip_skip does not apply."""
         states = []
         out = None
-        for encoder, ids in zip(text_encoders, (tokens["input_ids"], tokens["input_ids_2"]), strict=True):
+        for encoder, ids, weights in zip(text_encoders, (tokens["input_ids"], tokens["input_ids_2"]),
+                                         (tokens.get("weights"), tokens.get("weights_2")), strict=True):
             out = encoder(ids.reshape(-1, ids.shape[-1]), output_hidden_states=True, return_dict=True)
             hidden = out.hidden_states[-2]
-            states.append(join_chunks(hidden, ids) if ids.dim() == 3 else hidden)
+            hidden = join_chunks(hidden, ids) if ids.dim() == 3 else hidden
+            states.append(hidden if weights is None else apply_weights(hidden, weights))
         ids_2 = tokens["input_ids_2"]
         pooled = out.text_embeds.reshape(ids_2.shape[0], -1, out.text_embeds.shape[-1])[:, 0]
         return {"encoder_hidden_states": torch.cat(states, dim=-1), "pooled": pooled}

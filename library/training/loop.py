@@ -127,7 +127,8 @@ class Trainer:
         while state.global_step < s.plan.total_steps and state.epoch < s.plan.num_epochs:
             epoch, first_batch = state.epoch, state.batch_in_epoch
             # Batches are dealt round-robin to processes, so k batches per process are k * world batches overall.
-            s.data.sampler.set_epoch(epoch, start_batch=first_batch * accelerator.num_processes)
+            s.data.sampler.set_epoch(epoch, start_batch=first_batch * accelerator.num_processes,
+                                     start_step=state.global_step)
             # accelerate's loader calls set_epoch(its own pass count) when iteration starts: make that count ours.
             s.dataloader.set_epoch(epoch)
             for batch_index, batch in enumerate(s.dataloader, start=first_batch):

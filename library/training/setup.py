@@ -148,6 +148,10 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     if config.vae is not None:  # kohya's separate VAE file
         components.vae = load_vae(config.vae, components.vae, vae_dtype)
     family = components.family = components.family.configured(config)
+    if config.weighted_captions and not family.offers_weighted_captions:
+        raise UserError(f"weighted_captions is not offered for {family.name}: sd-scripts weights captions for the "
+                        "CLIP text encoders of SD1.x, SD2.x and SDXL only (its SD3 trainer refuses the option and its "
+                        "FLUX tokenizer has no weighting); remove it")
     spec = network_spec(config, family)
     data.set_tokenizer(family.tokenizer(components, config.max_token_length))
     objective = family.objective(components, config, accelerator.device)
@@ -167,7 +171,8 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     return_free_heap()  # the encoders' work and what of their weights was freed
     if zero3(accelerator):
         zero3_refusals(config, bool(prompts), data.validation is not None)
-    dataloader = data.dataloader(config.max_data_loader_n_workers, config.persistent_data_loader_workers)
+    dataloader = data.dataloader(config.max_data_loader_n_workers, config.persistent_data_loader_workers,
+                                 config.gradient_accumulation_steps)
     optimizer = build_optimizer(config.optimizer_type, groups, config.learning_rate, config.optimizer_args,
                                 use_8bit_adam=config.use_8bit_adam, use_lion_optimizer=config.use_lion_optimizer)
     state = TrainState(seed=seed, world_size=accelerator.num_processes,
@@ -177,6 +182,7 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     # Batches are dealt round-robin to the processes; the scheduler must exist before prepare so that DeepSpeed
     # owns and checkpoints it.
     plan = make_plan(config, math.ceil(len(data.sampler) / accelerator.num_processes))
+    data.dataset.total_steps = plan.total_steps  # a token warm-up given as a fraction of the run
     lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, plan.total_steps, config.lr_warmup_steps,
                                       config.lr_scheduler_num_cycles, config.lr_scheduler_power,
                                       lr_decay_steps=config.lr_decay_steps,
