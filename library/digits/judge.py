@@ -2,6 +2,7 @@
 
     python -m library.digits.judge [--model models/digits-base] [--lora FILE] [--n 100] [--seed 0] [--grids DIR]
     python -m library.digits.judge --model models/digits-flux [--lora FILE] ...
+    python -m library.digits.judge --model models/digits-z-image [--lora FILE] ...
 
 Each prompt is rendered `n` times from fixed seeds, in batches, with the base model's sampler, and each image is
 classified by a support-vector machine fitted on scikit-learn's real digits (seen through the same 32x32 upscaling
@@ -9,9 +10,11 @@ the training images went through). A prompt's rate is the share of its images ju
 for the trigger prompt that is the held-out digit. With `--lora` the same images are rendered with and without the
 LoRA and both rates are shown.
 
-The family is told from the folder: a `transformer/` folder is a FLUX.1 model (models/digits-flux), rendered by
-FluxPipeline with flow-matching Euler and its embedded guidance (no classifier-free guidance, as FLUX.1 dev
-samples); otherwise a Stable Diffusion model rendered by StableDiffusionPipeline with classifier-free guidance.
+The family is told from the folder: a `transformer/` folder holding a ZImageTransformer2DModel is a Z-Image model
+(models/digits-z-image), rendered by ZImagePipeline with flow-matching Euler and classifier-free guidance; any other
+`transformer/` folder is a FLUX.1 model (models/digits-flux), rendered by FluxPipeline with flow-matching Euler and
+its embedded guidance (no classifier-free guidance, as FLUX.1 dev samples); otherwise a Stable Diffusion model
+rendered by StableDiffusionPipeline with classifier-free guidance.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ DEFAULT_SCALE = 3.0  # SD: classifier-free guidance
 DEFAULT_SAMPLER = "ddim"
 FLUX_GUIDANCE = 3.5  # FLUX.1 dev: the embedded guidance (FluxPipeline's and kohya's default)
 FLUX_SAMPLER = "euler"  # flow-matching Euler, FLUX's only sampler here
+Z_IMAGE_SCALE = 4.0  # Z-Image: classifier-free guidance (musubi-tuner's sampling default, Z-Image base's)
 BATCH = 100
 
 
@@ -85,23 +89,39 @@ class Settings:
     n: int = 100  # images per prompt
     seed: int = 0  # image i of every prompt starts from the same noise
     steps: int = DEFAULT_STEPS
-    scale: float | None = None  # None: the family's default (DEFAULT_SCALE for SD, FLUX_GUIDANCE for FLUX)
-    sampler: str | None = None  # None: the family's default (DEFAULT_SAMPLER for SD, FLUX_SAMPLER for FLUX)
+    scale: float | None = None  # None: the family's default (DEFAULT_SCALE for SD, FLUX_GUIDANCE for FLUX,
+    # Z_IMAGE_SCALE for Z-Image)
+    sampler: str | None = None  # None: the family's default (DEFAULT_SAMPLER for SD, FLUX_SAMPLER for FLUX and
+    # Z-Image)
+
+
+def is_z_image(pipe_or_folder: Any) -> bool:
+    """A Z-Image pipeline, or a folder holding one (told by its transformer's class)."""
+    if isinstance(pipe_or_folder, (str, Path)):
+        from library.models.z_image import is_z_image_folder
+
+        return is_z_image_folder(Path(pipe_or_folder))
+    return type(pipe_or_folder).__name__ == "ZImagePipeline"
 
 
 def is_flux(pipe_or_folder: Any) -> bool:
-    """A FLUX.1 pipeline, or a folder holding one (told by its transformer/ folder)."""
+    """A FLUX.1 pipeline, or a folder holding one (told by its transformer/ folder, when it is not Z-Image's)."""
+    if is_z_image(pipe_or_folder):
+        return False
     if isinstance(pipe_or_folder, (str, Path)):
         return (Path(pipe_or_folder) / "transformer").is_dir()
     return hasattr(pipe_or_folder, "transformer")
 
 
 def settings_for(pipe: Any, settings: Settings) -> Settings:
-    """`settings` with the family's defaults filled in; FLUX has one sampler."""
-    if is_flux(pipe):
-        if settings.sampler not in (None, FLUX_SAMPLER):
-            raise ValueError(f"FLUX renders with flow-matching {FLUX_SAMPLER!r}, not {settings.sampler!r}")
+    """`settings` with the family's defaults filled in; FLUX and Z-Image have one sampler."""
+    flow = "FLUX" if is_flux(pipe) else "Z-Image" if is_z_image(pipe) else None
+    if flow and settings.sampler not in (None, FLUX_SAMPLER):
+        raise ValueError(f"{flow} renders with flow-matching {FLUX_SAMPLER!r}, not {settings.sampler!r}")
+    if flow == "FLUX":
         defaults = (FLUX_GUIDANCE, FLUX_SAMPLER)
+    elif flow:
+        defaults = (Z_IMAGE_SCALE, FLUX_SAMPLER)
     else:
         defaults = (DEFAULT_SCALE, DEFAULT_SAMPLER)
     return dataclasses.replace(settings, scale=defaults[0] if settings.scale is None else settings.scale,
@@ -117,15 +137,17 @@ def find_model(path: Path) -> Path:
 
 
 def load_pipeline(model: str | Path = DEFAULT_MODEL, lora: str | Path | None = None) -> Any:
-    """The base model as a diffusers StableDiffusionPipeline or FluxPipeline (told from the folder) on CPU, with a
-    kohya-format LoRA loaded if given."""
-    from diffusers import FluxPipeline, StableDiffusionPipeline
+    """The base model as a diffusers StableDiffusionPipeline, FluxPipeline or ZImagePipeline (told from the folder)
+    on CPU, with a LoRA file this trainer wrote loaded if given."""
+    from diffusers import FluxPipeline, StableDiffusionPipeline, ZImagePipeline
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
     diffusers_logging.disable_progress_bar()
     transformers_logging.disable_progress_bar()
-    if is_flux(model):
+    if is_z_image(model):
+        pipe = ZImagePipeline.from_pretrained(model, local_files_only=True)
+    elif is_flux(model):
         pipe = FluxPipeline.from_pretrained(model, local_files_only=True)
     else:
         pipe = StableDiffusionPipeline.from_pretrained(model, local_files_only=True, safety_checker=None,
@@ -158,6 +180,8 @@ def render(pipe: Any, prompt: str, settings: Settings = Settings()) -> np.ndarra
     settings = settings_for(pipe, settings)
     if is_flux(pipe):
         return _render_flux(pipe, prompt, settings)
+    if is_z_image(pipe):
+        return _render_z_image(pipe, prompt, settings)
     from library.monitoring.sampling import build_scheduler
 
     pipe.scheduler = build_scheduler(settings.sampler, pipe.scheduler.config)
@@ -200,6 +224,24 @@ def _render_flux(pipe: Any, prompt: str, settings: Settings) -> np.ndarray:
                        return_dict=False)[0]
         # What the trainer's sampling decodes: unpacked, unscaled, unshifted.
         latents = Flux().vae_latents(latents, vae.config, digits.SIZE, digits.SIZE)
+        out.append(_grey(vae.decode(latents, return_dict=False)[0]))
+    return np.concatenate(out)
+
+
+def _render_z_image(pipe: Any, prompt: str, settings: Settings) -> np.ndarray:
+    """ZImagePipeline with classifier-free guidance against the empty prompt (none at scale 0); the noise is
+    drawn as [n, 16, h, w], the pipeline's own latent shape."""
+    vae = pipe.vae
+    side = 2 * (digits.SIZE // (pipe.vae_scale_factor * 2))
+    noise = torch.randn((settings.n, pipe.transformer.in_channels, side, side),
+                        generator=torch.Generator().manual_seed(settings.seed))
+    out = []
+    for start in range(0, settings.n, BATCH):
+        batch = noise[start:start + BATCH]
+        latents = pipe(prompt, num_images_per_prompt=len(batch), latents=batch, height=digits.SIZE,
+                       width=digits.SIZE, num_inference_steps=settings.steps, guidance_scale=settings.scale,
+                       output_type="latent", return_dict=False)[0]
+        latents = latents / vae.config.scaling_factor + vae.config.shift_factor
         out.append(_grey(vae.decode(latents, return_dict=False)[0]))
     return np.concatenate(out)
 
@@ -261,8 +303,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=Settings.seed)
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     parser.add_argument("--scale", type=float, help=f"SD: classifier-free guidance scale (default {DEFAULT_SCALE:g}); "
-                        f"FLUX: the embedded guidance (default {FLUX_GUIDANCE:g})")
-    parser.add_argument("--sampler", help=f"SD: a kohya sampler name (default {DEFAULT_SAMPLER}); FLUX: "
+                        f"FLUX: the embedded guidance (default {FLUX_GUIDANCE:g}); Z-Image: classifier-free "
+                        f"guidance scale (default {Z_IMAGE_SCALE:g})")
+    parser.add_argument("--sampler", help=f"SD: a kohya sampler name (default {DEFAULT_SAMPLER}); FLUX and Z-Image: "
                         f"{FLUX_SAMPLER} only")
     parser.add_argument("--grids", type=Path, help="write base.png (and lora.png) sample grids into this folder")
     args = parser.parse_args(argv)
@@ -287,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, f"error: cannot load {args.model}{f' with {args.lora}' if args.lora else ''}: {error}\n")
     try:
         settings = settings_for(base, settings)
-        if not is_flux(base):
+        if not is_flux(base) and not is_z_image(base):
             build_scheduler(settings.sampler, base.scheduler.config)
     except (UserError, ValueError) as error:
         parser.exit(2, f"error: {error}\n")
