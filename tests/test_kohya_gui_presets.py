@@ -40,6 +40,9 @@ def gui_config(name: str, tmp_path: Path, model: Path, data: Path, prompts: str 
     ("sdxl_lokr_v1.0.toml", "sdxl", ("lokr_w1",)),
     ("sd15_loha_edg.toml", "sd1", ("hada_w1_a",)),
     ("flux1d_adamw8bit.toml", "flux", ("lora_down.weight",)),
+    ("sd15_ia3.toml", "sd1", ("weight",)),
+    ("sd15_diag_oft.toml", "sd1", ("oft_blocks",)),
+    ("sd15_dylora_train_norm.toml", "sd1", ("lora_down.weight", "w_norm")),
 ])
 def test_gui_preset_trains(request, tmp_path, small_dataset, monkeypatch, name, family, keys):
     from library.models import memory_estimate
@@ -58,3 +61,4 @@ def test_gui_preset_trains(request, tmp_path, small_dataset, monkeypatch, name, 
     assert result.output_file.parent == tmp_path / "out" and metadata["ss_network_module"] == config.network_module
     modules = {key.partition(".")[0] for key in state_dict}
     assert modules and all(any(f"{m}.{k}" in state_dict for k in keys) for m in modules)
+    assert all(any(key.endswith(f".{k}") for key in state_dict) for k in keys)
