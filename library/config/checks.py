@@ -193,6 +193,14 @@ def check_values(v: dict[str, Any]) -> list[str]:
     for name in ("save_every_n_steps", "save_every_n_epochs", "save_last_n_steps", "save_last_n_epochs",
                  "save_last_n_steps_state", "save_last_n_epochs_state"):
         need(v[name] is None or v[name] >= 1, f"{name} must be at least 1 (got {v[name]})")
+    for path in v["base_weights"]:
+        need(Path(path).is_file(), f"base_weights: {path} is not a file")
+    need(len(v["base_weights_multiplier"]) <= len(v["base_weights"]),
+         f"base_weights_multiplier gives {len(v['base_weights_multiplier'])} strengths for "
+         f"{len(v['base_weights'])} base_weights files")
+    need(not v["base_weights"] or v["base_model_precision"] not in ("int8", "nf4"),
+         f"base_weights are merged into the base's weights, which base_model_precision "
+         f"\"{v['base_model_precision']}\" quantizes; use fp8 or no_change with base_weights")
     need(not v["dim_from_weights"] or v["network_weights"] is not None,
          "dim_from_weights needs network_weights (the LoRA file to read dim and alpha from)")
     need(v["network_weights"] is None or Path(v["network_weights"]).is_file(),

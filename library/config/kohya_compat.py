@@ -46,7 +46,7 @@ REFUSED_WHY: dict[str, str] = {
 
 # kohya options this trainer does not offer (yet): named so a kohya user learns exactly what to change.
 UNSUPPORTED_KOHYA_OPTIONS: tuple[str, ...] = (
-    "async_upload", "base_weights", "base_weights_multiplier", "cache_info",
+    "async_upload", "cache_info",
     "console_log_file",
     "dataset_class",
     "enable_scaled_pos_embed", "pos_emb_random_crop_rate",  # sd3_train_network.py, for SD3.5 Medium

@@ -85,6 +85,21 @@ def _to_str_list(value: Any) -> list[str]:
     raise ValueError("expected a list of strings")
 
 
+def _to_path_list(value: Any) -> list[str]:
+    """Files: a TOML array, one path as a string (spaces kept), or several on the command line."""
+    if isinstance(value, str):
+        return [value]
+    return _to_str_list(value)
+
+
+def _to_float_list(value: Any) -> list[float]:
+    """A TOML array of numbers, or "0.5,1" (commas or spaces) / several values on the command line."""
+    items = value.replace(",", " ").split() if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise ValueError("expected a list of numbers")
+    return [_to_float(item) for item in items]
+
+
 def _to_int_list(value: Any) -> list[int]:
     """A TOML array of integers, or "100,300,500" (commas or spaces) on the command line."""
     items = value.replace(",", " ").split() if isinstance(value, str) else value
@@ -136,7 +151,7 @@ class Option:
 
     @property
     def is_list(self) -> bool:
-        return self.convert is _to_str_list
+        return self.convert in (_to_str_list, _to_path_list, _to_float_list)
 
     @property
     def is_size(self) -> bool:

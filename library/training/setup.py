@@ -29,6 +29,7 @@ from library.network import kohya_format, lora
 from library.network.metadata import lora_metadata, model_file_hashes
 from library.training import adapters as adapter_training
 from library.training.accelerator import gathered, realign_cpu_adam, zero3, zero3_refusals
+from library.training.base_weights import merge_base_weights
 from library.training.caching import cache_inputs, plan_caching, release_encoders
 from library.training.model import (
     SAVE_DTYPES,
@@ -148,6 +149,7 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     if config.vae is not None:  # kohya's separate VAE file
         components.vae = load_vae(config.vae, components.vae, vae_dtype)
     family = components.family = components.family.configured(config)
+    merge_base_weights(components, config.base_weights, config.base_weights_multiplier)  # before any cache
     if config.weighted_captions and not family.offers_weighted_captions:
         raise UserError(f"weighted_captions is not offered for {family.name}: sd-scripts weights captions for the "
                         "CLIP text encoders of SD1.x, SD2.x and SDXL only (its SD3 trainer refuses the option and its "
@@ -338,7 +340,8 @@ PATH_OPTIONS = ("seed", "train_batch_size", "gradient_accumulation_steps", "reso
                 "loraplus_text_encoder_lr_ratio", "scale_weight_norms", "ema_decay", "timestep_sampling",
                 "base_model_precision", "fp8_base", "fp8_base_unet",
                 "sigmoid_scale", "discrete_flow_shift", "model_prediction_type", "weighting_scheme", "logit_mean",
-                "logit_std", "mode_scale", "guidance_scale", "t5xxl_max_token_length", "apply_t5_attn_mask")
+                "logit_std", "mode_scale", "guidance_scale", "t5xxl_max_token_length", "apply_t5_attn_mask",
+                "base_weights", "base_weights_multiplier")
 
 
 def path_settings(config: Config, seed: int, data: TrainingData) -> dict[str, Any]:
