@@ -164,3 +164,57 @@ def test_dylora_with_train_norm_resumes_bit_exactly(tiny_sd1_dir, sample_data_di
     a, b = (kohya_format.load_kohya_lora(r.output_file)[0] for r in (straight, resumed))
     assert a.keys() == b.keys() and any(key.endswith(".w_norm") for key in a)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@torch.no_grad()
+def comfy_merge(tiny, state_dict: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A fresh UNet with the file merged as ComfyUI's loader does (comfy/lora.py: `lora_unet_<path with _>` names
+    `<path>.weight`; w_norm / b_norm added to a norm's weight / bias; weight_adapter/oft.py: R from oft_blocks with
+    `.alpha` as the bound of ||Q||, the weight's row blocks turned by R - I; LoRA: up @ down * alpha / rank).
+    Every key must be consumed."""
+    unet = copy.deepcopy(tiny["unet"])
+    by_name = {kohya_format.kohya_lora_name("lora_unet", name): module for name, module in unet.named_modules()
+               if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d, torch.nn.LayerNorm, torch.nn.GroupNorm))}
+    grouped: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in state_dict.items():
+        name, _, role = key.partition(".")
+        grouped.setdefault(name, {})[role] = tensor.float()
+    consumed = set()
+    for name, v in grouped.items():
+        module = by_name[name]
+        weight = module.weight
+        if "oft_blocks" in v:
+            blocks, alpha = v["oft_blocks"], float(v["alpha"])
+            block_num, block_size, _ = blocks.shape
+            eye = torch.eye(block_size)
+            q = blocks - blocks.transpose(1, 2)
+            if alpha > 0 and torch.norm(q) + 1e-8 > alpha:
+                q = q * alpha / (torch.norm(q) + 1e-8)
+            r = (eye + q) @ (eye - q).inverse()
+            _, *shape = weight.shape
+            weight += torch.einsum("k n m, k n ... -> k m ...", r - eye,
+                                   weight.view(block_num, block_size, *shape)).view(-1, *shape)
+            consumed |= {"oft_blocks", "alpha"}
+        elif "lora_up.weight" in v:
+            up, down = v["lora_up.weight"], v["lora_down.weight"]
+            weight += (up.flatten(1) @ down.flatten(1)).reshape(weight.shape) * float(v["alpha"]) / down.shape[0]
+            consumed |= {"lora_up.weight", "lora_down.weight", "alpha"}
+        if "w_norm" in v:
+            weight += v["w_norm"]
+            module.bias += v["b_norm"]
+            consumed |= {"w_norm", "b_norm"}
+        assert set(v) <= consumed, (name, set(v) - consumed)
+    return unet
+
+
+@pytest.mark.parametrize("network_args", [
+    ["algo=diag-oft", "conv_dim=4", "train_norm=True"],  # the GUI's constraint 0, rescaled off
+    ["algo=dylora", "block_size=2", "conv_dim=4", "train_norm=True"],
+])
+def test_comfyui_merge_consumes_every_key_and_computes_the_same(tiny, network_args):
+    ours = randomized(tiny, network_args)
+    state_dict = kohya_format.kohya_state_dict({"lora_unet": ours})
+    assert any(key.endswith(".w_norm") for key in state_dict)
+    x = unet_inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(comfy_merge(tiny, state_dict)(*x).sample, ours(*x).sample, atol=2e-5, rtol=1e-4)
