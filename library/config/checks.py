@@ -80,6 +80,12 @@ def check_values(v: dict[str, Any]) -> list[str]:
             if v[name] is not None and not Path(v[name]).is_file():
                 problems.append(f"{name}: {v[name]} is not a file")
         data, dataset_config = v["train_data_dir"], v["dataset_config"]
+        if v["in_json"] is not None:
+            need(Path(v["in_json"]).is_file(), f"in_json: {v['in_json']} is not a file")
+            need(dataset_config is None, "in_json cannot be combined with dataset_config (a subset there takes "
+                                         "metadata_file); remove one of them")
+            need(v["reg_data_dir"] is None, "in_json is a fine-tuning dataset without regularisation images "
+                                            "(sd-scripts ignores reg_data_dir with it); remove reg_data_dir")
         if dataset_config is not None:
             if not Path(dataset_config).is_file():
                 problems.append(f"dataset_config: {dataset_config} is not a file")
@@ -115,6 +121,7 @@ def check_values(v: dict[str, Any]) -> list[str]:
     need(v["max_train_epochs"] is None or v["max_train_epochs"] >= 1,
          f"max_train_epochs must be at least 1 (got {v['max_train_epochs']})")
     need(v["max_data_loader_n_workers"] >= 0, "max_data_loader_n_workers must be 0 or more")
+    need(v["dataset_repeats"] >= 1, f"dataset_repeats must be at least 1 (got {v['dataset_repeats']})")
     # Dataset options. With dataset_config they are only fallbacks; library.data.dataset_config checks each
     # dataset's resolved values the same way.
     need(v["prior_loss_weight"] >= 0, f"prior_loss_weight must not be negative (got {v['prior_loss_weight']})")

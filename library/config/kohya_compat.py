@@ -32,8 +32,6 @@ IGNORED_KOHYA_OPTIONS: dict[str, str] = {
     "console_log_simple": "console output is always plain",
     "disable_mmap_load_safetensors": "safetensors files are read with the library default",
     "conditioning_data_dir": "kohya reads it only from the dataset_config subsets; set it there, with masked_loss",
-    "dataset_repeats": "sd-scripts applies it to in_json (fine-tuning metadata) datasets only, which this trainer "
-                       "does not read; repeats come from folder names (10_name) or a subset's num_repeats",
     "skip_cache_check": "each latent cache entry on disk is checked by its key (image content, VAE, size, flip), "
                         "which costs a file read, not a VAE pass; entries that match are always reused",
 }
@@ -53,7 +51,7 @@ UNSUPPORTED_KOHYA_OPTIONS: tuple[str, ...] = (
     "face_crop_aug_range",
     "fused_backward_pass",
     "huggingface_path_in_repo", "huggingface_repo_id", "huggingface_repo_type", "huggingface_repo_visibility",
-    "huggingface_token", "in_json",
+    "huggingface_token",
     "resume_from_huggingface",
     "save_state_to_huggingface",
 )

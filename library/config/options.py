@@ -113,6 +113,12 @@ _DATASET = [
     _opt("dataset_config", _to_str, None,
          "kohya dataset TOML ([general], [[datasets]], [[datasets.subsets]]); replaces train_data_dir",
          is_path=True, metavar="PATH"),
+    _opt("in_json", _to_str, None,
+         "kohya's fine-tuning metadata (.json, or .jsonl lines with image_path): captions and tags per image key; "
+         "train_data_dir is then the folder of the images themselves (keys may leave out the extension)",
+         is_path=True, metavar="PATH"),
+    _opt("dataset_repeats", _to_int, 1,
+         "kohya's: repeats of the in_json images, and of dataset_config subsets that set no num_repeats"),
     _opt("reg_data_dir", _to_str, None, "folder of regularisation image folders (kohya names)", is_path=True,
          metavar="PATH"),
     _opt("prior_loss_weight", _to_float, 1.0, "loss weight of regularisation images"),

@@ -50,6 +50,7 @@ class SubsetSpec:
     resize_interpolation: str | None = None  # kohya's: the resize filter (library.data.images.RESIZE_FILTERS)
     token_warmup_min: int = 1  # kohya's: tags used at step 0 ...
     token_warmup_step: float = 0.0  # ... growing to all of them by this step (a fraction of the run when below 1)
+    metadata_file: Path | None = None  # kohya's fine-tuning metadata: the images and captions (no caption files)
 
     @property
     def caption_ops(self) -> bool:
@@ -129,7 +130,7 @@ SUBSET_KEYS: dict[str, Callable[[Any], Any]] = {
     "token_warmup_min": _int, "token_warmup_step": _float,
 }
 SUBSET_ONLY_KEYS: dict[str, Callable[[Any], Any]] = {"image_dir": _str, "is_reg": _bool,
-                                                     "conditioning_data_dir": _str}
+                                                     "conditioning_data_dir": _str, "metadata_file": _str}
 DATASET_KEYS: dict[str, Callable[[Any], Any]] = {
     "resolution": _resolution, "batch_size": _int, "enable_bucket": _bool, "min_bucket_reso": _int,
     "max_bucket_reso": _int, "bucket_reso_steps": _int, "bucket_no_upscale": _bool,
@@ -137,10 +138,10 @@ DATASET_KEYS: dict[str, Callable[[Any], Any]] = {
 _ALIASES = {"caption_extention": "caption_extension"}  # kohya's misspelling, accepted on its command line
 # kohya dataset keys this trainer does not offer; named so the user knows exactly what to change.
 UNSUPPORTED_KEYS = (
-    "cache_info", "face_crop_aug_range", "metadata_file", "network_multiplier", "max_token_length", "debug_dataset",
+    "cache_info", "face_crop_aug_range", "network_multiplier", "max_token_length", "debug_dataset",
 )
 # A TOML key -> the --config / command-line option that is its fallback.
-_COMMAND_LINE_NAME = {"batch_size": "train_batch_size"}
+_COMMAND_LINE_NAME = {"batch_size": "train_batch_size", "num_repeats": "dataset_repeats"}
 _LEVEL_KEYS = {
     "general": {**DATASET_KEYS, **SUBSET_KEYS},
     "dataset": {**DATASET_KEYS, **SUBSET_KEYS},
@@ -275,8 +276,9 @@ def _resolve_subset(layers: list[Mapping[str, Any]], config: Config | None,
         values["caption_extension"] = "." + extension  # kohya adds the dot
     if values["class_tokens"] is not None and not values["class_tokens"].strip():
         values["class_tokens"] = None
-    if values["conditioning_data_dir"] is not None:
-        values["conditioning_data_dir"] = Path(values["conditioning_data_dir"])
+    for name in ("conditioning_data_dir", "metadata_file"):
+        if values[name] is not None:
+            values[name] = Path(values[name])
     directory = image_dir if image_dir is not None else Path(layers[0]["image_dir"])
     return SubsetSpec(image_dir=directory, **values)
 
@@ -377,6 +379,8 @@ def check_dataset_spec(spec: DatasetSpec, config: Config | None, where: str) -> 
             rate = getattr(subset, name)
             need(0 <= rate <= 1, f"{at}: {name} must be in [0, 1] (got {rate})")
         need(subset.caption_separator != "", f"{at}: caption_separator must not be empty")
+        need(not (subset.metadata_file and subset.is_reg),
+             f"{at}: metadata_file describes training images; a regularisation subset takes an image folder")
         need(subset.token_warmup_min >= 0, f"{at}: token_warmup_min must not be negative")
         need(subset.token_warmup_step >= 0, f"{at}: token_warmup_step must not be negative")
         need(subset.resize_interpolation in (None, *RESIZE_INTERPOLATIONS),
@@ -411,6 +415,13 @@ def resolve_datasets(config: Config, warnings: list[str] | None = None,
     problems = [] if problems is None else problems
     if config.dataset_config is not None:
         return datasets_from_toml(config.dataset_config, config)
+    if config.in_json is not None:  # kohya's fine-tuning dataset: train_data_dir holds the images themselves
+        subset = _resolve_subset([{"metadata_file": config.in_json}], config, image_dir=Path(config.train_data_dir))
+        spec = _resolve_dataset([], config, (subset,))
+        check = check_dataset_spec(spec, config, "dataset")
+        if check:
+            raise ConfigError(check)
+        return [spec]
     subsets = subsets_from_folder(Path(config.train_data_dir), False, config, warnings, problems)
     if config.reg_data_dir is not None:
         subsets += subsets_from_folder(Path(config.reg_data_dir), True, config, warnings, problems)

@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from library.data.captions import read_caption
+from library.data.captions import CaptionRead, read_caption
 from library.data.dataset_config import DatasetSpec, SubsetSpec
 from library.data.images import (FORMATS_BY_EXTENSION, IMAGE_EXTENSIONS, Bucketer, ImageProblem, center_crop,
                                  inspect_image, read_mask)
+from library.data.metadata import image_path, metadata_caption, read_metadata
 
 _SHOWN = 5  # paths listed per warning before "... and N more"
 
@@ -83,9 +84,10 @@ def listing(paths: Sequence[Any]) -> str:
     return shown + (f" ... and {len(paths) - _SHOWN} more" if len(paths) > _SHOWN else "")
 
 
-def _check_image(path: Path, subset: SubsetSpec,
-                 bucketer: Bucketer) -> tuple[dict[str, Any] | None, list[str], list[str]]:
-    """(record fields or None, problems, notes) for one image file; runs in a worker thread."""
+def _check_image(path: Path, subset: SubsetSpec, bucketer: Bucketer,
+                 given_caption: str | None = None) -> tuple[dict[str, Any] | None, list[str], list[str]]:
+    """(record fields or None, problems, notes) for one image file; runs in a worker thread. `given_caption`:
+    the caption from fine-tuning metadata, instead of a caption file."""
     problems: list[str] = []
     notes: list[str] = []
     facts = None
@@ -93,7 +95,8 @@ def _check_image(path: Path, subset: SubsetSpec,
         facts = inspect_image(path)
     except ImageProblem as e:
         problems.append(f"{path}: {e}")
-    caption = read_caption(path, subset.caption_extension, all_lines=subset.enable_wildcard)
+    caption = (CaptionRead(given_caption, subset.metadata_file, None) if given_caption is not None
+               else read_caption(path, subset.caption_extension, all_lines=subset.enable_wildcard))
     if caption.problem:
         problems.append(caption.problem)
     elif caption.text is None and subset.class_tokens is None:
@@ -130,7 +133,7 @@ def _check_image(path: Path, subset: SubsetSpec,
 def scan_datasets(specs: Sequence[DatasetSpec], threads: int | None = None) -> Scan:
     """Read every image and caption of every subset; collect usable records, problems and warnings."""
     scan = Scan()
-    jobs: list[tuple[SubsetReport, Path, Bucketer]] = []
+    jobs: list[tuple[SubsetReport, Path, Bucketer, str | None]] = []
     for d, spec in enumerate(specs):
         bucketer = Bucketer(spec)
         seen: set[Path] = set()
@@ -156,6 +159,14 @@ def scan_datasets(specs: Sequence[DatasetSpec], threads: int | None = None) -> S
                 scan.problems.append(f"{directory}: not a folder")
                 report.used = False
                 continue
+            if subset.metadata_file is not None:
+                listed = _metadata_jobs(subset, scan.problems)
+                if not listed:
+                    report.used = False
+                    continue
+                report.images = len(listed)
+                jobs.extend((report, path, bucketer, caption) for path, caption in listed)
+                continue
             images = list_images(directory)
             scan.problems.extend(dangling_links(directory))
             if not images:
@@ -163,15 +174,15 @@ def scan_datasets(specs: Sequence[DatasetSpec], threads: int | None = None) -> S
                 report.used = False
                 continue
             report.images = len(images)
-            jobs.extend((report, path, bucketer) for path in images)
+            jobs.extend((report, path, bucketer, None) for path in images)
 
     workers = threads or min(8, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        results = list(pool.map(lambda job: _check_image(job[1], job[0].spec, job[2]), jobs))
+        results = list(pool.map(lambda job: _check_image(job[1], job[0].spec, job[2], job[3]), jobs))
 
     notes: dict[str, list[str]] = {}
     class_token_users: dict[int, list[Path]] = {}
-    for (report, path, _), (fields_, problems, image_notes) in zip(jobs, results):
+    for (report, path, _, _), (fields_, problems, image_notes) in zip(jobs, results):
         scan.problems.extend(problems)
         for note in image_notes:
             kind, text = note.split(":", 1)
@@ -210,6 +221,22 @@ def scan_datasets(specs: Sequence[DatasetSpec], threads: int | None = None) -> S
         scan.warnings.append(f"{len(notes['alpha'])} images have transparency; it is composited on white: "
                              + listing(notes["alpha"]))
     return scan
+
+
+def _metadata_jobs(subset: SubsetSpec, problems: list[str]) -> list[tuple[Path, str]]:
+    """(image, caption) of each entry of a subset's fine-tuning metadata; missing images are problems."""
+    assert subset.metadata_file is not None
+    entries, found = read_metadata(subset.metadata_file)
+    problems.extend(found)
+    listed = []
+    for key, entry in entries.items():
+        path = image_path(key, subset.image_dir)
+        if path is None:
+            problems.append(f"{subset.metadata_file}: {key!r}: no image {subset.image_dir / key} (with or without "
+                            f"an extension {', '.join(IMAGE_EXTENSIONS)})")
+            continue
+        listed.append((path, metadata_caption(entry, subset.caption_separator, subset.enable_wildcard)))
+    return listed
 
 
 def balance_regularisation(records: list[ImageRecord]) -> None:
