@@ -183,15 +183,38 @@ def delta(state, name):
     return up @ down * float(state[f"{name}.alpha"]) / down.shape[0]
 
 
-def test_targets_and_file_keys_are_musubis(components):
+# The last block's layers that only feed the text stream the transformer discards.
+LAST_BLOCK_TEXT_ONLY = {f"lora_unet_transformer_blocks_1_{name}" for name in (
+    "attn_add_q_proj", "attn_to_add_out", "txt_mlp_net_0_proj", "txt_mlp_net_2")}
+
+
+def test_targets_are_musubis_but_the_layers_without_gradient(components):
+    """musubi's targets (the modulation layers included, 14 per block), less the last block's four text-only layers,
+    which are exactly those that get no gradient."""
+    transformer = components.denoiser
+    musubi = musubi_lora_names(transformer)
+    assert len(musubi) == 14 * len(transformer.transformer_blocks) and LAST_BLOCK_TEXT_ONLY <= musubi
+    assert {k.split(".")[0] for k in random_lora(transformer)} == musubi - LAST_BLOCK_TEXT_ONLY
+    encoded = encode(components, ["a photo of sks dog"])
+    transformer.zero_grad()
+    prediction = components.family.denoise(transformer, torch.randn(1, 16, 4, 4), torch.tensor([500.0]), encoded, {})
+    prediction.sum().backward()
+    for name in musubi:
+        grad = transformer.get_submodule(qwen_image_lora.module_path(name)).weight.grad
+        assert (grad is not None and bool(grad.abs().sum() > 0)) == (name not in LAST_BLOCK_TEXT_ONLY), name
+    transformer.zero_grad(set_to_none=True)
+
+
+def test_file_keys_are_musubis(components):
     ours = random_lora(components.denoiser)
     names = {k.split(".")[0] for k in ours}
-    assert names == musubi_lora_names(components.denoiser)
-    assert len(names) == 14 * len(components.denoiser.transformer_blocks)  # the modulation layers included
-    assert {"lora_unet_transformer_blocks_1_img_mod_1", "lora_unet_transformer_blocks_0_attn_to_add_out"} <= names
     written = qwen_image_lora.to_file(ours)
     assert written.keys() == ours.keys()  # musubi's own layout
     assert all(torch.equal(qwen_image_lora.from_file(written)[k], ours[k]) for k in ours)
+    # musubi's file holds the last block's text-only modules too; they are dropped on reading
+    musubi_file = {**ours, **{f"{n}.{role}": torch.zeros(1) for n in LAST_BLOCK_TEXT_ONLY
+                              for role in ("lora_down.weight", "lora_up.weight", "alpha")}}
+    assert components.family.import_lora_keys(musubi_file).keys() == ours.keys()
     peft = {f"transformer.{qwen_image_lora.module_path(k.split('.')[0])}.lora_"
             f"{'A' if 'down' in k else 'B'}.weight": v for k, v in ours.items() if not k.endswith("alpha")}
     read = qwen_image_lora.from_file(peft)

@@ -93,7 +93,9 @@ class QwenImageVae(nn.Module):
 
 @dataclasses.dataclass(frozen=True)
 class QwenImage(Family):
-    """Qwen-Image; nothing in the prompts depends on the config."""
+    """Qwen-Image; nothing in the prompts depends on the config. `last_block` is the transformer's last block
+    index (its text-stream-only layers get no LoRA; library.models.qwen_image_lora)."""
+    last_block: int | None = None
     name = "qwen-image"
     base_model_version = "qwen_image"  # musubi's ss_base_model_version (architecture_full_name)
     text_encoder_folders = ("text_encoder",)
@@ -180,7 +182,7 @@ class QwenImage(Family):
         return qwen_image_lora.to_file(state_dict)
 
     def import_lora_keys(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return qwen_image_lora.from_file(state_dict)
+        return qwen_image_lora.from_file(state_dict, self.last_block)
 
     def metadata_flags(self, v_prediction: bool) -> dict[str, Any]:
         # musubi's sai_model_spec: architecture "Qwen-Image" + "/lora", its implementation URL
@@ -271,4 +273,5 @@ def load_qwen_image_folder(path: Path, weight_dtype: torch.dtype, vae_dtype: tor
     for module in (transformer, vae, text_encoder):
         module.eval()
     return Components(denoiser=transformer, vae=QwenImageVae(vae), text_encoders=[text_encoder],
-                      tokenizers=[tokenizer], noise_scheduler=scheduler, v_prediction=False, family=QwenImage())
+                      tokenizers=[tokenizer], noise_scheduler=scheduler, v_prediction=False,
+                      family=QwenImage(last_block=transformer.config.num_layers - 1))

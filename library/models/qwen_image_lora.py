@@ -7,6 +7,12 @@ img_mod.1, attn.to_q / to_k / to_v / to_out.0, attn.add_q_proj / add_k_proj / ad
 img_mlp.net.0.proj / net.2, txt_mod.1 and txt_mlp.net.0.proj / net.2 (14 modules). The blocks' names are the same
 in musubi's own model, diffusers' and ComfyUI's.
 
+One difference: the transformer discards the text stream that its last block puts out, so that block's
+attn.add_q_proj, attn.to_add_out and txt_mlp layers never get a gradient. musubi creates LoRA modules there anyway
+(they stay at their start, lora_up = 0, and change nothing); they are left out here, which gives the same model and
+keeps DDP from failing on parameters without gradients. Reading a file drops them too: whatever their values, they
+cannot change an image.
+
 The file is musubi's own layout, `lora_unet_transformer_blocks_<i>_attn_to_q.lora_down.weight`, `.lora_up.weight`
 and `.alpha`. ComfyUI reads it as it is (comfy/lora.py maps `lora_unet_<path with _>` onto every
 `diffusion_model.<path>.weight`, and its Qwen-Image model uses diffusers' module names), and so does diffusers'
@@ -30,6 +36,8 @@ EXCLUDE = re.compile(r".*(_mod_).*")  # musubi's lora_qwen_image default exclude
 BLOCK_LINEARS = ("img_mod.1", "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
                  "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2",
                  "txt_mod.1", "txt_mlp.net.0.proj", "txt_mlp.net.2")
+# What the last block computes only for the discarded text stream.
+DISCARDED_IN_LAST_BLOCK = ("attn.add_q_proj", "attn.to_add_out", "txt_mlp.net.0.proj", "txt_mlp.net.2")
 _DOTTED = {name.replace(".", "_"): name for name in BLOCK_LINEARS}
 _OURS = re.compile(rf"^{PREFIX}_transformer_blocks_(\d+)_(.+)$")
 
@@ -45,15 +53,20 @@ def targets(transformer: nn.Module, net: Any) -> list[str]:
                         "(musubi-tuner's networks.lora_qwen_image)")
     if problems:
         raise ValueError("; ".join(problems))
+    discarded = set(discarded_paths(len(transformer.transformer_blocks) - 1))
     names = []
     for name, block in transformer.named_modules():
         if type(block).__name__ != BLOCK_CLASS:
             continue
         for child_name, child in block.named_modules():
             path = f"{name}.{child_name}"
-            if isinstance(child, nn.Linear) and not EXCLUDE.fullmatch(path):
+            if isinstance(child, nn.Linear) and not EXCLUDE.fullmatch(path) and path not in discarded:
                 names.append(path)
     return names
+
+
+def discarded_paths(last_block: int) -> list[str]:
+    return [f"transformer_blocks.{last_block}.{name}" for name in DISCARDED_IN_LAST_BLOCK]
 
 
 def module_path(kohya_name: str) -> str | None:
@@ -73,10 +86,10 @@ def to_file(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return dict(state_dict)
 
 
-def from_file(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def from_file(state_dict: dict[str, torch.Tensor], last_block: int | None = None) -> dict[str, torch.Tensor]:
     """A Qwen-Image LoRA file -> our `lora_unet_...` keys: musubi's layout as it is, diffusers / peft keys renamed
-    (alpha = rank when absent, as diffusers reads them). Unknown keys pass through and are reported by the
-    loader."""
+    (alpha = rank when absent, as diffusers reads them), the modules of `last_block` that feed only the discarded
+    text stream dropped. Unknown keys pass through and are reported by the loader."""
     roles = {"lora_A.weight": DOWN, "lora_B.weight": UP, "alpha": ALPHA}
     out: dict[str, torch.Tensor] = {}
     for key, tensor in state_dict.items():
@@ -86,6 +99,9 @@ def from_file(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out[f"{PREFIX}_{body[:-len(role) - 1].replace('.', '_')}.{roles[role]}"] = tensor
         else:
             out[key] = tensor
+    if last_block is not None:
+        dropped = {f"{PREFIX}_{path.replace('.', '_')}" for path in discarded_paths(last_block)}
+        out = {key: tensor for key, tensor in out.items() if key.partition(".")[0] not in dropped}
     for name in {key.partition(".")[0] for key in out if key.endswith(DOWN)}:
         if f"{name}.{ALPHA}" not in out:
             out[f"{name}.{ALPHA}"] = torch.tensor(float(out[f"{name}.{DOWN}"].shape[0]))
