@@ -2,6 +2,7 @@
 
     python bench/real_size.py [--models sd15,sdxl] [--steps 2] [--resolution 512,1024] [--threads 2]
                               [--images N] [--work DIR] [--json PATH] [--load_only] [--train_options="..."]
+                              [--flux_files bf16|fp8]
 
 For each model the script writes a single-file checkpoint of the released architecture with random weights
 (fp16, original layout, built piece by piece by bench/real_size_files.py; nothing is downloaded), a few images of
@@ -19,7 +20,9 @@ latents and text-encoder outputs, UNet-only LoRA rank 16, AdamW, batch 1), then 
 
 `flux` writes FLUX.1 dev's four kohya files (transformer 11.9 B parameters, T5-XXL 4.8 B) in bf16 and trains the
 transformer; the bf16 weights alone are 34 GB, so it needs a machine with well over that much RAM and is not
-chosen by default.
+chosen by default. `--flux_files fp8` writes the transformer and T5-XXL in float8_e4m3fn instead (16.6 GB), as
+the fp8 files users download; train them with `--train_options="--fp8_base true"` or
+`--train_options="--base_model_precision nf4"`.
 Resolutions pair with models in order (`--resolution 512,1024` for `--models sd15,sdxl`). Nothing is asserted.
 """
 from __future__ import annotations
@@ -162,12 +165,15 @@ def write_config(path: Path, model: str, files: dict[str, Path], data: Path, res
     return path
 
 
-def model_files(model: str, work: Path) -> dict[str, Path]:
+def model_files(model: str, work: Path, flux_files: str = "bf16") -> dict[str, Path]:
     import torch
     from real_size_files import SD_ARCHITECTURES, write_flux_files, write_sd_checkpoint
 
     if model == "flux":
-        paths = write_flux_files(work / "flux1")
+        if flux_files == "fp8":
+            paths = write_flux_files(work / "flux1-fp8", large_dtype=torch.float8_e4m3fn)
+        else:
+            paths = write_flux_files(work / "flux1")
         return {"model": paths["transformer"], **{k: paths[k] for k in ("clip_l", "t5xxl", "ae")}}
     path = work / f"{model}-random-fp16.safetensors"
     if not path.exists():
@@ -177,7 +183,7 @@ def model_files(model: str, work: Path) -> dict[str, Path]:
 
 def run_model(model: str, resolution: int, args: argparse.Namespace, work: Path) -> dict:
     started = time.time()
-    files = model_files(model, work)
+    files = model_files(model, work, args.flux_files)
     written = time.time() - started
     size = sum(p.stat().st_size for p in files.values()) / 2**30
     print(f"{model}: files ready in {written:.0f} s ({size:.2f} GiB)", flush=True)
@@ -234,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--train_options", default="", help='options added to the training command line, after '
                         'the config (e.g. --train_options="--cache_latents false")')
+    parser.add_argument("--flux_files", choices=("bf16", "fp8"), default="bf16", help="how the FLUX transformer and "
+                        "T5-XXL files are stored: bf16, or float8_e4m3fn as the fp8 files users download (CLIP-L and "
+                        "the AE stay bf16); the base precision is a training option, e.g. "
+                        '--train_options="--base_model_precision nf4"')
     parser.add_argument("--load_only", action="store_true", help="only load each model as the trainer does: "
                         "seconds, peak RSS and RSS after the load")
     args = parser.parse_args(argv)
@@ -252,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         if args.load_only:
             for model, _ in pairs:
-                result = load_only(model, model_files(model, work), args.threads)
+                result = load_only(model, model_files(model, work, args.flux_files), args.threads)
                 results.append(result)
                 print(json.dumps(result), flush=True)
             if args.json:

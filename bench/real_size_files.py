@@ -39,7 +39,8 @@ def models_and_resolutions(models: str, resolutions: str | None, default: Callab
     return list(zip(names, sizes, strict=True))
 
 
-_SAFETENSORS_DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.int64: "I64"}
+_SAFETENSORS_DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.int64: "I64",
+                       torch.float8_e4m3fn: "F8_E4M3"}
 
 
 class StreamingSafetensors:
@@ -65,6 +66,15 @@ class StreamingSafetensors:
         if (name, tuple(tensor.shape), tensor.dtype) != (expected, shape, dtype):
             raise ValueError(f"expected {expected} {shape} {dtype}, got {name} {tuple(tensor.shape)} {tensor.dtype}")
         self.file.write(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+    def write_pieces(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, pieces: list[torch.Tensor]) -> None:
+        """The tensor `name` as the concatenation of flat `pieces`, written without joining them."""
+        expected, want_shape, want_dtype = self.pending.pop(0)
+        if (name, shape, dtype) != (expected, want_shape, want_dtype) or sum(p.numel() for p in pieces) != math.prod(
+                shape) or any(p.dtype != dtype for p in pieces):
+            raise ValueError(f"expected {expected} {want_shape} {want_dtype}, got {name} {shape} {dtype}")
+        for piece in pieces:
+            self.file.write(piece.contiguous().view(torch.uint8).numpy().data)
 
     def close(self) -> None:
         self.file.close()
@@ -155,10 +165,55 @@ def write_sd_checkpoint(arch: str, path: Path, dtype: torch.dtype = torch.float1
     return _write_pieces(path, builders, _sd_state, _sd_owner, dtype, seed, log)
 
 
+def _write_random(path: Path, build: Callable[[], Any], to_state: Callable[[dict[str, Any]], dict[str, torch.Tensor]],
+                  name: str, dtype: torch.dtype, seed: int, log: Callable[[str], None]) -> Path:
+    """One safetensors file of the component's layout (built on the meta device) in `dtype`: matrices uniform in
+    +-1/sqrt(fan in) (torch's default Linear bound), biases 0, other vectors (norm scales) 1. The component is never
+    built for real, so writing holds one pool of values at a time: how an fp8 file of a model larger than memory in
+    bf16 (FLUX's transformer, 23.8 GB) is written. Drawing 12 B values took about 17 M/s on this shared CPU, so each
+    matrix is cut from a pool of 2^24 values drawn once per bound, starting at a random offset."""
+    with _building(torch.bfloat16, True, seed):
+        meta = build()
+    layout = to_state({name: meta})
+    tmp = path.with_name(path.name + ".partial")
+    writer = StreamingSafetensors(tmp, [(k, tuple(v.shape), dtype) for k, v in layout.items()])
+    generator = torch.Generator().manual_seed(seed)
+    pools: dict[float, torch.Tensor] = {}
+    pool_size = 1 << 24
+    try:
+        for key, spec in layout.items():
+            shape = tuple(spec.shape)
+            numel = math.prod(shape)
+            if len(shape) < 2:
+                value = (torch.zeros if key.endswith(".bias") else torch.ones)(shape, dtype=torch.bfloat16)
+                writer.write(key, value.to(dtype))
+                continue
+            bound = 1 / math.sqrt(math.prod(shape[1:]))
+            if bound not in pools:
+                pools[bound] = torch.empty(pool_size).uniform_(-bound, bound, generator=generator).to(dtype)
+            pool = pools[bound]
+            start = int(torch.randint(pool_size, (1,), generator=generator))
+            pieces, left = [], numel
+            while left:
+                piece = pool[start:start + left]
+                pieces.append(piece)
+                left -= piece.numel()
+                start = 0
+            writer.write_pieces(key, shape, dtype, pieces)
+    finally:
+        writer.close()
+    tmp.replace(path)
+    log(f"  {name}: {sum(math.prod(v.shape) for v in layout.values()) / 1e6:.1f} M parameters in {dtype}")
+    return path
+
+
 def write_flux_files(folder: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                     log: Callable[[str], None] = print, config_dir: Path | None = None) -> dict[str, Path]:
+                     log: Callable[[str], None] = print, config_dir: Path | None = None,
+                     large_dtype: torch.dtype | None = None) -> dict[str, Path]:
     """FLUX.1 dev as kohya's four files (BFL transformer, ae, clip_l, t5xxl), random weights: the layouts
-    `library.models.tiny_flux.save_tiny_flux_files` writes, at full size."""
+    `library.models.tiny_flux.save_tiny_flux_files` writes, at full size. `large_dtype` (float8_e4m3fn, as in the
+    fp8 files users download: `flux1-dev-fp8`, `t5xxl_fp8_e4m3fn`) stores the transformer and T5-XXL in that dtype,
+    every tensor of them (`_write_random`); CLIP-L and the AE stay in `dtype`."""
     from diffusers import AutoencoderKL, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
@@ -193,7 +248,11 @@ def write_flux_files(folder: Path, dtype: torch.dtype = torch.bfloat16, seed: in
     paths = {}
     for index, (name, (filename, build, to_state)) in enumerate(files.items()):
         paths[name] = folder / filename
-        if not paths[name].exists():
+        if paths[name].exists():
+            continue
+        if large_dtype is not None and name in ("transformer", "t5xxl"):
+            _write_random(paths[name], build, to_state, name, large_dtype, seed + 10 * index, log)
+        else:
             _write_pieces(paths[name], {name: build}, to_state, lambda _key, _n=name: _n, dtype, seed + 10 * index,
                           log)
     return paths

@@ -81,3 +81,18 @@ def test_a_short_write_is_refused(files_module, tmp_path):
         writer.write("a", torch.zeros(3, dtype=torch.float16))
     with pytest.raises(ValueError, match="1 tensors were never written"):
         writer.close()
+
+
+def test_fp8_flux_files_store_the_transformer_and_t5_in_fp8_and_load(files_module, tiny_flux_dir, tmp_path):
+    paths = files_module.write_flux_files(tmp_path / "flux", torch.bfloat16, log=lambda _: None,
+                                          config_dir=tiny_flux_dir, large_dtype=torch.float8_e4m3fn)
+    for name in ("transformer", "t5xxl"):
+        tensors = file_tensors(paths[name])
+        assert {t.dtype for t in tensors.values()} == {torch.float8_e4m3fn}
+        matrices = [t.float() for t in tensors.values() if t.dim() >= 2]
+        assert all(bool(t.isfinite().all()) and t.abs().max() > 0 for t in matrices)
+    assert {t.dtype for t in file_tensors(paths["clip_l"]).values()} == {torch.bfloat16}
+    loaded = load_components(paths["transformer"], model_config=tiny_flux_dir, clip_l=str(paths["clip_l"]),
+                             t5xxl=str(paths["t5xxl"]), ae=str(paths["ae"]), weight_dtype=torch.bfloat16)
+    assert loaded.family.name == "flux1-dev"
+    assert all(bool(p.isfinite().all()) for p in loaded.denoiser.parameters())
