@@ -85,7 +85,7 @@ def test_every_toml_mistake_is_reported_at_once(tmp_path):
 [general]
 shufle_caption = true
 image_dir = "x"
-face_crop_aug_range = [2.0, 4.0]
+network_multiplier = 0.5
 
 [[datasets]]
 batch_size = "two"
@@ -106,7 +106,7 @@ resolution = [512]
     expected = [
         "[general]: unknown key 'shufle_caption' (did you mean 'shuffle_caption'?)",
         "[general]: image_dir belongs in a [[datasets.subsets]] table",
-        "[general]: face_crop_aug_range is a kohya dataset option this trainer does not support yet",
+        "[general]: network_multiplier is a kohya dataset option this trainer does not support yet",
         "datasets[0]: batch_size = 'two': expected an integer",
         "datasets[0].subsets[0]: unknown key 'num_repeat' (did you mean 'num_repeats'?)",
         "datasets[0].subsets[0]: batch_size is a dataset setting; put it in [[datasets]] or [general]",

@@ -136,6 +136,9 @@ def check_values(v: dict[str, Any]) -> list[str]:
     for name in ("caption_dropout_rate", "caption_tag_dropout_rate"):
         need(0 <= v[name] <= 1, f"{name} must be in [0, 1] (got {v[name]})")
     need(v["caption_separator"] != "", "caption_separator must not be empty")
+    face = v["face_crop_aug_range"]
+    need(face is None or (len(face) == 2 and 0 < face[0] <= face[1]),
+         f"face_crop_aug_range must be two positive numbers \"low,high\" with low <= high (got {face})")
     need(v["token_warmup_min"] >= 0, f"token_warmup_min must not be negative (got {v['token_warmup_min']})")
     need(v["token_warmup_step"] >= 0, f"token_warmup_step must not be negative (got {v['token_warmup_step']})")
     for name in ("cache_text_encoder_outputs", "cache_text_encoder_outputs_to_disk"):
@@ -157,6 +160,9 @@ def check_values(v: dict[str, Any]) -> list[str]:
         need(not (v["color_aug"] and (v["cache_latents"] or v["cache_latents_to_disk"])),
              "color_aug changes the pixels each time and cannot use cached latents; turn off color_aug or "
              "cache_latents / cache_latents_to_disk")
+        need(not (v["face_crop_aug_range"] and not v["enable_bucket"]
+                  and (v["cache_latents"] or v["cache_latents_to_disk"])),
+             "face_crop_aug_range crops around the face anew each time and cannot use cached latents; turn off one")
         need(not (v["random_crop"] and (v["cache_latents"] or v["cache_latents_to_disk"])),
              "random_crop draws a new crop each time and cannot use cached latents; turn off random_crop or "
              "cache_latents / cache_latents_to_disk")

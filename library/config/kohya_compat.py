@@ -48,7 +48,6 @@ UNSUPPORTED_KOHYA_OPTIONS: tuple[str, ...] = (
     "console_log_file",
     "dataset_class",
     "enable_scaled_pos_embed", "pos_emb_random_crop_rate",  # sd3_train_network.py, for SD3.5 Medium
-    "face_crop_aug_range",
     "fused_backward_pass",
     "huggingface_path_in_repo", "huggingface_repo_id", "huggingface_repo_type", "huggingface_repo_visibility",
     "huggingface_token",

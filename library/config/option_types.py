@@ -94,6 +94,8 @@ def _to_path_list(value: Any) -> list[str]:
 
 def _to_float_list(value: Any) -> list[float]:
     """A TOML array of numbers, or "0.5,1" (commas or spaces) / several values on the command line."""
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        value = " ".join(value)  # several values on the command line, each maybe "a,b"
     items = value.replace(",", " ").split() if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)):
         raise ValueError("expected a list of numbers")

@@ -159,6 +159,10 @@ _DATASET = [
     _opt("caption_dropout_every_n_epochs", _to_int, 0, "use empty captions every n-th epoch"),
     _opt("caption_tag_dropout_rate", _to_float, 0.0, "probability of dropping each (non-kept) tag"),
     _opt("flip_aug", _to_bool, False, "random horizontal flips"),
+    _opt("face_crop_aug_range", _to_float_list, None,
+         "kohya's \"low,high\": without buckets, images named like name_cx_cy_w_h (the face's centre and size) "
+         "are scaled so the face is 1/high to 1/low of the training size (drawn each use) and cropped around it",
+         metavar="LOW,HIGH"),
     _opt("random_crop", _to_bool, False, "random instead of centred crops"),
     _opt("alpha_mask", _to_bool, False,
          "weight the loss by the images' alpha channel (transparent pixels are not learned)"),

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import torch
 
 from library.data.captions import process_caption
+from library.data.face_crop import face_crop, face_from_name
 from library.config import Config, UserError
 from library.data.dataset_config import DatasetSpec, resolve_datasets
 from library.data.images import color_augment, prepare_image, prepare_mask
@@ -72,7 +73,12 @@ class TrainingDataset(torch.utils.data.Dataset):
         rng = item_rng(self.seed, "image", epoch, index)
         flipped = subset.flip_aug and rng.random() < 0.5
         left, top = record.crop
-        if subset.random_crop:
+        resized = record.resized
+        face = face_from_name(record.path) if subset.face_crop_aug_range else None
+        if face is not None:
+            resized, (left, top) = face_crop(record.size, record.bucket, face, subset.face_crop_aug_range,
+                                             subset.random_crop, item_rng(self.seed, "face", epoch, index))
+        elif subset.random_crop:
             left = rng.randint(0, record.resized[0] - record.bucket[0])
             top = rng.randint(0, record.resized[1] - record.bucket[1])
         item: dict[str, Any] = {
@@ -81,7 +87,7 @@ class TrainingDataset(torch.utils.data.Dataset):
             "original_size": (record.size[1], record.size[0]),
             # SDXL's crop conditioning: pixels cropped from the top and the left of the resized image, as seen
             # after the flip.
-            "crop_top_left": (top, record.resized[0] - left - record.bucket[0] if flipped else left),
+            "crop_top_left": (top, resized[0] - left - record.bucket[0] if flipped else left),
             "target_size": (record.bucket[1], record.bucket[0]),
         }
         if self.latents is not None:
@@ -91,15 +97,15 @@ class TrainingDataset(torch.utils.data.Dataset):
             if subset.color_aug:
                 rng = item_rng(self.seed, "color", epoch, index)
                 augment = lambda image: color_augment(image, rng)  # noqa: E731 (one use, right here)
-            item["pixels"] = prepare_image(record.path, record.size, record.resized, record.bucket, (left, top),
+            item["pixels"] = prepare_image(record.path, record.size, resized, record.bucket, (left, top),
                                            flipped, subset.resize_interpolation, augment)
         # Read from the files each time, also with cached latents, so a cache never holds a stale mask.
         if subset.conditioning_data_dir is not None:  # kohya prefers these masks to the alpha channel
             item["loss_mask"] = prepare_mask(subset.conditioning_data_dir / record.path.name, record.size,
-                                             record.resized, record.bucket, (left, top), flipped, alpha=False,
+                                             resized, record.bucket, (left, top), flipped, alpha=False,
                                              interpolation=subset.resize_interpolation)
         elif subset.alpha_mask:
-            item["loss_mask"] = prepare_mask(record.path, record.size, record.resized, record.bucket, (left, top),
+            item["loss_mask"] = prepare_mask(record.path, record.size, resized, record.bucket, (left, top),
                                              flipped, alpha=True, interpolation=subset.resize_interpolation)
         caption = process_caption(record.caption, subset, epoch, item_rng(self.seed, "caption", epoch, index), step,
                                   self.total_steps)

@@ -9,7 +9,7 @@ import difflib
 import logging
 import math
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -51,6 +51,7 @@ class SubsetSpec:
     token_warmup_min: int = 1  # kohya's: tags used at step 0 ...
     token_warmup_step: float = 0.0  # ... growing to all of them by this step (a fraction of the run when below 1)
     metadata_file: Path | None = None  # kohya's fine-tuning metadata: the images and captions (no caption files)
+    face_crop_aug_range: tuple[float, float] | None = None  # kohya's: face size range for crops around faces
 
     @property
     def caption_ops(self) -> bool:
@@ -92,6 +93,18 @@ def _float(value: Any) -> float:
     raise ValueError("expected a number")
 
 
+def _float_pair(value: Any) -> tuple[float, float]:
+    """kohya's face_crop_aug_range: [low, high], "low,high", or one number for both."""
+    parts = value.replace(",", " ").split() if isinstance(value, str) else value
+    parts = parts if isinstance(parts, list) else [parts]
+    parts = [_float(p if not isinstance(p, str) else float(p)) for p in parts]
+    if len(parts) == 1:
+        parts *= 2
+    if len(parts) != 2 or not 0 < parts[0] <= parts[1]:
+        raise ValueError("expected two positive numbers low <= high, like [2.0, 4.0]")
+    return parts[0], parts[1]
+
+
 def _str(value: Any) -> str:
     if isinstance(value, str):
         return value
@@ -127,7 +140,7 @@ SUBSET_KEYS: dict[str, Callable[[Any], Any]] = {
     "caption_tag_dropout_rate": _float, "flip_aug": _bool, "random_crop": _bool, "alpha_mask": _bool,
     "color_aug": _bool,
     "secondary_separator": _str, "enable_wildcard": _bool, "resize_interpolation": _str,
-    "token_warmup_min": _int, "token_warmup_step": _float,
+    "token_warmup_min": _int, "token_warmup_step": _float, "face_crop_aug_range": _float_pair,
 }
 SUBSET_ONLY_KEYS: dict[str, Callable[[Any], Any]] = {"image_dir": _str, "is_reg": _bool,
                                                      "conditioning_data_dir": _str, "metadata_file": _str}
@@ -138,7 +151,7 @@ DATASET_KEYS: dict[str, Callable[[Any], Any]] = {
 _ALIASES = {"caption_extention": "caption_extension"}  # kohya's misspelling, accepted on its command line
 # kohya dataset keys this trainer does not offer; named so the user knows exactly what to change.
 UNSUPPORTED_KEYS = (
-    "cache_info", "face_crop_aug_range", "network_multiplier", "max_token_length", "debug_dataset",
+    "cache_info", "network_multiplier", "max_token_length", "debug_dataset",
 )
 # A TOML key -> the --config / command-line option that is its fallback.
 _COMMAND_LINE_NAME = {"batch_size": "train_batch_size", "num_repeats": "dataset_repeats"}
@@ -279,6 +292,8 @@ def _resolve_subset(layers: list[Mapping[str, Any]], config: Config | None,
     for name in ("conditioning_data_dir", "metadata_file"):
         if values[name] is not None:
             values[name] = Path(values[name])
+    if values["face_crop_aug_range"] is not None:
+        values["face_crop_aug_range"] = tuple(values["face_crop_aug_range"])
     directory = image_dir if image_dir is not None else Path(layers[0]["image_dir"])
     return SubsetSpec(image_dir=directory, **values)
 
@@ -286,6 +301,10 @@ def _resolve_subset(layers: list[Mapping[str, Any]], config: Config | None,
 def _resolve_dataset(layers: list[Mapping[str, Any]], config: Config | None,
                      subsets: tuple[SubsetSpec, ...]) -> DatasetSpec:
     values = {name: _lookup(name, layers, config, default) for name, default in _DATASET_DEFAULTS.items()}
+    if values["enable_bucket"] and any(s.face_crop_aug_range for s in subsets):
+        logger.warning("face_crop_aug_range has no effect with enable_bucket (kohya crops around faces only "
+                       "without buckets)")
+        subsets = tuple(replace(s, face_crop_aug_range=None) for s in subsets)
     return DatasetSpec(subsets=subsets, **values)
 
 
@@ -395,6 +414,9 @@ def check_dataset_spec(spec: DatasetSpec, config: Config | None, where: str) -> 
         need(not (caching_latents and subset.color_aug),
              f"{at}: color_aug changes the pixels each time and cannot use cached latents; turn off color_aug or "
              "cache_latents / cache_latents_to_disk")
+        need(not (caching_latents and subset.face_crop_aug_range),
+             f"{at}: face_crop_aug_range crops around the face anew each time and cannot use cached latents; turn "
+             "off one")
         need(not (caching_latents and subset.random_crop),
              f"{at}: random_crop draws a new crop each time and cannot use cached latents; turn off random_crop "
              "or cache_latents")
