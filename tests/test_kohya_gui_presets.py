@@ -41,6 +41,7 @@ def gui_config(name: str, tmp_path: Path, model: Path, data: Path, prompts: str 
     ("sd15_loha_edg.toml", "sd1", ("hada_w1_a",)),
     ("flux1d_adamw8bit.toml", "flux", ("lora_down.weight",)),
     ("sd15_ia3.toml", "sd1", ("weight",)),
+    ("sd15_ia3_prodigy.toml", "sd1", ("weight", "on_input")),
     ("sd15_diag_oft.toml", "sd1", ("oft_blocks",)),
     ("sd15_dylora_train_norm.toml", "sd1", ("lora_down.weight", "w_norm")),
 ])
