@@ -218,3 +218,13 @@ def test_comfyui_merge_consumes_every_key_and_computes_the_same(tiny, network_ar
     x = unet_inputs()
     with torch.no_grad():
         torch.testing.assert_close(comfy_merge(tiny, state_dict)(*x).sample, ours(*x).sample, atol=2e-5, rtol=1e-4)
+
+
+def test_files_without_a_rank_are_named_for_dim_from_weights(tiny):
+    ia3 = kohya_format.kohya_state_dict({"lora_unet": randomized(tiny, ["algo=ia3", "preset=attn-only"])})
+    assert kohya_format.has_no_rank(ia3)
+    with pytest.raises(ValueError, match="no rank to read"):
+        kohya_format.dims_from_state_dict(ia3)
+    dylora = kohya_format.kohya_state_dict({"lora_unet": randomized(tiny, ["algo=dylora", "preset=attn-only",
+                                                                           "train_norm=True"])})
+    assert not kohya_format.has_no_rank(dylora) and kohya_format.dims_from_state_dict(dylora) == (8, 4.0)

@@ -28,6 +28,8 @@ def attach_network(model: nn.Module, part: str, rank: int, alpha: float, dropout
     norm_targets: list[str] = []
     if denoiser_targets is None and part == "unet" and net.flux_keys:
         raise UserError(f"network_args {', '.join(net.flux_keys)}: only for FLUX.1 (kohya's networks.lora_flux)")
+    if denoiser_targets is not None and net.train_norm:
+        raise UserError("network_args train_norm: offered for the SD families' UNet (LyCORIS' presets) only")
     if denoiser_targets is not None:
         targets, overrides = denoiser_targets
     elif net.lycoris:
