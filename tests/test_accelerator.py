@@ -178,3 +178,15 @@ def test_zero3_refuses_sampling_validation_and_ema_in_one_message(tmp_path):
     assert [p.split(":")[0].split(" ")[0] for p in caught.value.problems] == ["sample_prompts", "validation",
                                                                              "ema_decay"]
     zero3_refusals(config_with(tmp_path, "--deepspeed", "--zero_stage", "3"), sampling=False, validating=False)
+
+
+@pytest.mark.parametrize("network_args, unused", [
+    (["algo=dylora", "block_size=2"], True),  # one block of ranks learns per step
+    (["algo=loha", "module_dropout=0.1"], True),  # LyCORIS' module dropout skips whole layers
+    (["algo=locon", "module_dropout=0.1"], False),  # kohya's multiplies by zero: every weight gets a gradient
+])
+def test_ddp_is_told_of_adapter_weights_without_a_gradient(tmp_path, network_args, unused):
+    kwargs = accelerator_kwargs(config_with(tmp_path, "--network_module", "lycoris.kohya", "--network_args",
+                                            *network_args))
+    ddp = handler(kwargs, DistributedDataParallelKwargs)
+    assert (ddp is not None and ddp.find_unused_parameters) == unused

@@ -193,14 +193,16 @@ class DiagOFTLayer(_WeightAdapter):
         return pairs, problems
 
     def rotation(self) -> torch.Tensor:
-        eye = torch.eye(self.block_size, device=self.oft_blocks.device, dtype=self.oft_blocks.dtype)
-        q = self.oft_blocks - self.oft_blocks.transpose(1, 2)
+        # in float32 whatever the blocks' dtype (full_bf16): the inverse needs it, and R must be near-orthogonal
+        blocks = self.oft_blocks.float()
+        eye = torch.eye(self.block_size, device=blocks.device, dtype=blocks.dtype)
+        q = blocks - blocks.transpose(1, 2)
         limit = self.constraint * self.base_weight.shape[0]
         if limit > 0:
             norm = torch.norm(q) + 1e-8
             if norm > limit:
                 q = q * limit / norm
-        return (eye + q) @ (eye - q).float().inverse()
+        return (eye + q) @ (eye - q).inverse()
 
     def delta_weight(self) -> torch.Tensor:
         r = self.rotation()

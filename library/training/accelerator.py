@@ -34,8 +34,10 @@ def accelerator_kwargs(config: Config) -> dict[str, Any]:
         timeout = datetime.timedelta(minutes=config.ddp_timeout) if config.ddp_timeout else None
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         handlers.append(InitProcessGroupKwargs(backend=backend, timeout=timeout))
-    # DyLoRA trains one block of ranks per step: the others get no gradient, which DDP must be told of.
-    unused = network_args_of(config).algo == "dylora"
+    # DyLoRA trains one block of ranks per step, and LyCORIS' module dropout skips whole layers: the others get no
+    # gradient, which DDP must be told of.
+    net = network_args_of(config)
+    unused = net.algo == "dylora" or bool(net.module_dropout and net.variant != "lora")
     if config.ddp_gradient_as_bucket_view or config.ddp_static_graph or unused:
         handlers.append(DistributedDataParallelKwargs(
             gradient_as_bucket_view=config.ddp_gradient_as_bucket_view, static_graph=config.ddp_static_graph,
