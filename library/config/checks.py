@@ -206,6 +206,10 @@ def check_values(v: dict[str, Any]) -> list[str]:
     for name in ("save_every_n_steps", "save_every_n_epochs", "save_last_n_steps", "save_last_n_epochs",
                  "save_last_n_steps_state", "save_last_n_epochs_state"):
         need(v[name] is None or v[name] >= 1, f"{name} must be at least 1 (got {v[name]})")
+    for name in ("huggingface_repo_type", "huggingface_path_in_repo", "huggingface_token",
+                 "huggingface_repo_visibility", "save_state_to_huggingface", "async_upload"):
+        need(not v[name] or v["huggingface_repo_id"] is not None,
+             f"{name} is about uploads to the Hugging Face Hub, which need huggingface_repo_id")
     for path in v["base_weights"]:
         need(Path(path).is_file(), f"base_weights: {path} is not a file")
     need(len(v["base_weights_multiplier"]) <= len(v["base_weights"]),

@@ -44,13 +44,10 @@ REFUSED_WHY: dict[str, str] = {
 
 # kohya options this trainer does not offer (yet): named so a kohya user learns exactly what to change.
 UNSUPPORTED_KOHYA_OPTIONS: tuple[str, ...] = (
-    "async_upload", "cache_info",
+    "cache_info",
     "console_log_file",
     "dataset_class",
     "enable_scaled_pos_embed", "pos_emb_random_crop_rate",  # sd3_train_network.py, for SD3.5 Medium
     "fused_backward_pass",
-    "huggingface_path_in_repo", "huggingface_repo_id", "huggingface_repo_type", "huggingface_repo_visibility",
-    "huggingface_token",
     "resume_from_huggingface",
-    "save_state_to_huggingface",
 )

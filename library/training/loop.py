@@ -25,6 +25,7 @@ from library.training import adapters as adapter_training
 from library.training.accelerator import gathered, loading_whole, prepare_accelerator
 from library.training.caching import on_device
 from library.training.faults import Interrupted, Preemption, agree, non_finite, non_finite_error, outcome, reported_save
+from library.training.hub import HubUploader
 from library.training.model import DiffusionModel, batch_latents, diffusion_loss, lora_modules, save_lora
 from library.training.optim import schedule_free_eval
 from library.training.setup import Session, build_session, claim_output_dir
@@ -100,6 +101,7 @@ class Trainer:
         self.validated_at = -1
         self.state_saved_at = -1
         self.preemption = Preemption()
+        self.hub = HubUploader(self.config) if self.config.huggingface_repo_id else None
         self.stop_signal: int | None = None  # agreed by every process before the optimizer step
         # Per-batch losses and (per-sample loss, timesteps) of the optimizer step being accumulated.
         self.step_losses: list[torch.Tensor] = []
@@ -283,6 +285,8 @@ class Trainer:
                     save_lora(self.config, s.unwrapped, s.spec, path, s.metadata(), s.save_dtype)
                 logger.info("saved %s", path)
                 self.trackers.event("save", step=self.state.global_step, path=path.name)
+                if self.hub is not None:
+                    self.hub.upload(path, wait=name == self.config.output_name)
         if with_state:
             self.state.metrics = s.metrics.state_dict()
             state_dir = s.output_dir / state_dir_name(name)
@@ -290,6 +294,10 @@ class Trainer:
                 s.checkpointer.save(state_dir, self.state)
             self.state_saved_at = self.state.global_step
             self.trackers.event("state", step=self.state.global_step, path=state_dir.name)
+            if self.hub is not None and self.config.save_state_to_huggingface:
+                self.accelerator.wait_for_everyone()  # every process's files are in the folder
+                if self.accelerator.is_main_process:
+                    self.hub.upload(state_dir, wait=name == self.config.output_name)
 
     def validate(self) -> None:
         s, accelerator = self.s, self.accelerator
@@ -355,6 +363,8 @@ class Trainer:
         result.global_step = state.global_step
         result.model = s.unwrapped
         self.save_snapshot(self.config.output_name, self.config.save_state or self.config.save_state_on_train_end)
+        if self.hub is not None:
+            self.hub.wait()
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             result.output_file = s.output_dir / f"{self.config.output_name}.safetensors"
