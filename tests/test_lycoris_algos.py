@@ -228,3 +228,32 @@ def test_files_without_a_rank_are_named_for_dim_from_weights(tiny):
     dylora = kohya_format.kohya_state_dict({"lora_unet": randomized(tiny, ["algo=dylora", "preset=attn-only",
                                                                            "train_norm=True"])})
     assert not kohya_format.has_no_rank(dylora) and kohya_format.dims_from_state_dict(dylora) == (8, 4.0)
+
+
+def test_kohyas_dylora_trains_one_unit_of_every_rank(tiny):
+    settings, problems = parse_network_args(["unit=2", "conv_dim=8", "conv_alpha=1"], network_module="networks.dylora")
+    assert problems == [] and settings.kohya_dylora and (settings.algo, settings.block_size) == ("dylora", 2)
+    assert any("unknown key 'algo'" in p for p in parse_network_args(["algo=lora"],
+                                                                     network_module="networks.dylora")[1])
+    unet = copy.deepcopy(tiny["unet"])
+    network_setup.attach_network(unet, "unet", 8, 4.0, 0.0, settings)
+    layers = dict(lora.lora_layers(unet))
+    # kohya's targets (networks.lora's, with conv_dim the ResNet blocks too), every conv at network_dim / alpha
+    assert set(layers) == set(lora.unet_target_modules(tiny["unet"])) | set(
+        sum(lora.unet_conv_target_modules(tiny["unet"]), []))
+    conv = layers["down_blocks.0.resnets.0.conv1"]
+    assert isinstance(conv, lycoris_layers.DyLoRALayer) and conv.kohya and (conv.r, conv.alpha) == (8, 4.0)
+    layer = layers["down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"]
+    with torch.no_grad():
+        for p in layer.up:
+            p.normal_()
+    x = torch.randn(3, layer.base_layer.in_features)
+    layer.train()
+    torch.manual_seed(4)
+    first = int(torch.randint(0, 8, (1,)).item()) // 2 * 2
+    torch.manual_seed(4)
+    out = layer(x)
+    down, up = torch.cat(list(layer.down)), torch.cat(list(layer.up), dim=1)
+    torch.testing.assert_close(out, layer.base_layer(x) + x @ (up @ down).T * 4.0 / 8 * (8 / (first + 2)) ** 0.5)
+    out.sum().backward()
+    assert [i for i, p in enumerate(layer.down) if p.grad is not None] == [first // 2]

@@ -19,7 +19,9 @@ ALGOS = ("lora", "locon", "loha", "lokr", "ia3", "diag-oft", "dylora")
 # LyCORIS-only algorithms (library.network.lycoris_layers); they need network_module = "lycoris.kohya"
 LYCORIS_ONLY_ALGOS = ("ia3", "diag-oft", "dylora")
 LYCORIS_MODULE = "lycoris.kohya"
-NETWORK_MODULES = ("networks.lora", LYCORIS_MODULE)
+# kohya's own DyLoRA (networks/dylora.py, the GUI's "Kohya DyLoRA"): kohya's targets, `unit` ranks trained per step
+DYLORA_MODULE = "networks.dylora"
+NETWORK_MODULES = ("networks.lora", LYCORIS_MODULE, DYLORA_MODULE)
 # LyCORIS presets offered (lycoris/config.py BUILTIN_PRESET_CONFIGS, mapped onto diffusers' modules by
 # library.network.targets); the ones without text-encoder targets train the UNet only.
 PRESETS = ("full", "attn-mlp", "attn-only", "unet-transformer-only", "unet-convblock-only", "unet-only")
@@ -70,6 +72,7 @@ class NetworkArgs:
     constraint: float = 0.0  # Diag-OFT: bound on the rotations' norm (times the layer's width); 0: none
     rescaled: bool = False  # Diag-OFT: also train a scale per output channel
     block_size: int = 4  # DyLoRA: ranks added per step of the random truncation (kohya_ss writes its "unit")
+    kohya_dylora: bool = False  # network_module = "networks.dylora": kohya's DyLoRA (its `unit` is block_size)
 
     @property
     def trains_text_encoder(self) -> bool:
@@ -302,6 +305,11 @@ def parse_network_args(args: Sequence[str], loraplus: Mapping[str, float | None]
     lycoris = network_module == LYCORIS_MODULE
     values: dict[str, Any] = {"lycoris": True} if lycoris else {}
     converters = {**_CONVERTERS, **_LYCORIS_CONVERTERS} if lycoris else _CONVERTERS
+    if network_module == DYLORA_MODULE:
+        # kohya's networks/dylora.py reads conv_dim, conv_alpha, unit and the LoRA+ ratios
+        values = {"algo": "dylora", "kohya_dylora": True, "block_size": 1}
+        converters = {key: _CONVERTERS[key] for key in ("conv_dim", "conv_alpha", *LORAPLUS_KEYS)}
+        converters["unit"] = _positive_int
     seen: set[str] = set()
     used_alias: set[str] = set()
     for arg in args:
@@ -326,6 +334,8 @@ def parse_network_args(args: Sequence[str], loraplus: Mapping[str, float | None]
         except ValueError as e:
             problems.append(f"network_args: {key}={raw.strip()}: {e}")
             continue
+        if key == "unit" and network_module == DYLORA_MODULE:
+            key = "block_size"
         if key in LYCORIS_ALIASES:
             key = LYCORIS_ALIASES[key]
             used_alias.add(key)
@@ -359,7 +369,7 @@ def _combination_problems(settings: NetworkArgs, given: set[str]) -> list[str]:
     if settings.use_tucker and settings.variant not in ("loha", "lokr"):
         problems.append("network_args: use_tucker works with algo=loha or lokr here (LyCORIS' Tucker LoCon, "
                         "lora_mid, is not offered); remove it or set it to false")
-    if settings.algo in LYCORIS_ONLY_ALGOS and not settings.lycoris:
+    if settings.algo in LYCORIS_ONLY_ALGOS and not settings.lycoris and not settings.kohya_dylora:
         problems.append(f"network_args: algo={settings.algo} is LyCORIS'; set network_module = \"{LYCORIS_MODULE}\"")
     for key, algo in LYCORIS_ALGO_KEYS.items():
         if key in given and settings.algo != algo:
@@ -389,6 +399,7 @@ def _combination_problems(settings: NetworkArgs, given: set[str]) -> list[str]:
     if "conv_block_alphas" in given and settings.conv_block_dims is None:
         problems.append("network_args: conv_block_alphas needs conv_block_dims")
     if settings.variant != "lora" and any(getattr(settings, key) is not None for key in LORAPLUS_KEYS):
+        # (kohya's DyLoRA has LoRA+ ratios; not offered here)
         problems.append(f"loraplus_* ratios apply to LoRA's up weights; algo={settings.algo} has none")
     return problems
 
@@ -406,6 +417,9 @@ def network_option_problems(v: Mapping[str, Any]) -> list[str]:
     """Config check: network_args and the network options that depend on them (raw option values)."""
     settings, problems = parse_network_args(v["network_args"], {key: v.get(key) for key in LORAPLUS_KEYS},
                                             v.get("network_module") or "networks.lora")
+    if settings.kohya_dylora and settings.conv_dim is not None and settings.conv_dim != v.get("network_dim"):
+        problems.append(f"networks.dylora: conv_dim {settings.conv_dim} must equal network_dim (kohya's DyLoRA "
+                        "trains the 3x3 convs at network_dim)")
     if settings.algo == "dylora":
         for key, dim in (("network_dim", v.get("network_dim")), ("conv_dim", settings.conv_dim)):
             if dim and dim % settings.block_size:

@@ -8,7 +8,9 @@ key format (what lycoris.kohya writes and ComfyUI / AUTOMATIC1111 read):
                block; W' = R^T W on each block of b output rows (then rescale * W')
     DyLoRA     <name>.lora_down.weight [r, in(, k, k)]   <name>.lora_up.weight [out, r(, 1, 1)]   <name>.alpha
                a plain LoRA file; in training each step uses the first j blocks of `block_size` ranks, only block j
-               learning (the others detached), scaled alpha / j as LyCORIS does
+               learning (the others detached), scaled alpha / j as LyCORIS does; kohya's networks.dylora uses
+               every rank with one random block of `unit` learning, scaled alpha / r * sqrt(r / (its first rank
+               + unit))
     norms      <name>.w_norm [C]   <name>.b_norm [C]: LayerNorm / GroupNorm weight and bias + the diffs
 
 peft has IA3 and OFT, but its IA3 scales the bias too (a file reader does not) and its OFT has another
@@ -219,8 +221,9 @@ class DyLoRALayer(_WeightAdapter):
     algo = "dylora"
 
     def __init__(self, base_layer: nn.Module, adapter_name: str, lora_dim: int, alpha: float, block_size: int,
-                 module_dropout: float = 0.0):
+                 module_dropout: float = 0.0, kohya: bool = False):
         super().__init__(base_layer, adapter_name, module_dropout)
+        self.kohya = kohya
         if lora_dim % block_size:
             raise ValueError(f"DyLoRA: the rank {lora_dim} must be a multiple of block_size {block_size}")
         weight = base_layer.weight
@@ -266,7 +269,16 @@ class DyLoRALayer(_WeightAdapter):
 
     def delta_weight(self) -> torch.Tensor:
         blocks = len(self.down)
-        if self.training:
+        if self.training and self.kohya:
+            # kohya's networks/dylora.py: every rank, one random block of `unit` learning, scaled by
+            # alpha / rank * sqrt(rank / (the block's first rank + unit))
+            first = int(torch.randint(0, self.r, (1,)).item())
+            first -= first % self.block_size
+            learning = first // self.block_size
+            downs = [p if i == learning else p.detach() for i, p in enumerate(self.down)]
+            ups = [p if i == learning else p.detach() for i, p in enumerate(self.up)]
+            scale = self.alpha / self.r * math.sqrt(self.r / (first + self.block_size))
+        elif self.training:
             # LyCORIS: a random number of blocks, only the last of them learning, scaled alpha / blocks
             used = int(torch.randint(0, blocks, (1,)).item()) + 1
             downs = [p.detach() for p in self.down[:used - 1]] + [self.down[used - 1]]
@@ -319,7 +331,7 @@ def is_norm(module: nn.Module) -> bool:
 def attach(model: nn.Module, algo: str, targets: list[str], rank: int, alpha: float,
            overrides: Mapping[str, tuple[int, float]], adapter_name: str = "default", *,
            train_on_input: bool = False, constraint: float = 0.0, rescaled: bool = False, block_size: int = 4,
-           module_dropout: float = 0.0) -> None:
+           module_dropout: float = 0.0, kohya: bool = False) -> None:
     """Wrap each target (a Linear / conv, or with algo "norm" a LayerNorm / GroupNorm) in the algo's layer;
     `overrides` gives some targets their own (rank, alpha) (conv_dim / conv_alpha)."""
     for name in targets:
@@ -337,7 +349,7 @@ def attach(model: nn.Module, algo: str, targets: list[str], rank: int, alpha: fl
         elif algo == "diag-oft":
             layer = DiagOFTLayer(base, adapter_name, layer_rank, constraint, rescaled, module_dropout)
         elif algo == "dylora":
-            layer = DyLoRALayer(base, adapter_name, layer_rank, layer_alpha, block_size, module_dropout)
+            layer = DyLoRALayer(base, adapter_name, layer_rank, layer_alpha, block_size, module_dropout, kohya)
         else:
             raise ValueError(f"unknown LyCORIS algo {algo!r}")
         setattr(parent, child, layer)

@@ -48,6 +48,8 @@ def attach_network(model: nn.Module, part: str, rank: int, alpha: float, dropout
         targets = lora.unet_target_modules(model)
         plan = unet_block_plan(model, rank, alpha, net)
         conv_rank_alpha = net.conv_rank_alpha
+        if net.kohya_dylora and conv_rank_alpha is not None:
+            conv_rank_alpha = (rank, alpha)  # kohya's DyLoRA reads conv_alpha but trains the convs at network_alpha
         if conv_rank_alpha is not None or (plan is not None and plan.conv_dims is not None):
             linear, conv = lora.unet_conv_target_modules(model)
             targets += linear + conv
@@ -76,10 +78,10 @@ def attach_network(model: nn.Module, part: str, rank: int, alpha: float, dropout
     if net.algo in lycoris_layers.ALGOS:
         lycoris_options = {"ia3": {},
                            "diag-oft": {"constraint": net.constraint, "rescaled": net.rescaled},
-                           "dylora": {"block_size": net.block_size}}[net.algo]
+                           "dylora": {"block_size": net.block_size, "kohya": net.kohya_dylora}}[net.algo]
         if dropout:
-            logger.info("network_dropout: no effect with algo=%s (LyCORIS' kohya entry point does not read it)",
-                        net.algo)
+            logger.info("network_dropout: no effect with algo=%s (neither LyCORIS' kohya entry point nor kohya's "
+                        "DyLoRA reads it)", net.algo)
             dropout = 0.0
     # peft's DoRA (output axis) computes its weight norm by calling lora_A, where kohya's hook would drop ranks:
     # it keeps peft's dropout on the layer input.
