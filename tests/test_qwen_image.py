@@ -290,3 +290,31 @@ def test_sampling_is_qwen_image_pipelines_with_true_cfg(components, tmp_path):
     assert ours.shape == (64, 64, 3)
     assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 1  # uint8 rounding of the same decode
     assert not np.array_equal(ours, plain)
+
+
+# --- separate files ---------------------------------------------------------------------------------------------
+
+def test_comfyui_split_files_load_as_the_folder(tiny_qwen_image_dir, components, tmp_path):
+    """ComfyUI's layouts (transformer behind model.diffusion_model., Qwen2.5-VL with model.layers / visual names,
+    the VAE in Wan 2.1's layout read by diffusers' converter) load bit-identically to the folder."""
+    from library.models.loading import load_components
+    from library.models.qwen_image_files import SHIPPED_TOKENIZER
+    from library.models.tiny_qwen_image import save_tiny_qwen_image_files
+    from library.models.z_image_files import load_qwen_tokenizer
+
+    files = save_tiny_qwen_image_files(tiny_qwen_image_dir, tmp_path)
+    assert {p.parent.name for p in files.values()} == {"diffusion_models", "text_encoders", "vae"}
+    with pytest.raises(UserError, match="text_encoder"):
+        load_components(files["transformer"], model_config=tiny_qwen_image_dir, ae=str(files["ae"]))
+    loaded = load_components(files["transformer"], model_config=tiny_qwen_image_dir,
+                             text_encoder=str(files["text_encoder"]), ae=str(files["ae"]))
+    assert loaded.family == components.family
+    for ours, reference in ((loaded.denoiser, components.denoiser), (loaded.vae, components.vae),
+                            (loaded.text_encoders[0], components.text_encoders[0])):
+        a, b = ours.state_dict(), reference.state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # The shipped tokenizer is Qwen's own vocabulary: the template's system turn is the 34 tokens musubi drops.
+    qwen = load_qwen_tokenizer(SHIPPED_TOKENIZER)
+    ids = qwen(TEMPLATE.format("a cat")).input_ids
+    assert ids[:3] == [151644, 8948, 198] and ids[31:34] == [151644, 872, 198]  # <|im_start|>system\n ... user\n
+    assert ids[34:] == [64, 8251, 151645, 198, 151644, 77091, 198]  # a cat<|im_end|>\n<|im_start|>assistant\n

@@ -15,6 +15,7 @@ from library.models.family import Components, Family
 from library.models.flux import is_flux_folder, load_flux_folder
 from library.models.flux_files import is_bfl_flux, load_flux_files
 from library.models.qwen_image import is_qwen_image_folder, load_qwen_image_folder
+from library.models.qwen_image_files import is_qwen_image_file, load_qwen_image_files
 from library.models.sd import SD1, SD2
 from library.models.sd3 import is_sd3_folder, load_sd3_folder
 from library.models.sd3_files import is_sd3_file, load_sd3_files
@@ -70,7 +71,8 @@ def load_components(model_path: str | Path, v2: bool = False, v_parameterization
     `model_config` and `allow_pickle_checkpoints` apply there), a BFL FLUX.1 transformer file with the `clip_l`,
     `t5xxl` and `ae` files (library.models.flux_files), a BFL Chroma transformer file with `t5xxl` and `ae`
     (library.models.chroma), or a Z-Image transformer file with `text_encoder` and `ae`
-    (library.models.z_image_files), and tell the family.
+    (library.models.z_image_files) or a Qwen-Image one with `text_encoder` and `ae`
+    (library.models.qwen_image_files), and tell the family.
 
     Weights are loaded straight into their training dtype (casting afterwards makes diffusers warn and doubles
     the peak memory of the load), and the heap pages the load freed go back to the system.
@@ -87,9 +89,11 @@ def load_components(model_path: str | Path, v2: bool = False, v_parameterization
             return load_chroma_files(path, t5xxl, ae, config, weight_dtype, vae_dtype)
         if path.is_file() and is_z_image_file(path):
             return load_z_image_files(path, text_encoder, ae, config, weight_dtype, vae_dtype)
+        if path.is_file() and is_qwen_image_file(path):
+            return load_qwen_image_files(path, text_encoder, ae, config, weight_dtype, vae_dtype)
         if text_encoder is not None:
-            raise UserError(f"text_encoder: only for a Z-Image transformer file (musubi-tuner's separate files); "
-                            f"{path} is not one (a folder brings its own text encoder)")
+            raise UserError(f"text_encoder: only for a Z-Image transformer file (or a Qwen-Image one; musubi-tuner's "
+                            f"separate files); {path} is not one (a folder brings its own text encoder)")
         if path.is_file() and is_bfl_flux(path):
             return load_flux_files(path, clip_l, t5xxl, ae, None if model_config is None else str(model_config),
                                    weight_dtype, vae_dtype)

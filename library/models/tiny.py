@@ -265,7 +265,7 @@ ONE_SHAPE_FAMILIES: dict[str, tuple[str, str, str | None]] = {
     "chroma": ("library.models.tiny_chroma", "save_tiny_chroma", "save_tiny_chroma_files"),
     "sd3": ("library.models.tiny_sd3", "save_tiny_sd3", "save_tiny_sd3_files"),
     "z_image": ("library.models.tiny_z_image", "save_tiny_z_image", "save_tiny_z_image_files"),
-    "qwen_image": ("library.models.tiny_qwen_image", "save_tiny_qwen_image", None),
+    "qwen_image": ("library.models.tiny_qwen_image", "save_tiny_qwen_image", "save_tiny_qwen_image_files"),
 }
 
 

@@ -6,7 +6,7 @@ AutoencoderKLQwenImage (the video VAE, 8x down with Qwen-Image's latents_mean / 
 byte-level BPE tokenizer built here, and Qwen-Image's scheduler config (dynamic shift). The tokenizer learns the
 prompt template's words whole, so the template's system turn is 34 tokens, as with Qwen's own vocabulary.
 
-    python -m library.models.tiny OUTPUT_DIR --family qwen_image [--seed N] [--overwrite]
+    python -m library.models.tiny OUTPUT_DIR --family qwen_image [--files] [--seed N] [--overwrite]
 """
 from __future__ import annotations
 
@@ -64,8 +64,9 @@ def build_tiny_qwen_image(seed: int = 0) -> dict[str, Any]:
             patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
             num_attention_heads=2, joint_attention_dim=WIDTH, axes_dims_rope=(4, 6, 6))
         _seeded(seed, 42)
-        # Qwen-Image's VAE shape (dim_mult 1, 2, 4, 4; time down after levels 2 and 3) at base width 8.
-        vae = AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+        # Qwen-Image's VAE shape (dim_mult 1, 2, 4, 4; 2 blocks a level, as the layout of ComfyUI's file assumes;
+        # time down after levels 2 and 3) at base width 8.
+        vae = AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
                                      temperal_downsample=[False, True, True])
         _seeded(seed, 43)
         config = Qwen2_5_VLConfig(
@@ -96,3 +97,73 @@ def save_tiny_qwen_image(path: str | os.PathLike[str], seed: int = 0, overwrite:
     _write_pipeline(QwenImagePipeline(**build_tiny_qwen_image(seed)), target, ())
     logger.info("wrote tiny Qwen-Image model (seed=%d) to %s", seed, target)
     return target
+
+
+def comfy_vae_state_dict(vae: Any) -> dict[str, torch.Tensor]:
+    """An AutoencoderKLQwenImage's weights in ComfyUI's (Wan 2.1 VAE) layout, for writing test files as ComfyUI keeps
+    them: the inverse of the names diffusers' convert_wan_vae_to_diffusers and musubi-tuner's
+    convert_comfyui_state_dict read (flat encoder.downsamples / decoder.upsamples, residual.0/2/3/6, head.0/2,
+    middle.0/1/2, conv1 / conv2 for the quant convs)."""
+    import re
+
+    residual = {"norm1": "residual.0", "conv1": "residual.2", "norm2": "residual.3", "conv2": "residual.6",
+                "conv_shortcut": "shortcut"}
+    out = {}
+    for key, value in vae.state_dict().items():
+        new = key
+        new = re.sub(r"^quant_conv\.", "conv1.", new)
+        new = re.sub(r"^post_quant_conv\.", "conv2.", new)
+        new = re.sub(r"^(encoder|decoder)\.conv_in\.", r"\1.conv1.", new)
+        new = re.sub(r"^(encoder|decoder)\.norm_out\.", r"\1.head.0.", new)
+        new = re.sub(r"^(encoder|decoder)\.conv_out\.", r"\1.head.2.", new)
+        new = re.sub(r"^(encoder|decoder)\.mid_block\.attentions\.0\.", r"\1.middle.1.", new)
+        match = re.match(r"^(encoder|decoder)\.mid_block\.resnets\.(\d)\.(\w+)\.(.+)$", new)
+        if match:
+            part, index, layer, rest = match.groups()
+            new = f"{part}.middle.{2 * int(index)}.{residual[layer]}.{rest}"
+        match = re.match(r"^encoder\.down_blocks\.(\d+)\.(norm1|conv1|norm2|conv2|conv_shortcut)\.(.+)$", new)
+        if match:
+            new = f"encoder.downsamples.{match.group(1)}.{residual[match.group(2)]}.{match.group(3)}"
+        new = new.replace("encoder.down_blocks.", "encoder.downsamples.")
+        match = re.match(r"^decoder\.up_blocks\.(\d)\.resnets\.(\d)\.(\w+)\.(.+)$", new)
+        if match:  # three blocks and an upsampler per level: flat index 4 * level + block
+            level, index, layer, rest = match.groups()
+            new = f"decoder.upsamples.{4 * int(level) + int(index)}.{residual[layer]}.{rest}"
+        match = re.match(r"^decoder\.up_blocks\.(\d)\.upsamplers\.0\.(.+)$", new)
+        if match:
+            new = f"decoder.upsamples.{4 * int(match.group(1)) + 3}.{match.group(2)}"
+        out[new] = value
+    return out
+
+
+def save_tiny_qwen_image_files(folder: str | os.PathLike[str], target: str | os.PathLike[str]) -> dict[str, Path]:
+    """The tiny Qwen-Image folder's weights as ComfyUI users keep them: the transformer behind
+    `model.diffusion_model.` (diffusion_models/), Qwen2.5-VL with ComfyUI's names (`model.layers...`, `visual...`,
+    `lm_head`; text_encoders/) and the VAE in the Wan 2.1 layout (vae/). Returns their paths by option name
+    (`pretrained_model_name_or_path` as "transformer")."""
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    from safetensors.torch import save_file
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from library.models.qwen_image_files import COMFY_PREFIX
+
+    folder, target = Path(folder), Path(target)
+    local = {"local_files_only": True}
+    transformer = QwenImageTransformer2DModel.from_pretrained(folder, subfolder="transformer", **local)
+    vae = AutoencoderKLQwenImage.from_pretrained(folder, subfolder="vae", **local)
+    qwen = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, subfolder="text_encoder", **local)
+    text = {}
+    for key, value in qwen.state_dict().items():
+        text[key.replace("model.language_model.", "model.", 1).replace("model.visual.", "visual.", 1)] = value
+    files = {
+        "transformer": ({COMFY_PREFIX + k: v for k, v in transformer.state_dict().items()},
+                        "diffusion_models/qwen_image_tiny.safetensors"),
+        "text_encoder": (text, "text_encoders/qwen_2.5_vl_tiny.safetensors"),
+        "ae": (comfy_vae_state_dict(vae), "vae/qwen_image_vae.safetensors"),
+    }
+    paths = {}
+    for name, (state, filename) in files.items():
+        paths[name] = target / filename
+        paths[name].parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().contiguous() for k, v in state.items()}, str(paths[name]))
+    return paths
