@@ -123,3 +123,27 @@ def test_fp8_files_are_read_straight_into_fp8(tiny_flux_dir, tmp_path):
     assert loaded.denoiser.x_embedder.weight.dtype == BF16  # read as fp8, raised back: it is not stored low
     assert not any(p.dtype == torch.float8_e4m3fn for n, p in loaded.denoiser.named_parameters()
                    if n.rsplit(".", 1)[0] not in managed_layers(loaded.denoiser, fp8=True))
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_quantizing_drops_each_original_layer_once_replaced(kind, monkeypatch):
+    """The base's high-precision weights must not all outlive their quantized copies (FLUX: 11 GiB of fp8)."""
+    import gc
+    import weakref
+
+    import bitsandbytes as bnb
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    originals = [weakref.ref(layer) for layer in model]
+    alive = []
+    name = "Params4bit" if kind == "nf4" else "Int8Params"
+    real = getattr(bnb.nn, name)
+
+    def counting(*args, **kwargs):
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in originals))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bnb.nn, name, counting)
+    BasePrecision(kind, None, torch.bfloat16).prepare(model, [])
+    assert alive == [4, 3, 2, 1]

@@ -205,10 +205,13 @@ def _raise_leftovers(module: torch.nn.Module, dtype: torch.dtype) -> None:
 
 def _quantize(module: torch.nn.Module, kind: str, compute_dtype: torch.dtype) -> None:
     """Every managed linear layer replaced by its bitsandbytes twin, one layer at a time (each layer's compute-dtype
-    copy lives only while it is quantized)."""
+    copy lives only while it is quantized, and each original layer is dropped once replaced: held to the end, a
+    12 B FLUX transformer's fp8 weights stayed beside their whole NF4 copy, 17 GiB instead of 11)."""
     import bitsandbytes as bnb
 
-    for name, layer in managed_layers(module, fp8=False).items():
+    layers = managed_layers(module, fp8=False)
+    for name in list(layers):
+        layer = layers.pop(name)
         weight = layer.weight.data
         device = weight.device
         with torch.device("meta"):
@@ -230,6 +233,7 @@ def _quantize(module: torch.nn.Module, kind: str, compute_dtype: torch.dtype) ->
         del high
         parent_name, _, child = name.rpartition(".")
         setattr(module.get_submodule(parent_name) if parent_name else module, child, quantized)
+        del layer, weight, quantized
 
 
 @contextlib.contextmanager
