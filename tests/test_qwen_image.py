@@ -318,3 +318,47 @@ def test_comfyui_split_files_load_as_the_folder(tiny_qwen_image_dir, components,
     ids = qwen(TEMPLATE.format("a cat")).input_ids
     assert ids[:3] == [151644, 8948, 198] and ids[31:34] == [151644, 872, 198]  # <|im_start|>system\n ... user\n
     assert ids[34:] == [64, 8251, 151645, 198, 151644, 77091, 198]  # a cat<|im_end|>\n<|im_start|>assistant\n
+
+
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+def test_a_transformer_file_stored_in_low_precision_is_read_cast(tiny_qwen_image_dir, components, tmp_path, stored):
+    """bf16 / fp16 / fp8_e4m3fn stored transformer files (ComfyUI's downloads) load as the stored values, in the
+    training dtype."""
+    from safetensors.torch import save_file
+
+    from library.models.loading import load_components
+    from library.models.tiny_qwen_image import save_tiny_qwen_image_files
+
+    files = save_tiny_qwen_image_files(tiny_qwen_image_dir, tmp_path)
+    state = {f"model.diffusion_model.{k}": v.to(stored) for k, v in components.denoiser.state_dict().items()}
+    save_file(state, str(files["transformer"]))
+    loaded = load_components(files["transformer"], model_config=tiny_qwen_image_dir,
+                             text_encoder=str(files["text_encoder"]), ae=str(files["ae"]))
+    for key, value in loaded.denoiser.state_dict().items():
+        assert value.dtype == torch.float32
+        assert torch.equal(value, components.denoiser.state_dict()[key].to(stored).float()), key
+    if stored == torch.float8_e4m3fn:  # ComfyUI's fp8_scaled files: weights that need their scales
+        save_file({**state, "scaled_fp8": torch.zeros(0, dtype=stored)}, str(files["transformer"]))
+        with pytest.raises(UserError, match="scales"):
+            load_components(files["transformer"], model_config=tiny_qwen_image_dir,
+                            text_encoder=str(files["text_encoder"]), ae=str(files["ae"]))
+
+
+def test_fp8_base_stores_the_transformer_in_fp8_and_trains_the_lora(tiny_qwen_image_dir):
+    """fp8_base on Qwen-Image: the frozen Linear weights are float8_e4m3fn, the step runs in bf16 and every LoRA
+    module gets its gradient."""
+    from library.models.loading import load_components
+    from library.training.model import build_model
+
+    run = config("--fp8_base", "--mixed_precision", "bf16", "--network_module", "networks.lora_qwen_image",
+                 "--network_train_unet_only", "--resolution", "64")
+    loaded = load_components(tiny_qwen_image_dir, weight_dtype=torch.bfloat16, vae_dtype=torch.bfloat16)
+    loaded.family = loaded.family.configured(run)
+    model, groups = build_model(run, loaded, torch.device("cpu"))
+    assert model.denoiser.transformer_blocks[0].attn.to_q.base_layer.weight.dtype == torch.float8_e4m3fn
+    encoded = encode(loaded, ["a photo of sks dog"])
+    noisy = torch.randn(1, 16, 8, 8, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(noisy, torch.tensor([500.0]), encoded, {}).float().square().mean().backward()
+    ups = [p for name, p in model.denoiser.named_parameters() if "lora_B" in name]
+    assert len(ups) == 2 * 14 - 4 and all(p.grad is not None and p.grad.abs().sum() > 0 for p in ups)

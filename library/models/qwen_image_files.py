@@ -96,6 +96,10 @@ def load_qwen_image_files(path: Path, text_encoder: str | None, ae: str | None, 
         with init_empty_weights():
             transformer = QwenImageTransformer2DModel.from_config(config)
         state = {k.removeprefix(COMFY_PREFIX): v for k, v in _read(path, weight_dtype).items()}
+        scaled = [k for k in state if k == "scaled_fp8" or k.endswith((".scale_weight", ".weight_scale"))]
+        if scaled:  # the weights would load without their scales
+            raise UserError(f"{path}: an fp8 file with per-tensor scales ({scaled[0]}, ...), which cannot be read "
+                            "here (as in musubi-tuner); use the bf16 file")
         _assign(transformer, state, str(path), family=family)
         return_free_heap()
 
