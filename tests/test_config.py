@@ -131,10 +131,10 @@ def test_unknown_command_line_option_and_its_value_count_once(paths):
 
 
 def test_kohya_options_without_effect_are_noted_and_unsupported_ones_named(tmp_path, paths):
-    config_file = write_toml(tmp_path / "lora.toml", "xformers = true\nresume_from_huggingface = true\n")
+    config_file = write_toml(tmp_path / "lora.toml", "xformers = true\nconsole_log_file = \"run.log\"\n")
     problems = problems_of(["--config", config_file] + required_args(paths))
-    assert problems == [f"{config_file}: resume_from_huggingface is a kohya option this trainer does not support "
-                        "yet; remove it"]
+    assert problems == [f"{config_file}: console_log_file is a kohya option this trainer does not support yet; "
+                        "remove it"]
     config_file = write_toml(tmp_path / "lora2.toml", "xformers = true\nsdpa = true\n")
     _, notes = parse_config(["--config", config_file] + required_args(paths))
     assert len(notes) == 2 and all("no effect" in note for note in notes)

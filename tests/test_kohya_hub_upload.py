@@ -3,6 +3,7 @@ machine)."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -33,9 +34,38 @@ class StandInHub(BaseHTTPRequestHandler):
     def _body(self):
         return self.rfile.read(int(self.headers.get("Content-Length", 0)))
 
+    def _file(self):
+        """/<ns>/<name>/resolve/<revision>/<path> -> the stored bytes, or None."""
+        parts = self.path.split("?")[0].split("/")
+        if len(parts) < 6 or parts[3] != "resolve":
+            return None
+        return self.repos.get(f"{parts[1]}/{parts[2]}", {}).get("files", {}).get("/".join(parts[5:]))
+
+    def _send_file(self, with_body):
+        content = self._file()
+        if content is None:
+            return self._reply(404, {"error": "Entry not found"})
+        self.send_response(200)
+        self.send_header("X-Repo-Commit", "0" * 40)
+        self.send_header("ETag", f'"{hashlib.sha1(content).hexdigest()}"')
+        self.send_header("Content-Length", str(len(content)))
+        self.end_headers()
+        if with_body:
+            self.wfile.write(content)
+
+    def do_HEAD(self):
+        self._send_file(False)
+
     def do_GET(self):
         self.log.append(f"GET {self.path}")
-        self._reply(404, {"error": "Repository not found"})
+        parts = self.path.split("?")[0].split("/")
+        if parts[1:3] == ["api", "models"] and len(parts) >= 5:  # repo_info
+            repo = self.repos.get(f"{parts[3]}/{parts[4]}")
+            if repo is None:
+                return self._reply(404, {"error": "Repository not found"})
+            return self._reply(200, {"id": f"{parts[3]}/{parts[4]}", "sha": "0" * 40, "private": False,
+                                     "siblings": [{"rfilename": name} for name in sorted(repo["files"])]})
+        self._send_file(True)
 
     def do_POST(self):
         body = self._body()
@@ -72,7 +102,9 @@ def hub(monkeypatch):
     server = ThreadingHTTPServer(("127.0.0.1", 0), StandInHub)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", StandInHub
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)  # every call of the trainer's goes here
+    yield endpoint, StandInHub
     server.shutdown()
 
 
@@ -119,12 +151,13 @@ def test_upload_options_need_a_repository(tmp_path):
 
 @pytest.mark.usefixtures("fresh_accelerator_state")
 def test_a_run_uploads_its_snapshots_states_and_final_file(hub, tiny_sd1_dir, small_dataset, tmp_path, monkeypatch):
-    from huggingface_hub import constants
+    import torch
+    from accelerate.state import AcceleratorState
+    from safetensors.torch import load_file
 
     from library.training import loop
 
     endpoint, server = hub
-    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
     out = tmp_path / "out"
     config, _ = parse_config(["--pretrained_model_name_or_path", str(tiny_sd1_dir), "--train_data_dir",
                               str(small_dataset(tmp_path / "d")), "--output_dir", str(out), "--resolution", "64",
@@ -139,3 +172,15 @@ def test_a_run_uploads_its_snapshots_states_and_final_file(hub, tiny_sd1_dir, sm
     assert files["r-step00000001.safetensors"] == (out / "r-step00000001.safetensors").read_bytes()
     assert files["r.safetensors"] == (out / "r.safetensors").read_bytes()
     assert {"r-step00000001-state/train_state.json", "r-state/train_state.json"} <= set(files)
+
+    # resume_from_huggingface: the step-1 state, downloaded, continues to the same LoRA
+    AcceleratorState._reset_state(reset_partial_state=True)
+    resumed_out = tmp_path / "resumed"
+    config, _ = parse_config(["--pretrained_model_name_or_path", str(tiny_sd1_dir), "--train_data_dir",
+                              str(tmp_path / "d"), "--output_dir", str(resumed_out), "--resolution", "64",
+                              "--caption_extension", ".txt", "--max_train_steps", "2", "--output_name", "r",
+                              "--resume", "me/lora/r-step00000001-state", "--resume_from_huggingface"])
+    result = loop.run(config)
+    assert result.global_step == 2 and len(result.losses) == 1
+    expected, got = load_file(out / "r.safetensors"), load_file(resumed_out / "r.safetensors")
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)

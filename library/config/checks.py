@@ -206,9 +206,12 @@ def check_values(v: dict[str, Any]) -> list[str]:
     for name in ("save_every_n_steps", "save_every_n_epochs", "save_last_n_steps", "save_last_n_epochs",
                  "save_last_n_steps_state", "save_last_n_epochs_state"):
         need(v[name] is None or v[name] >= 1, f"{name} must be at least 1 (got {v[name]})")
+    need(not v["resume_from_huggingface"] or (v["resume"] is not None and v["resume"] != "latest"),
+         "resume_from_huggingface needs resume = \"owner/repository/path of the state dir[:revision[:repo_type]]\"")
     for name in ("huggingface_repo_type", "huggingface_path_in_repo", "huggingface_token",
                  "huggingface_repo_visibility", "save_state_to_huggingface", "async_upload"):
-        need(not v[name] or v["huggingface_repo_id"] is not None,
+        need(not v[name] or v["huggingface_repo_id"] is not None
+             or (name == "huggingface_token" and v["resume_from_huggingface"]),
              f"{name} is about uploads to the Hugging Face Hub, which need huggingface_repo_id")
     for path in v["base_weights"]:
         need(Path(path).is_file(), f"base_weights: {path} is not a file")

@@ -49,5 +49,4 @@ UNSUPPORTED_KOHYA_OPTIONS: tuple[str, ...] = (
     "dataset_class",
     "enable_scaled_pos_embed", "pos_emb_random_crop_rate",  # sd3_train_network.py, for SD3.5 Medium
     "fused_backward_pass",
-    "resume_from_huggingface",
 )

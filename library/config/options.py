@@ -380,6 +380,9 @@ _OUTPUT = [
     _opt("huggingface_repo_visibility", _to_str, None,
          "visibility of a repository the upload creates: private (default) or public", choices=("public", "private")),
     _opt("save_state_to_huggingface", _to_bool, False, "also upload each saved state dir"),
+    _opt("resume_from_huggingface", _to_bool, False,
+         "resume names a state dir in a Hub repository: owner/repository/path[:revision[:repo_type]] (downloaded "
+         "into output_dir/.hub_state first)"),
     _opt("async_upload", _to_bool, False,
          "upload in the background while training goes on (the last file is uploaded before the run ends)"),
     _opt("no_metadata", _to_bool, False, "write no ss_* training metadata into the LoRA file"),

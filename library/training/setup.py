@@ -31,6 +31,7 @@ from library.training import adapters as adapter_training
 from library.training.accelerator import gathered, realign_cpu_adam, zero3, zero3_refusals
 from library.training.base_weights import merge_base_weights
 from library.training.caching import cache_inputs, plan_caching, release_encoders
+from library.training.hub import HUB_STATE_FOLDER, download_state, parse_hub_state
 from library.training.model import (
     SAVE_DTYPES,
     WEIGHT_DTYPES,
@@ -123,7 +124,12 @@ class Session:
 def build_session(config: Config, accelerator: Accelerator, started_at: float) -> Session:
     """Build every part in the order that fixes the run's random draws (LoRA initialisation follows set_seed)."""
     output_dir = Path(config.output_dir)
-    resume_dir = resolve_resume(config.resume, output_dir)
+    if config.resume_from_huggingface and config.resume:  # sd-scripts' owner/repo/path[:revision[:type]]
+        local = output_dir / HUB_STATE_FOLDER
+        on_main_process(accelerator, lambda: download_state(config, local))
+        resume_dir = resolve_resume(str(local / parse_hub_state(config.resume)[1]), output_dir)
+    else:
+        resume_dir = resolve_resume(config.resume, output_dir)
     resumed = TrainState.read(resume_dir) if resume_dir else None
     if resume_dir is not None:
         on_main_process(accelerator, lambda: check_free_space_for_resume(output_dir, resume_dir))
