@@ -75,8 +75,8 @@ _MODEL = [
          metavar="PATH"),
     _opt("t5xxl", _to_str, None, "FLUX from separate files: the T5-XXL text encoder .safetensors", is_path=True,
          metavar="PATH"),
-    _opt("ae", _to_str, None, "FLUX from separate files: the autoencoder (ae.safetensors)", is_path=True,
-         metavar="PATH"),
+    _opt("ae", _to_str, None, "FLUX (and Chroma, Z-Image, Qwen-Image) from separate files: the autoencoder "
+         "(ae.safetensors; for Qwen-Image its VAE file, musubi's --vae)", is_path=True, metavar="PATH"),
     _opt("t5xxl_max_token_length", _to_int, None,
          "FLUX: T5 prompt length in tokens (default 512 for dev, 256 for schnell)"),
     _opt("vae", _to_str, None,
@@ -99,8 +99,8 @@ _MODEL = [
          "SD3: shift of the timestep draw, u -> shift * u / (1 + (shift - 1) * u), after weighting_scheme"),
     # musubi-tuner's names (Z-Image, Qwen-Image from separate files)
     _opt("text_encoder", _to_str, None,
-         "Z-Image from separate files: the Qwen3 text encoder .safetensors (ComfyUI's text_encoders/ file, or the "
-         "first of the official split files)", is_path=True, metavar="PATH"),
+         "Z-Image / Qwen-Image from separate files: the Qwen3 / Qwen2.5-VL text encoder .safetensors (ComfyUI's "
+         "text_encoders/ file, or the first of the official split files)", is_path=True, metavar="PATH"),
 ]
 _DATASET = [
     _opt("train_data_dir", _to_str, None,
