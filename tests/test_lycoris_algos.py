@@ -257,3 +257,29 @@ def test_kohyas_dylora_trains_one_unit_of_every_rank(tiny):
     torch.testing.assert_close(out, layer.base_layer(x) + x @ (up @ down).T * 4.0 / 8 * (8 / (first + 2)) ** 0.5)
     out.sum().backward()
     assert [i for i, p in enumerate(layer.down) if p.grad is not None] == [first // 2]
+
+
+def test_ia3s_network_dim_is_not_a_rank_in_the_memory_estimate(tiny_sd1_dir, tmp_path):
+    # the GUI's iA3-Prodigy preset writes network_dim 1024: IA3 trains one scale per channel
+    from types import SimpleNamespace
+
+    from library.config import UserError
+    from library.models import memory_estimate as memory
+    from library.models.precision import BasePrecision
+    from library.training.setup import check_memory
+
+    def config(*network: str):
+        return parse_config([f"--pretrained_model_name_or_path={tiny_sd1_dir}", f"--train_data_dir={tmp_path}",
+                             f"--output_dir={tmp_path / 'out'}", "--network_dim=1024", *network])[0]
+
+    ia3 = config("--network_module=lycoris.kohya", "--network_args", "algo=ia3")
+    counts: dict[str, memory.Counts] = {}
+    for path, part in memory.model_files(str(tiny_sd1_dir), {"text": [None], "vae": [None]}):
+        for name, found in memory.count_file(path, part).items():
+            counts[name] = counts.get(name, memory.Counts()) + found
+    rank_one = memory.estimate(counts, memory.Settings(None, None, torch.float32, torch.float32, 1, False)).total
+    accelerator = SimpleNamespace(device=torch.device("cpu"), num_processes=1)
+    precision = BasePrecision.from_config(ia3, torch.float32)
+    check_memory(ia3, accelerator, precision, torch.float32, available=rank_one + 1)
+    with pytest.raises(UserError):
+        check_memory(config(), accelerator, precision, torch.float32, available=rank_one + 1)

@@ -16,6 +16,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list, set_seed
 
 from library.config import Config, UserError
+from library.config.network_args import network_args_of
 from library.core.memory import return_free_heap
 from library.data.dataset import TrainingData, build_training_data
 from library.models import memory_estimate as memory
@@ -411,8 +412,10 @@ def check_memory(config: Config, accelerator: Accelerator, precision: BasePrecis
     except (OSError, ValueError, KeyError, TypeError):
         return  # the loader names what is wrong with the file
     device = accelerator.device
+    # IA3 trains one scale per channel whatever network_dim says (the GUI's iA3 presets write 64 or 1024)
+    rank = 1 if network_args_of(config).algo == "ia3" else config.network_dim
     settings = memory.Settings(precision.denoiser, precision.text_encoders, precision.compute_dtype, vae_dtype,
-                               config.network_dim, config.gradient_checkpointing or config.cpu_offload_checkpointing,
+                               rank, config.gradient_checkpointing or config.cpu_offload_checkpointing,
                                reads_low=any((config.clip_l, config.t5xxl, config.ae)))  # as build_session reads
     sharing = 1 if device.type == "cuda" else accelerator.num_processes
     need = memory.estimate(counts, settings)
