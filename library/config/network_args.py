@@ -5,8 +5,9 @@ block options (block_dims, block_alphas, conv_block_dims, conv_block_alphas, dow
 block_lr_zero_threshold) from network_args; LyCORIS adds algo, dora_wd, wd_on_output, factor and decompose_both.
 With network_module = "lycoris.kohya" LyCORIS' own defaults and keys apply as well: preset (which layers), conv_dim
 defaulting to network_dim and conv_alpha to network_alpha, use_tucker (or use_cp) for LoHa / LoKr, and its other
-switches (accepted when off). A key given twice keeps its last value, as in sd-scripts. Every variant is trained
-through peft. Unknown keys are an error rather than silently ignored (kohya and LyCORIS ignore them, so a typo there
+switches (accepted when off), the algorithms ia3, diag-oft and dylora with their keys, and train_norm. A key given
+twice keeps its last value, as in sd-scripts. network_module = "networks.dylora" is kohya's own DyLoRA (unit, conv_dim,
+conv_alpha). Unknown keys are an error rather than silently ignored (kohya and LyCORIS ignore them, so a typo there
 trains a different network than the user asked for).
 """
 from __future__ import annotations

@@ -10,8 +10,9 @@ Conv LoRA (kohya's conv_dim, LyCORIS' LoCon) on 3x3 convs has the same keys with
 lora_up [out, r, 1, 1]. DoRA adds `.dora_scale`: [1, in] / [1, in, 1, 1], the magnitude per input channel that
 ComfyUI and AUTOMATIC1111 apply with the patched weight's norm (library.network.dora), or with wd_on_output
 [out, 1] / [out, 1, 1, 1], which ComfyUI recognises by its first dimension matching the weight's. LoHa and LoKr
-keys are written by library.network.lycoris. The module path is the family's (`rename`): diffusers' for SD1.x /
-SD2.x, the original-SD layout for SDXL's UNet, as kohya writes each.
+keys are written by library.network.lycoris, IA3 / Diag-OFT / DyLoRA / norm keys by library.network.lycoris_layers.
+The module path is the family's (`rename`): diffusers' for SD1.x / SD2.x, the original-SD layout for SDXL's UNet, as
+kohya writes each.
 """
 
 from __future__ import annotations

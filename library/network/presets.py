@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from library.network import lora
+from library.network import lora, lycoris_layers
 
 _TRANSFORMER = ("Transformer2DModel",)
 _CONV_BLOCKS = ("ResnetBlock2D", "Downsample2D", "Upsample2D")
@@ -60,8 +60,6 @@ def text_encoder_targets(text_encoder: nn.Module, preset: str) -> list[str]:
 
 
 def _norms_inside(model: nn.Module, block_classes: tuple[str, ...]) -> list[str]:
-    from library.network import lycoris_layers
-
     found: list[str] = []
     for block_name, block in model.named_modules():
         if type(block).__name__ not in block_classes:
