@@ -159,8 +159,8 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     merge_base_weights(components, config.base_weights, config.base_weights_multiplier)  # before any cache
     if config.weighted_captions and not family.offers_weighted_captions:
         raise UserError(f"weighted_captions is not offered for {family.name}: sd-scripts weights captions for the "
-                        "CLIP text encoders of SD1.x, SD2.x and SDXL only (its SD3 trainer refuses the option and its "
-                        "FLUX tokenizer has no weighting); remove it")
+                        "CLIP text encoders of SD1.x, SD2.x and SDXL only (its SD3 and FLUX tokenizers have no "
+                        "weighting: the option fails there at the first step); remove it")
     spec = network_spec(config, family)
     data.set_tokenizer(family.tokenizer(components, config.max_token_length))
     objective = family.objective(components, config, accelerator.device)
