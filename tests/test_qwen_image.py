@@ -362,3 +362,48 @@ def test_fp8_base_stores_the_transformer_in_fp8_and_trains_the_lora(tiny_qwen_im
         model(noisy, torch.tensor([500.0]), encoded, {}).float().square().mean().backward()
     ups = [p for name, p in model.denoiser.named_parameters() if "lora_B" in name]
     assert len(ups) == 2 * 14 - 4 and all(p.grad is not None and p.grad.abs().sum() > 0 for p in ups)
+
+
+def _train_lora(components, swap: int):
+    """Two LoRA steps on a 4-block transformer of the tiny model's widths, `swap` blocks swapped to a stand-in
+    host (tests.test_offload's Recorder) or none."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from library.config.network_args import NetworkArgs
+    from library.models.offload import install_offloading
+    from library.network import lora
+    from tests.test_offload import DEVICE, HOST, Recorder
+
+    torch.manual_seed(0)
+    denoiser = QwenImageTransformer2DModel.from_config({**components.denoiser.config, "num_layers": 4})
+    denoiser.requires_grad_(False)
+    params = lora.attach_lora(denoiser, qwen_image_lora.targets(denoiser, NetworkArgs()), 4, 4.0)
+    denoiser.enable_gradient_checkpointing()
+    denoiser.train()
+    recorder = None
+    if swap:
+        plan = components.family.block_swap_plan(denoiser, swap)
+        recorder = Recorder(plan[0][0])
+        recorder.watch(plan[0][0])
+        install_offloading(denoiser, plan, False, DEVICE, move=recorder.move, host=HOST)
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    encoded = encode(components, ["a photo of sks dog"])
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        noisy = torch.randn(1, 16, 4, 4, generator=generator)
+        components.family.denoise(denoiser, noisy, torch.tensor([500.0]), encoded, {}).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return [p.detach().clone() for p in params], recorder
+
+
+def test_blocks_to_swap_trains_the_same_lora(components):
+    """At most all blocks but two (kohya's schedule), and a LoRA trained with 2 of 4 blocks swapped equals one
+    trained without: every block was on the device whenever it ran, and blocks moved in forward and backward."""
+    with pytest.raises(UserError, match="at most 0 of its 2 blocks"):
+        components.family.block_swap_plan(components.denoiser, 1)
+    without, _ = _train_lora(components, 0)
+    with_swap, recorder = _train_lora(components, 2)
+    assert all(torch.equal(a, b) for a, b in zip(without, with_swap, strict=True))
+    assert recorder.seen and all(resident for _, resident, _ in recorder.seen)
+    assert {"host", "device"} <= {d for _, d in recorder.moves} and len(recorder.moves) > 8

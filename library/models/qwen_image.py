@@ -161,6 +161,15 @@ class QwenImage(Family):
                               img_shapes=[[(1, height // 2, width // 2)]] * batch, return_dict=False)[0]
         return unpack(prediction, height, width)
 
+    def block_swap_plan(self, denoiser: torch.nn.Module, blocks_to_swap: int) -> list[tuple[Any, int]]:
+        """kohya's schedule (library.models.offload) brings block k - p back only after a later block's backward,
+        so it swaps at most all blocks but two (Qwen-Image: 58 of 60; musubi's own offloader allows 59)."""
+        blocks = denoiser.transformer_blocks
+        if blocks_to_swap > len(blocks) - 2:
+            raise UserError(f"blocks_to_swap {blocks_to_swap}: Qwen-Image swaps at most {len(blocks) - 2} of its "
+                            f"{len(blocks)} blocks here")
+        return [(blocks, blocks_to_swap)]
+
     def objective(self, components: Components, config: Any, device: torch.device) -> Any:
         problems = musubi_flow.unsupported(config, "Qwen-Image")
         if problems:
