@@ -3,6 +3,7 @@ with the same outputs, DyLoRA's random truncations, max-norm as LyCORIS, and exa
 from __future__ import annotations
 
 import copy
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -39,7 +40,9 @@ def unet_inputs(seed: int = 1) -> tuple[torch.Tensor, ...]:
 
 
 def test_gui_network_args_of_the_new_algorithms():
-    assert lycoris("algo=ia3", "train_on_input=True") == lycoris("algo=ia3")  # LyCORIS' kohya.py never reads it
+    # LyCORIS' kohya.py never reads train_on_input: accepted, noted, without effect
+    unread = lycoris("algo=ia3", "train_on_input=True")
+    assert unread.unread == ("train_on_input",) and dataclasses.replace(unread, unread=()) == lycoris("algo=ia3")
     assert lycoris("algo=diag-oft", "constraint=0.5", "rescaled=True").constraint == 0.5
     assert lycoris("algo=dylora", "block_size=1", "train_norm=True") == NetworkArgs(
         algo="dylora", block_size=1, train_norm=True, lycoris=True)

@@ -74,6 +74,7 @@ class NetworkArgs:
     rescaled: bool = False  # Diag-OFT: also train a scale per output channel
     block_size: int = 4  # DyLoRA: ranks added per step of the random truncation (kohya_ss writes its "unit")
     kohya_dylora: bool = False  # network_module = "networks.dylora": kohya's DyLoRA (its `unit` is block_size)
+    unread: tuple[str, ...] = ()  # keys given that LyCORIS' kohya entry point never reads (accepted without effect)
 
     @property
     def trains_text_encoder(self) -> bool:
@@ -343,7 +344,9 @@ def parse_network_args(args: Sequence[str], loraplus: Mapping[str, float | None]
         elif key in used_alias:
             continue
         seen.add(key)
-        if key not in LYCORIS_OFF_SWITCHES + LYCORIS_UNREAD:
+        if key in LYCORIS_UNREAD:
+            values["unread"] = tuple(dict.fromkeys((*values.get("unread", ()), key)))
+        elif key not in LYCORIS_OFF_SWITCHES:
             values[key] = value
     for key, value in (loraplus or {}).items():
         if value is None:

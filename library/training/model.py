@@ -157,6 +157,9 @@ def build_model(config: Config, components: Components, device: torch.device,
 
     groups: list[dict[str, Any]] = []
     net = network_args_of(config)
+    if net.unread:
+        logger.info("network_args %s: accepted without effect (LyCORIS' kohya entry point never reads them)",
+                    ", ".join(net.unread))
     family = components.family
     if train_unet:
         network_setup.attach_network(unet, "unet", spec.dim, spec.alpha, config.network_dropout, net,
