@@ -36,8 +36,16 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
 
     hidden = hide_unused_packages(config) if own_process else []
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=config.console_log_level if rank == 0 else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    log_format = {"fmt": "%(asctime)s %(levelname)s %(name)s: %(message)s", "datefmt": "%H:%M:%S"}
+    if config.console_log_file and rank == 0:
+        # kohya's console_log_file: the log goes to this file (written anew) instead of the console
+        handler = logging.FileHandler(config.console_log_file, mode="w", encoding="utf-8")
+        handler.setFormatter(logging.Formatter(**log_format))
+        logging.getLogger().addHandler(handler)
+        logging.getLogger().setLevel(config.console_log_level)
+    else:
+        logging.basicConfig(level=config.console_log_level if rank == 0 else logging.WARNING,
+                            format=log_format["fmt"], datefmt=log_format["datefmt"])
     # accelerate logs every file of every save at INFO; our own log already says what was saved.
     logging.getLogger("accelerate").setLevel(logging.WARNING)
     for note in notes:

@@ -131,10 +131,10 @@ def test_unknown_command_line_option_and_its_value_count_once(paths):
 
 
 def test_kohya_options_without_effect_are_noted_and_unsupported_ones_named(tmp_path, paths):
-    config_file = write_toml(tmp_path / "lora.toml", "xformers = true\nconsole_log_file = \"run.log\"\n")
+    config_file = write_toml(tmp_path / "lora.toml", "xformers = true\nenable_scaled_pos_embed = true\n")
     problems = problems_of(["--config", config_file] + required_args(paths))
-    assert problems == [f"{config_file}: console_log_file is a kohya option this trainer does not support yet; "
-                        "remove it"]
+    assert problems == [f"{config_file}: enable_scaled_pos_embed is a kohya option this trainer does not support "
+                        "yet; remove it"]
     config_file = write_toml(tmp_path / "lora2.toml", "xformers = true\nsdpa = true\n")
     _, notes = parse_config(["--config", config_file] + required_args(paths))
     assert len(notes) == 2 and all("no effect" in note for note in notes)
@@ -238,11 +238,11 @@ fused_backward_pass = false
         assert f"{name} " in noted, notes
 
     problems = problems_of(["--config", write_toml(tmp_path / "bad.toml", "".join(
-        f'{k} = "{v}"\n' for k, v in paths.items()) + "text_encoder_lr = [1e-4, 5e-5]\ncache_info = true\n"
+        f'{k} = "{v}"\n' for k, v in paths.items()) + "text_encoder_lr = [1e-4, 5e-5]\npos_emb_random_crop_rate = 0.2\n"
         "persistent_data_loader_workers = 2\n")])
     text = "\n".join(problems)
     assert "text_encoder_lr = [0.0001, 5e-05]: one learning rate for every text encoder" in text
-    assert "cache_info is a kohya option this trainer does not support yet" in text
+    assert "pos_emb_random_crop_rate is a kohya option this trainer does not support yet" in text
     assert "persistent_data_loader_workers = 2: expected true or false" in text
 
 

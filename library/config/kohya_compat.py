@@ -34,6 +34,10 @@ IGNORED_KOHYA_OPTIONS: dict[str, str] = {
     "conditioning_data_dir": "kohya reads it only from the dataset_config subsets; set it there, with masked_loss",
     "skip_cache_check": "each latent cache entry on disk is checked by its key (image content, VAE, size, flip), "
                         "which costs a file read, not a VAE pass; entries that match are always reused",
+    "cache_info": "every image is decoded and checked at start-up here, so that problems show before training; "
+                  "there is no cache of image sizes and captions to keep",
+    "fused_backward_pass": "sd-scripts' LoRA trainer (train_network.py) does not use it either: it fuses "
+                           "Adafactor's step into the backward pass of full fine-tuning (sdxl_train.py)",
 }
 
 # Why some kohya options are refused for good (the others are not offered yet).
@@ -44,9 +48,6 @@ REFUSED_WHY: dict[str, str] = {
 
 # kohya options this trainer does not offer (yet): named so a kohya user learns exactly what to change.
 UNSUPPORTED_KOHYA_OPTIONS: tuple[str, ...] = (
-    "cache_info",
-    "console_log_file",
     "dataset_class",
     "enable_scaled_pos_embed", "pos_emb_random_crop_rate",  # sd3_train_network.py, for SD3.5 Medium
-    "fused_backward_pass",
 )
