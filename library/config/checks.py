@@ -137,7 +137,7 @@ def check_values(v: dict[str, Any]) -> list[str]:
         need(0 <= v[name] <= 1, f"{name} must be in [0, 1] (got {v[name]})")
     need(v["caption_separator"] != "", "caption_separator must not be empty")
     face = v["face_crop_aug_range"]
-    need(face is None or (len(face) == 2 and 0 < face[0] <= face[1]),
+    need(not face or (len(face) == 2 and 0 < face[0] <= face[1]),
          f"face_crop_aug_range must be two positive numbers \"low,high\" with low <= high (got {face})")
     need(v["token_warmup_min"] >= 0, f"token_warmup_min must not be negative (got {v['token_warmup_min']})")
     need(v["token_warmup_step"] >= 0, f"token_warmup_step must not be negative (got {v['token_warmup_step']})")

@@ -88,8 +88,8 @@ def _to_str_list(value: Any) -> list[str]:
 def _to_path_list(value: Any) -> list[str]:
     """Files: a TOML array, one path as a string (spaces kept), or several on the command line."""
     if isinstance(value, str):
-        return [value]
-    return _to_str_list(value)
+        return [value] if value.strip() else []  # kohya's GUI writes "" for none
+    return [v for v in _to_str_list(value) if v.strip()]
 
 
 def _to_float_list(value: Any) -> list[float]:

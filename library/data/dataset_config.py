@@ -292,8 +292,8 @@ def _resolve_subset(layers: list[Mapping[str, Any]], config: Config | None,
     for name in ("conditioning_data_dir", "metadata_file"):
         if values[name] is not None:
             values[name] = Path(values[name])
-    if values["face_crop_aug_range"] is not None:
-        values["face_crop_aug_range"] = tuple(values["face_crop_aug_range"])
+    face = values["face_crop_aug_range"]
+    values["face_crop_aug_range"] = tuple(face) if face else None  # kohya's GUI writes "" for none
     directory = image_dir if image_dir is not None else Path(layers[0]["image_dir"])
     return SubsetSpec(image_dir=directory, **values)
 
