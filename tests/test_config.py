@@ -138,6 +138,9 @@ def test_kohya_options_without_effect_are_noted_and_unsupported_ones_named(tmp_p
     config_file = write_toml(tmp_path / "lora2.toml", "xformers = true\nsdpa = true\n")
     _, notes = parse_config(["--config", config_file] + required_args(paths))
     assert len(notes) == 2 and all("no effect" in note for note in notes)
+    # sd-scripts' SD3 options that its own help marks [DOES NOT WORK]
+    _, notes = parse_config(required_args(paths) + ["--t5xxl_device", "cpu", "--t5xxl_dtype", "fp16"])
+    assert len(notes) == 2 and all("DOES NOT WORK" in note for note in notes), notes
 
 
 def test_an_option_not_offered_asks_for_nothing_when_off_on_the_command_line_too(paths):

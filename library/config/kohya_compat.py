@@ -36,6 +36,10 @@ IGNORED_KOHYA_OPTIONS: dict[str, str] = {
                         "which costs a file read, not a VAE pass; entries that match are always reused",
     "cache_info": "every image is decoded and checked at start-up here, so that problems show before training; "
                   "there is no cache of image sizes and captions to keep",
+    "t5xxl_device": "sd-scripts marks it [DOES NOT WORK] (not supported yet); T5-XXL runs where the other text "
+                    "encoders run and is freed once its outputs are cached",
+    "t5xxl_dtype": "sd-scripts marks it [DOES NOT WORK] (not supported yet); T5-XXL is held in the text encoders' "
+                   "dtype (float8 under fp8_base)",
     "fused_backward_pass": "sd-scripts' LoRA trainer (train_network.py) does not use it either: it fuses "
                            "Adafactor's step into the backward pass of full fine-tuning (sdxl_train.py)",
 }
