@@ -7,8 +7,9 @@ For each config, `python train_network.py --config CONFIG` runs in a subprocess 
 `--set` adds command-line overrides such as `max_train_steps=300`), timed. Then the base model named in the config
 is judged with and without the LoRA by library/digits/judge.py: `--n` images per prompt from fixed seeds, the same
 noise for both, rendered as the base's family renders (SD: DDIM with classifier-free guidance 3; FLUX.1, such as
-models/digits-flux with configs/digits_flux_lora.toml: flow-matching Euler with the embedded guidance 3.5). The
-report, per config:
+models/digits-flux with configs/digits_flux_lora.toml: flow-matching Euler with the embedded guidance 3.5; Z-Image,
+such as models/digits-z-image with configs/digits_z_image_lora.toml: flow-matching Euler with classifier-free
+guidance 4). The report, per config:
 
 - the trigger prompt ("a photo of sks"): the share of images judged to be the held-out digit, before -> after;
 - each trained digit's prompt: the share judged to be that digit, before -> after, and the change (leakage: how
