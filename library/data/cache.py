@@ -16,16 +16,16 @@ import os
 import random
 import time
 from collections import deque
-from contextlib import nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from library.core.atomic import write_atomically
 from library.config import UserError
+from library.core.atomic import write_atomically
 from library.data.captions import process_caption
 from library.data.dataset import TrainingData
 from library.data.images import prepare_image
@@ -251,8 +251,8 @@ def cache_latents(data: TrainingData, vae: torch.nn.Module, device: torch.device
 
                 def keep(record_index: int, flipped: bool, mean: torch.Tensor, logvar: torch.Tensor) -> None:
                     memory.put(record_index, flipped, mean, logvar)
-                    if not _finite(mean, logvar):
-                        problems.append((records[record_index], flipped))
+                    if not _finite(mean, logvar):  # called by _encode below, within this pass
+                        problems.append((records[record_index], flipped))  # noqa: B023
 
                 _encode(missing, records, vae, device, dtype, vae_batch_size, pool, keep, stats)
             if not problems:
@@ -282,7 +282,7 @@ def _cache_to_disk(records: Sequence[ImageRecord], needed: list[tuple[int, bool]
                    stats: CacheStats) -> list[tuple[ImageRecord, bool]]:
     """Bring every needed disk entry up to date; returns the (record, flipped) entries that are not finite."""
     paths = sorted({records[i].path for i, _ in needed} - digests.keys())
-    digests.update(zip(paths, pool.map(file_digest, paths)))
+    digests.update(zip(paths, pool.map(file_digest, paths), strict=True))
     keys = {(i, f): variant_key(records[i], f, digests[records[i].path], vae_id, dtype) for i, f in needed}
 
     def stale(items: Iterable[tuple[int, bool]]) -> list[tuple[int, bool]]:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 import math
-from pathlib import Path
 from typing import Any
 
 from library.config import Config, ConfigError
@@ -65,7 +64,7 @@ def dataset_report(config: Config, tokenizer: Any = None, num_processes: int = 1
         texts = [" ".join(t for t in (r.subset.caption_prefix, r.caption, r.subset.caption_suffix) if t)
                  for r in data.records]
         lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
-        long = [str(r.path) for r, n in zip(data.records, lengths) if n > limit]
+        long = [str(r.path) for r, n in zip(data.records, lengths, strict=True) if n > limit]
         lines.append(f"  longest caption {max(lengths)} tokens; {len(long)} longer than {limit} tokens are "
                      "truncated" + (f": {listing(long)}" if long else ""))
     if warnings:

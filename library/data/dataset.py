@@ -18,13 +18,13 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
-from library.data.captions import process_caption
-from library.data.face_crop import face_crop, face_from_name
 from library.config import Config, UserError
+from library.core.seeds import derive_seed
+from library.data.captions import process_caption
 from library.data.dataset_config import DatasetSpec, resolve_datasets
+from library.data.face_crop import face_crop, face_from_name
 from library.data.images import color_augment, prepare_image, prepare_mask
 from library.data.scan import ImageRecord, SubsetReport, balance_regularisation, scan_datasets
-from library.core.seeds import derive_seed
 
 logger = logging.getLogger(__name__)
 

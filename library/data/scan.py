@@ -9,8 +9,15 @@ from typing import Any, Sequence
 
 from library.data.captions import CaptionRead, read_caption
 from library.data.dataset_config import DatasetSpec, SubsetSpec
-from library.data.images import (FORMATS_BY_EXTENSION, IMAGE_EXTENSIONS, Bucketer, ImageProblem, center_crop,
-                                 inspect_image, read_mask)
+from library.data.images import (
+    FORMATS_BY_EXTENSION,
+    IMAGE_EXTENSIONS,
+    Bucketer,
+    ImageProblem,
+    center_crop,
+    inspect_image,
+    read_mask,
+)
 from library.data.metadata import image_path, metadata_caption, read_metadata
 
 _SHOWN = 5  # paths listed per warning before "... and N more"
@@ -182,7 +189,7 @@ def scan_datasets(specs: Sequence[DatasetSpec], threads: int | None = None) -> S
 
     notes: dict[str, list[str]] = {}
     class_token_users: dict[int, list[Path]] = {}
-    for (report, path, _, _), (fields_, problems, image_notes) in zip(jobs, results):
+    for (report, path, _, _), (fields_, problems, image_notes) in zip(jobs, results, strict=True):
         scan.problems.extend(problems)
         for note in image_notes:
             kind, text = note.split(":", 1)

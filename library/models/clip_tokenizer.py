@@ -26,7 +26,7 @@ def bytes_to_unicode() -> tuple[tuple[int, str], ...]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return tuple(zip(bs, (chr(c) for c in cs)))
+    return tuple(zip(bs, (chr(c) for c in cs), strict=True))
 
 
 @functools.lru_cache(maxsize=1)

@@ -5,8 +5,14 @@ from typing import Any, Mapping
 
 import torch
 
-from library.models.single_file import (CLIP_PREFIX, OPEN_CLIP_PREFIX, SDXL_CLIP_PREFIX, SDXL_OPEN_CLIP_PREFIX,
-                                        UNET_PREFIX, VAE_PREFIX)
+from library.models.single_file import (
+    CLIP_PREFIX,
+    OPEN_CLIP_PREFIX,
+    SDXL_CLIP_PREFIX,
+    SDXL_OPEN_CLIP_PREFIX,
+    UNET_PREFIX,
+    VAE_PREFIX,
+)
 
 _RESNET_TO_LDM = {"norm1": "in_layers.0", "conv1": "in_layers.2", "norm2": "out_layers.0", "conv2": "out_layers.3",
                   "time_emb_proj": "emb_layers.1", "conv_shortcut": "skip_connection"}

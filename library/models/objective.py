@@ -6,7 +6,6 @@ on the global random stream (which a resume cannot restore exactly and which oth
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from dataclasses import dataclass
 from typing import Any

@@ -8,7 +8,7 @@ CLIP BPE merges, from which the standard CLIP tokenizer of every SD1.x / SD2.x /
 Pickle checkpoints (`.ckpt`, `.pt`, `.pth`, `.bin`) are refused unless `allow_pickle_checkpoints` is set, because
 unpickling can run code hidden in the file.
 
-    python -m library.models.single_file IN.ckpt OUT.safetensors   # convert a pickle checkpoint without running its code
+    python -m library.models.single_file IN.ckpt OUT.safetensors   # convert a pickle checkpoint, running none of it
 """
 from __future__ import annotations
 
@@ -312,7 +312,8 @@ def load_single_file(path: str | os.PathLike[str], *, v2: bool = False, v_parame
         ("vae", AutoencoderKL.from_single_file, VAE_PREFIX, vae_dtype),
     ]
     components += [(name, functools.partial(create_diffusers_clip_model_from_ldm, cls), prefix, weight_dtype)
-                   for name, cls, prefix in zip(encoders, encoder_classes, architecture.text_encoder_prefixes)]
+                   for name, cls, prefix in zip(encoders, encoder_classes,
+                                                 architecture.text_encoder_prefixes, strict=True)]
     common = {"config": str(config_dir), "local_files_only": True}
     parts: dict[str, Any] = {}
     started = time.perf_counter()
