@@ -48,6 +48,28 @@ def test_corrupt_weights_are_a_user_error(tiny_sd1_dir, tmp_path):
         load_components(copy)
 
 
+@pytest.mark.parametrize("fixture, model", [("tiny_flux_dir", "FLUX"), ("tiny_sd3_dir", "SD3"),
+                                            ("tiny_chroma_dir", "Chroma"), ("tiny_z_image_dir", "Z-Image"),
+                                            ("tiny_qwen_image_dir", "Qwen-Image")])
+def test_a_transformer_familys_folder_is_read_whole_or_refused_by_name(fixture, model, request, tmp_path):
+    folder = request.getfixturevalue(fixture)
+    components = load_components(folder, weight_dtype=torch.bfloat16, vae_dtype=torch.float32)
+    assert components.family.base_model_version  # told by its transformer's class, read from every subfolder
+    assert components.denoiser.dtype == torch.bfloat16 and components.text_encoders[0].dtype == torch.bfloat16
+    copy = tmp_path / "model"
+    shutil.copytree(folder, copy)
+    shutil.rmtree(copy / "scheduler")
+    shutil.rmtree(copy / "tokenizer")
+    with pytest.raises(UserError, match=f"not a {model}.* diffusers folder; missing tokenizer, scheduler/"):
+        load_components(copy)
+    shutil.copytree(folder / "scheduler", copy / "scheduler")
+    shutil.copytree(folder / "tokenizer", copy / "tokenizer")
+    for weights in (copy / "vae").glob("*.safetensors"):
+        weights.write_bytes(b"not a safetensors file")
+    with pytest.raises(UserError, match=f"cannot load the {model}"):
+        load_components(copy)
+
+
 def test_unreadable_single_file_checkpoint_is_a_user_error(tmp_path):
     checkpoint = tmp_path / "model.safetensors"
     checkpoint.write_bytes(b"")

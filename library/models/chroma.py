@@ -21,6 +21,7 @@ import torch
 from library.config import UserError
 from library.config.network_args import network_args_of
 from library.models import flux_lora
+from library.models.diffusers_folder import read_folder, transformer_class
 from library.models.family import Components, Family, Tokenizer
 from library.models.flow_matching import FlowMatchingObjective, unsupported
 from library.models.flux import image_ids, pack_latents, unpack_latents
@@ -247,11 +248,7 @@ def is_bfl_chroma(path: Path) -> bool:
 
 
 def is_chroma_folder(path: Path) -> bool:
-    config = path / "transformer" / "config.json"
-    try:
-        return config.is_file() and json.loads(config.read_text()).get("_class_name") == TRANSFORMER_CLASS
-    except (OSError, ValueError):
-        return False
+    return transformer_class(path) == TRANSFORMER_CLASS
 
 
 def load_chroma_folder(path: Path, weight_dtype: torch.dtype, vae_dtype: torch.dtype) -> Components:
@@ -259,21 +256,13 @@ def load_chroma_folder(path: Path, weight_dtype: torch.dtype, vae_dtype: torch.d
     from diffusers import AutoencoderKL, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
     from transformers import AutoTokenizer, T5EncoderModel
 
-    missing = [name for name in FOLDERS if not (path / name).is_dir()]
-    if missing:
-        raise UserError(f"{path}: not a Chroma diffusers folder; missing {', '.join(missing)}/")
-    local = {"local_files_only": True}
-    try:
-        transformer = ChromaTransformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=weight_dtype,
-                                                               **local)
-        vae = AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=vae_dtype, **local)
-        t5 = T5EncoderModel.from_pretrained(path, subfolder="text_encoder", dtype=weight_dtype, **local)
-        tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer", **local)
-        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler", **local)
-    except (OSError, ValueError, json.JSONDecodeError) as e:
-        raise UserError(f"{path}: cannot load the Chroma model: {e}") from None
-    return Components(denoiser=transformer, vae=vae, text_encoders=[t5], tokenizers=[tokenizer],
-                      noise_scheduler=scheduler, v_prediction=False, family=Chroma())
+    parts = read_folder(path, "Chroma", {
+        "transformer": (ChromaTransformer2DModel, weight_dtype), "vae": (AutoencoderKL, vae_dtype),
+        "text_encoder": (T5EncoderModel, weight_dtype), "tokenizer": (AutoTokenizer, None),
+        "scheduler": (FlowMatchEulerDiscreteScheduler, None)})
+    return Components(denoiser=parts["transformer"], vae=parts["vae"], text_encoders=[parts["text_encoder"]],
+                      tokenizers=[parts["tokenizer"]], noise_scheduler=parts["scheduler"], v_prediction=False,
+                      family=Chroma())
 
 
 def load_chroma_files(path: Path, t5xxl: str | None, ae: str | None, model_config: str | None,

@@ -9,7 +9,6 @@ so masks, losses and caches see the same shapes as for SD.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -20,6 +19,7 @@ from library.config import UserError
 from library.config.network_args import network_args_of
 from library.models import flux_lora
 from library.models.clip_text import tokenize
+from library.models.diffusers_folder import read_folder
 from library.models.family import Components, Family, Tokenizer
 from library.models.flow_matching import FlowMatchingObjective, unsupported
 
@@ -260,20 +260,13 @@ def load_flux_folder(path: Path, weight_dtype: torch.dtype, vae_dtype: torch.dty
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import AutoTokenizer, CLIPTextModel, CLIPTokenizer, T5EncoderModel
 
-    missing = [name for name in FOLDERS if not (path / name).is_dir()]
-    if missing:
-        raise UserError(f"{path}: not a FLUX diffusers folder; missing {', '.join(missing)}/")
-    local = {"local_files_only": True}
-    try:
-        transformer = FluxTransformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=weight_dtype,
-                                                             **local)
-        vae = AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=vae_dtype, **local)
-        clip = CLIPTextModel.from_pretrained(path, subfolder="text_encoder", dtype=weight_dtype, **local)
-        t5 = T5EncoderModel.from_pretrained(path, subfolder="text_encoder_2", dtype=weight_dtype, **local)
-        tokenizers = [CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", **local),
-                      AutoTokenizer.from_pretrained(path, subfolder="tokenizer_2", **local)]
-        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler", **local)
-    except (OSError, ValueError, json.JSONDecodeError) as e:
-        raise UserError(f"{path}: cannot load the FLUX model: {e}") from None
-    return Components(denoiser=transformer, vae=vae, text_encoders=[clip, t5], tokenizers=tokenizers,
-                      noise_scheduler=scheduler, v_prediction=False, family=Flux(schnell=is_schnell(transformer)))
+    parts = read_folder(path, "FLUX", {
+        "transformer": (FluxTransformer2DModel, weight_dtype), "vae": (AutoencoderKL, vae_dtype),
+        "text_encoder": (CLIPTextModel, weight_dtype), "text_encoder_2": (T5EncoderModel, weight_dtype),
+        "tokenizer": (CLIPTokenizer, None), "tokenizer_2": (AutoTokenizer, None),
+        "scheduler": (FlowMatchEulerDiscreteScheduler, None)})
+    transformer = parts["transformer"]
+    return Components(denoiser=transformer, vae=parts["vae"], text_encoders=[parts["text_encoder"],
+                      parts["text_encoder_2"]], tokenizers=[parts["tokenizer"], parts["tokenizer_2"]],
+                      noise_scheduler=parts["scheduler"], v_prediction=False,
+                      family=Flux(schnell=is_schnell(transformer)))

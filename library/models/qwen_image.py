@@ -11,7 +11,6 @@ call_dit and QwenImagePipeline do, and unpacks the prediction.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,6 +21,7 @@ from torch import nn
 
 from library.config import UserError
 from library.models import musubi_flow, qwen_image_lora
+from library.models.diffusers_folder import read_folder, transformer_class
 from library.models.family import Components, Family, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -248,14 +248,6 @@ def _trimmed(text: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tens
     return text["encoder_hidden_states"][:, :length], mask[:, :length].to(text["encoder_hidden_states"].device)
 
 
-def transformer_class(path: Path) -> str | None:
-    """The `_class_name` of a diffusers folder's transformer/config.json, or None."""
-    try:
-        return json.loads((path / "transformer" / "config.json").read_text()).get("_class_name")
-    except (OSError, ValueError):
-        return None
-
-
 def is_qwen_image_folder(path: Path) -> bool:
     return transformer_class(path) == TRANSFORMER_CLASS
 
@@ -265,22 +257,13 @@ def load_qwen_image_folder(path: Path, weight_dtype: torch.dtype, vae_dtype: tor
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
-    missing = [name for name in FOLDERS if not (path / name).is_dir()]
-    if missing:
-        raise UserError(f"{path}: not a Qwen-Image diffusers folder; missing {', '.join(missing)}/")
-    local = {"local_files_only": True}
-    try:
-        transformer = QwenImageTransformer2DModel.from_pretrained(path, subfolder="transformer",
-                                                                  torch_dtype=weight_dtype, **local)
-        vae = AutoencoderKLQwenImage.from_pretrained(path, subfolder="vae", torch_dtype=vae_dtype, **local)
-        text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, subfolder="text_encoder",
-                                                                          dtype=weight_dtype, **local)
-        tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer", **local)
-        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler", **local)
-    except (OSError, ValueError, json.JSONDecodeError) as e:
-        raise UserError(f"{path}: cannot load the Qwen-Image model: {e}") from None
-    for module in (transformer, vae, text_encoder):
-        module.eval()
-    return Components(denoiser=transformer, vae=QwenImageVae(vae), text_encoders=[text_encoder],
-                      tokenizers=[tokenizer], noise_scheduler=scheduler, v_prediction=False,
+    parts = read_folder(path, "Qwen-Image", {
+        "transformer": (QwenImageTransformer2DModel, weight_dtype), "vae": (AutoencoderKLQwenImage, vae_dtype),
+        "text_encoder": (Qwen2_5_VLForConditionalGeneration, weight_dtype), "tokenizer": (AutoTokenizer, None),
+        "scheduler": (FlowMatchEulerDiscreteScheduler, None)})
+    transformer = parts["transformer"]
+    for name in ("transformer", "vae", "text_encoder"):
+        parts[name].eval()
+    return Components(denoiser=transformer, vae=QwenImageVae(parts["vae"]), text_encoders=[parts["text_encoder"]],
+                      tokenizers=[parts["tokenizer"]], noise_scheduler=parts["scheduler"], v_prediction=False,
                       family=QwenImage(last_block=transformer.config.num_layers - 1))

@@ -7,7 +7,6 @@ weighting scheme's density, shifted by training_shift, the model's output precon
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -16,6 +15,7 @@ import torch
 
 from library.config import UserError
 from library.models import sd3_lora
+from library.models.diffusers_folder import read_folder, transformer_class
 from library.models.family import Components, Family, Tokenizer
 from library.models.flow_matching import (
     NUM_TRAIN_TIMESTEPS,
@@ -261,11 +261,7 @@ class SD3(Family):
 
 
 def is_sd3_folder(path: Path) -> bool:
-    config = path / "transformer" / "config.json"
-    try:
-        return config.is_file() and json.loads(config.read_text()).get("_class_name") == TRANSFORMER_CLASS
-    except (OSError, ValueError):
-        return False
+    return transformer_class(path) == TRANSFORMER_CLASS
 
 
 def family_of(transformer: Any, text_encoders: Sequence[Any]) -> SD3:
@@ -281,22 +277,16 @@ def load_sd3_folder(path: Path, weight_dtype: torch.dtype, vae_dtype: torch.dtyp
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from transformers import AutoTokenizer, CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel
 
-    missing = [name for name in FOLDERS if not (path / name).is_dir()]
-    if missing:
-        raise UserError(f"{path}: not an SD3 diffusers folder with its three text encoders; missing "
-                        f"{', '.join(missing)}/")
-    local = {"local_files_only": True}
-    try:
-        transformer = SD3Transformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=weight_dtype,
-                                                            **local)
-        vae = AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=vae_dtype, **local)
-        encoders = [CLIPTextModelWithProjection.from_pretrained(path, subfolder=f, dtype=weight_dtype, **local)
-                    for f in ("text_encoder", "text_encoder_2")]
-        encoders.append(T5EncoderModel.from_pretrained(path, subfolder="text_encoder_3", dtype=weight_dtype, **local))
-        tokenizers = [CLIPTokenizer.from_pretrained(path, subfolder=f, **local) for f in ("tokenizer", "tokenizer_2")]
-        tokenizers.append(AutoTokenizer.from_pretrained(path, subfolder="tokenizer_3", **local))
-        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler", **local)
-    except (OSError, ValueError, json.JSONDecodeError) as e:
-        raise UserError(f"{path}: cannot load the SD3 model: {e}") from None
-    return Components(denoiser=transformer, vae=vae, text_encoders=encoders, tokenizers=tokenizers,
-                      noise_scheduler=scheduler, v_prediction=False, family=family_of(transformer, encoders))
+    parts = read_folder(path, "SD3 (with its three text encoders)", {
+        "transformer": (SD3Transformer2DModel, weight_dtype), "vae": (AutoencoderKL, vae_dtype),
+        "text_encoder": (CLIPTextModelWithProjection, weight_dtype),
+        "text_encoder_2": (CLIPTextModelWithProjection, weight_dtype),
+        "text_encoder_3": (T5EncoderModel, weight_dtype), "tokenizer": (CLIPTokenizer, None),
+        "tokenizer_2": (CLIPTokenizer, None), "tokenizer_3": (AutoTokenizer, None),
+        "scheduler": (FlowMatchEulerDiscreteScheduler, None)})
+    transformer = parts["transformer"]
+    encoders = [parts[name] for name in ("text_encoder", "text_encoder_2", "text_encoder_3")]
+    return Components(denoiser=transformer, vae=parts["vae"], text_encoders=encoders,
+                      tokenizers=[parts[name] for name in ("tokenizer", "tokenizer_2", "tokenizer_3")],
+                      noise_scheduler=parts["scheduler"], v_prediction=False,
+                      family=family_of(transformer, encoders))

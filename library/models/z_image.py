@@ -11,7 +11,6 @@ compares a velocity with noise - x0 as for FLUX.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -20,6 +19,7 @@ import torch
 
 from library.config import UserError
 from library.models import musubi_flow, z_image_lora
+from library.models.diffusers_folder import read_folder, transformer_class
 from library.models.family import Components, Family, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -172,14 +172,6 @@ class ZImage(Family):
         return {"prompt_embeds": embeds(positive), "negative_prompt_embeds": embeds(negative)}
 
 
-def transformer_class(path: Path) -> str | None:
-    """The `_class_name` of a diffusers folder's transformer/config.json, or None."""
-    try:
-        return json.loads((path / "transformer" / "config.json").read_text()).get("_class_name")
-    except (OSError, ValueError):
-        return None
-
-
 def is_z_image_folder(path: Path) -> bool:
     return transformer_class(path) == TRANSFORMER_CLASS
 
@@ -189,20 +181,12 @@ def load_z_image_folder(path: Path, weight_dtype: torch.dtype, vae_dtype: torch.
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
     from transformers import AutoTokenizer, Qwen3Model
 
-    missing = [name for name in FOLDERS if not (path / name).is_dir()]
-    if missing:
-        raise UserError(f"{path}: not a Z-Image diffusers folder; missing {', '.join(missing)}/")
-    local = {"local_files_only": True}
-    try:
-        transformer = ZImageTransformer2DModel.from_pretrained(path, subfolder="transformer",
-                                                               torch_dtype=weight_dtype, **local)
-        vae = AutoencoderKL.from_pretrained(path, subfolder="vae", torch_dtype=vae_dtype, **local)
-        text_encoder = Qwen3Model.from_pretrained(path, subfolder="text_encoder", dtype=weight_dtype, **local)
-        tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer", **local)
-        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler", **local)
-    except (OSError, ValueError, json.JSONDecodeError) as e:
-        raise UserError(f"{path}: cannot load the Z-Image model: {e}") from None
-    for module in (transformer, vae, text_encoder):
-        module.eval()
-    return Components(denoiser=transformer, vae=vae, text_encoders=[text_encoder], tokenizers=[tokenizer],
-                      noise_scheduler=scheduler, v_prediction=False, family=ZImage())
+    parts = read_folder(path, "Z-Image", {
+        "transformer": (ZImageTransformer2DModel, weight_dtype), "vae": (AutoencoderKL, vae_dtype),
+        "text_encoder": (Qwen3Model, weight_dtype), "tokenizer": (AutoTokenizer, None),
+        "scheduler": (FlowMatchEulerDiscreteScheduler, None)})
+    for name in ("transformer", "vae", "text_encoder"):
+        parts[name].eval()
+    return Components(denoiser=parts["transformer"], vae=parts["vae"], text_encoders=[parts["text_encoder"]],
+                      tokenizers=[parts["tokenizer"]], noise_scheduler=parts["scheduler"], v_prediction=False,
+                      family=ZImage())
