@@ -131,16 +131,27 @@ def test_unknown_command_line_option_and_its_value_count_once(paths):
 
 
 def test_kohya_options_without_effect_are_noted_and_unsupported_ones_named(tmp_path, paths):
-    config_file = write_toml(tmp_path / "lora.toml", "xformers = true\nenable_scaled_pos_embed = true\n")
+    config_file = write_toml(tmp_path / "lora.toml", "xformers = true\ndataset_class = \"mine.Images\"\n")
     problems = problems_of(["--config", config_file] + required_args(paths))
-    assert problems == [f"{config_file}: enable_scaled_pos_embed is a kohya option this trainer does not support "
-                        "yet; remove it"]
+    assert len(problems) == 1 and problems[0].startswith(
+        f"{config_file}: dataset_class is a kohya option this trainer refuses: it imports and runs"), problems
     config_file = write_toml(tmp_path / "lora2.toml", "xformers = true\nsdpa = true\n")
     _, notes = parse_config(["--config", config_file] + required_args(paths))
     assert len(notes) == 2 and all("no effect" in note for note in notes)
     # sd-scripts' SD3 options that its own help marks [DOES NOT WORK]
-    _, notes = parse_config(required_args(paths) + ["--t5xxl_device", "cpu", "--t5xxl_dtype", "fp16"])
-    assert len(notes) == 2 and all("DOES NOT WORK" in note for note in notes), notes
+    _, notes = parse_config(required_args(paths) + ["--t5xxl_device", "cpu", "--t5xxl_dtype", "fp16", "--save_clip",
+                                                    "--save_t5xxl"])
+    assert len(notes) == 4 and all("DOES NOT WORK" in note for note in notes), notes
+    _, notes = parse_config(required_args(paths) + ["--controlnet_model_name_or_path", "cn.safetensors"])
+    assert len(notes) == 1 and "does not read it" in notes[0], notes
+
+
+def test_split_mode_becomes_block_swapping_as_in_sd_scripts(paths):
+    # flux_train_network.py: the deprecated split_mode sets blocks_to_swap 18, or is ignored when that is set
+    config, notes = parse_config(required_args(paths) + ["--split_mode"])
+    assert config.blocks_to_swap == 18 and any("blocks_to_swap 18" in note for note in notes), notes
+    config, notes = parse_config(required_args(paths) + ["--split_mode", "--blocks_to_swap", "4"])
+    assert config.blocks_to_swap == 4 and any("ignored because blocks_to_swap" in note for note in notes), notes
 
 
 def test_an_option_not_offered_asks_for_nothing_when_off_on_the_command_line_too(paths):
@@ -241,11 +252,11 @@ fused_backward_pass = false
         assert f"{name} " in noted, notes
 
     problems = problems_of(["--config", write_toml(tmp_path / "bad.toml", "".join(
-        f'{k} = "{v}"\n' for k, v in paths.items()) + "text_encoder_lr = [1e-4, 5e-5]\npos_emb_random_crop_rate = 0.2\n"
+        f'{k} = "{v}"\n' for k, v in paths.items()) + "text_encoder_lr = [1e-4, 5e-5]\ndataset_class = 'mine.Images'\n"
         "persistent_data_loader_workers = 2\n")])
     text = "\n".join(problems)
     assert "text_encoder_lr = [0.0001, 5e-05]: one learning rate for every text encoder" in text
-    assert "pos_emb_random_crop_rate is a kohya option this trainer does not support yet" in text
+    assert "dataset_class is a kohya option this trainer refuses" in text
     assert "persistent_data_loader_workers = 2: expected true or false" in text
 
 

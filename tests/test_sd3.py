@@ -119,6 +119,75 @@ def test_per_encoder_dropout_zeroes_each_encoders_part_as_kohya_does(components)
     torch.testing.assert_close(got, direct, rtol=0, atol=0)
 
 
+def test_scaled_position_grids_centre_on_a_base_grid_and_are_chosen_by_area():
+    """sd-scripts' enable_scaled_pos_embed: a grid 1.5x a resolution's patches whose centre has the coordinates of
+    a base-16 grid over those patches (diffusers' get_2d_sincos_pos_embed is that grid); a latent takes the grid of
+    the dataset resolution nearest its area, halfway in area between two, and one of its own beyond the largest."""
+    from diffusers.models.embeddings import get_2d_sincos_pos_embed
+
+    from library.models.sd3_pos_embed import PositionEmbedding, latent_sizes, scaled_sincos_grid
+
+    dim = 64
+    grid = scaled_sincos_grid(dim, 24, 16)[0].reshape(24, 24, dim)
+    base = get_2d_sincos_pos_embed(dim, 16, base_size=16, interpolation_scale=1.0, output_type="pt").float()
+    assert torch.equal(grid[4:20, 4:20].reshape(-1, dim), base)
+    assert latent_sizes([(256, 256), (512, 512), (640, 384), (512, 512)]) == [32, 62, 64]  # round(sqrt(w h)) // 8
+
+    stand_in = SimpleNamespace(pos_embed=torch.zeros(1, 4, dim), patch_size=2, pos_embed_max_size=2,
+                               proj=SimpleNamespace(weight=torch.zeros(1)))
+    embedding = PositionEmbedding(stand_in, latent_sizes([(256, 256), (512, 512)]))  # 16 and 32 patches
+
+    def crop(side, size, top, left, height, width):
+        return scaled_sincos_grid(dim, side, size)[0].reshape(side, side, dim)[top:top + height, left:left + width]
+
+    def got(height, width):  # latent sides in latent pixels (2 per patch)
+        return embedding(height, width).reshape(height // 2, width // 2, dim)
+
+    assert torch.equal(got(32, 32), crop(24, 16, 4, 4, 16, 16))  # 256 patches <= (256 + 1024) / 2: the 16 grid
+    assert torch.equal(got(52, 52), crop(48, 32, 11, 11, 26, 26))  # 676 > 640: the 32 grid
+    embedding.crop = (0.0, 0.999)  # a random crop's draws: the top row, the rightmost place
+    assert torch.equal(got(52, 52), crop(48, 32, 0, 22, 26, 26))
+    embedding.crop = None
+    assert torch.equal(got(80, 80), crop(48, 32, 4, 4, 40, 40))  # 1600 <= 2304, the largest bound: the 32 grid
+    assert torch.equal(got(100, 100), crop(75, 50, 12, 12, 50, 50))  # wider than 48: a grid for 50 patches
+    assert torch.equal(got(52, 48), crop(39, 26, 6, 7, 26, 24))  # 624 <= 640 but 26 rows > 24: one for 26
+
+
+def test_position_embeddings_are_cropped_where_the_step_drew(components, caplog):
+    """pos_emb_random_crop_rate: the step's generator decides whether and where (top, left) the transformer reads
+    its position embeddings; the stored grid's centre otherwise, as before."""
+    from library.models import sd3_pos_embed
+
+    family = components.family.configured(settings(pos_emb_random_crop_rate=0.5))
+    draws = family.step_conditioning(2, torch.Generator().manual_seed(5))["pos_crop"]
+    assert torch.equal(draws, torch.rand(3, generator=torch.Generator().manual_seed(5)))
+    transformer = components.denoiser
+    patch_embed = transformer.pos_embed
+    latents = torch.randn(2, 16, 8, 8, generator=torch.Generator().manual_seed(0))
+    encoded = encode(family, components, ["a photo of sks dog", "a red digit seven"])
+    timesteps = torch.tensor([300.0, 700.0])
+    with torch.no_grad():
+        centre = family.denoise(transformer, latents, timesteps, encoded, {})
+        family.prepare_denoiser(transformer, [(64, 64)])
+        try:
+            assert "SD3.5 Medium's options" in caplog.text  # the tiny grid is 32 patches wide, not 384
+            assert torch.equal(family.denoise(transformer, latents, timesteps, encoded,
+                                              {"pos_crop": torch.tensor([0.9, 0.0, 0.0])}), centre)  # 0.9: no crop
+            corner = family.denoise(transformer, latents, timesteps, encoded,
+                                    {"pos_crop": torch.tensor([0.1, 0.0, 0.0])})
+            assert not torch.allclose(corner, centre)
+            assert sd3_pos_embed.installed(transformer).crop is None  # only for that forward
+            stored = patch_embed.pos_embed.reshape(32, 32, -1)
+            patches = patch_embed.proj(latents).flatten(2).transpose(1, 2)
+            sd3_pos_embed.installed(transformer).crop = (0.0, 0.0)
+            torch.testing.assert_close(patch_embed(latents), patches + stored[:4, :4].reshape(1, 16, -1),
+                                       rtol=0, atol=0)
+        finally:
+            del patch_embed.cropped_pos_embed  # the class's centre crop again, for the other tests
+    with pytest.raises(UserError, match="pos_emb_random_crop_rate 2"):
+        components.family.configured(settings(pos_emb_random_crop_rate=2.0))
+
+
 def trained(transformer, seed=0):
     from library.config.network_args import parse_network_args
     from library.network import lora

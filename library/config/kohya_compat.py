@@ -36,6 +36,12 @@ IGNORED_KOHYA_OPTIONS: dict[str, str] = {
                         "which costs a file read, not a VAE pass; entries that match are always reused",
     "cache_info": "every image is decoded and checked at start-up here, so that problems show before training; "
                   "there is no cache of image sizes and captions to keep",
+    "save_clip": "sd-scripts marks it [DOES NOT WORK] (SD3 has no unified checkpoint there); a LoRA run saves the "
+                 "LoRA only",
+    "save_t5xxl": "sd-scripts marks it [DOES NOT WORK] (SD3 has no unified checkpoint there); a LoRA run saves the "
+                  "LoRA only",
+    "controlnet_model_name_or_path": "sd-scripts' FLUX LoRA trainer accepts it and does not read it (its ControlNet "
+                                     "trainer, flux_train_control_net.py, does)",
     "t5xxl_device": "sd-scripts marks it [DOES NOT WORK] (not supported yet); T5-XXL runs where the other text "
                     "encoders run and is freed once its outputs are cached",
     "t5xxl_dtype": "sd-scripts marks it [DOES NOT WORK] (not supported yet); T5-XXL is held in the text encoders' "
@@ -53,5 +59,4 @@ REFUSED_WHY: dict[str, str] = {
 # kohya options this trainer does not offer (yet): named so a kohya user learns exactly what to change.
 UNSUPPORTED_KOHYA_OPTIONS: tuple[str, ...] = (
     "dataset_class",
-    "enable_scaled_pos_embed", "pos_emb_random_crop_rate",  # sd3_train_network.py, for SD3.5 Medium
 )

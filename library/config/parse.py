@@ -255,6 +255,13 @@ def parse_config(argv: Sequence[str] | None = None,
             values[name] = value
             explicit.add(name)
 
+    if values.get("split_mode"):  # sd-scripts' FLUX trainer turns its deprecated split_mode into block swapping
+        if values["blocks_to_swap"]:
+            notes.append("split_mode is deprecated in sd-scripts and ignored because blocks_to_swap is set")
+        else:
+            values["blocks_to_swap"] = 18
+            notes.append("split_mode is deprecated in sd-scripts, which sets blocks_to_swap 18 for it; so does this "
+                         "trainer")
     if not config_unreadable:
         # Checked even after other problems so that one run reports everything.
         problems += check_values(values)

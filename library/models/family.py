@@ -89,6 +89,11 @@ class Family(ABC):
         """Per-image conditioning besides the text, read from a collated batch."""
         return {}
 
+    def prepare_denoiser(self, denoiser: torch.nn.Module, resolutions: Sequence[tuple[int, int]]) -> None:
+        """Once the base is loaded and the family configured, with the datasets' (width, height) resolutions: what
+        the family changes in its denoiser for the run (SD3.5 Medium's position embeddings); nothing by default."""
+        return None
+
     def step_conditioning(self, batch_size: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
         """Per-step random conditioning drawn from the step's generator (after the noise and timesteps), e.g. SD3's
         per-encoder caption dropout; nothing is drawn by default."""

@@ -15,6 +15,7 @@ import torch
 
 from library.config import UserError
 from library.models import sd3_lora
+from library.models import sd3_pos_embed as pos_embed
 from library.models.diffusers_folder import read_folder, transformer_class
 from library.models.family import Components, Family, Tokenizer
 from library.models.flow_matching import (
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 FOLDERS = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2",
            "tokenizer_3", "scheduler")
 TRANSFORMER_CLASS = "SD3Transformer2DModel"
+SD35_MEDIUM_POS_EMBED_SIZE = 384
 # kohya's SD3 trainer reads none of FLUX's sampling options: it draws by weighting_scheme and training_shift.
 FLUX_ONLY = {"timestep_sampling": "sigma", "sigmoid_scale": 1.0, "discrete_flow_shift": 3.0,
              "model_prediction_type": "sigma_scaled"}
@@ -77,6 +79,8 @@ class SD3(Family):
     train_t5xxl: bool = False
     dropout_rates: tuple[float, float, float] = (0.0, 0.0, 0.0)  # kohya's clip_l / clip_g / t5 dropout rates
     clip_widths: tuple[int, int] = (768, 1280)  # CLIP-L's and CLIP-G's widths (hidden states and projections)
+    pos_emb_random_crop_rate: float = 0.0  # kohya's SD3.5 Medium options (see sd3_pos_embed)
+    scaled_pos_embed: bool = False
 
     base_model_version = "sd3"
     text_encoder_folders = ("text_encoder", "text_encoder_2", "text_encoder_3")
@@ -106,6 +110,9 @@ class SD3(Family):
         problems = [f"{name} {rate}: a probability, between 0 and 1" for name, rate in zip(
             ("clip_l_dropout_rate", "clip_g_dropout_rate", "t5_dropout_rate"), rates, strict=True)
             if not 0 <= rate <= 1]
+        if not 0 <= config.pos_emb_random_crop_rate <= 1:
+            problems.append(f"pos_emb_random_crop_rate {config.pos_emb_random_crop_rate}: a probability, between 0 "
+                            "and 1")
         if any(side % 16 for side in config.resolution):
             problems.append(f"resolution {config.resolution}: SD3 needs sides that are multiples of 16")
         if config.enable_bucket and config.bucket_reso_steps % 16:
@@ -119,7 +126,8 @@ class SD3(Family):
         return dataclasses.replace(self, t5_max_length=config.t5xxl_max_token_length,
                                    apply_lg_attn_mask=config.apply_lg_attn_mask,
                                    apply_t5_attn_mask=config.apply_t5_attn_mask, train_t5xxl=train_t5xxl,
-                                   dropout_rates=rates)
+                                   dropout_rates=rates, pos_emb_random_crop_rate=config.pos_emb_random_crop_rate,
+                                   scaled_pos_embed=config.enable_scaled_pos_embed)
 
     # --- prompts ----------------------------------------------------------------------------------------------
     def tokenizer(self, components: Components, max_token_length: int | None) -> Tokenizer:
@@ -157,12 +165,31 @@ class SD3(Family):
                 "pooled": torch.cat(pooled, dim=-1)}
 
     # --- the denoiser ------------------------------------------------------------------------------------------
+    def prepare_denoiser(self, denoiser: torch.nn.Module, resolutions: Sequence[tuple[int, int]]) -> None:
+        """kohya's SD3.5 Medium position-embedding options, installed in the transformer's patch embedding (so
+        sample images use them too, as in sd-scripts)."""
+        if not (self.scaled_pos_embed or self.pos_emb_random_crop_rate):
+            return
+        if denoiser.config.pos_embed_max_size != SD35_MEDIUM_POS_EMBED_SIZE:
+            logger.warning("enable_scaled_pos_embed / pos_emb_random_crop_rate are SD3.5 Medium's options (its "
+                           "position grid is %d patches wide; this model's is %s); sd-scripts warns of unexpected "
+                           "results on other SD3 models", SD35_MEDIUM_POS_EMBED_SIZE,
+                           denoiser.config.pos_embed_max_size)
+        sizes = pos_embed.latent_sizes(resolutions) if self.scaled_pos_embed else []
+        pos_embed.install(denoiser, sizes)
+        if sizes:
+            logger.info("scaled position embeddings for latent sizes %s (resolutions %s)", sizes, sorted(resolutions))
+
     def step_conditioning(self, batch_size: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
         """kohya's per-encoder dropout: for each caption, CLIP-L's, CLIP-G's and T5's outputs are each zeroed with
-        their rate (drawn from the step's generator, so a resumed run drops what the original dropped)."""
-        if not any(self.dropout_rates):
-            return {}
-        return {"text_drop": torch.rand(batch_size, 3, generator=generator) < torch.tensor(self.dropout_rates)}
+        their rate; with pos_emb_random_crop_rate, whether this step crops its position embeddings at random and
+        where (three draws). All from the step's generator, so a resumed run does what the original did."""
+        drawn = {}
+        if any(self.dropout_rates):
+            drawn["text_drop"] = torch.rand(batch_size, 3, generator=generator) < torch.tensor(self.dropout_rates)
+        if self.pos_emb_random_crop_rate:
+            drawn["pos_crop"] = torch.rand(3, generator=generator)
+        return drawn
 
     @staticmethod
     def dropped(text: Mapping[str, torch.Tensor], drop: torch.Tensor,
@@ -192,8 +219,16 @@ class SD3(Family):
         states, pooled = text["encoder_hidden_states"], text["pooled"]
         if "text_drop" in conditioning:
             states, pooled = self.dropped(text, conditioning["text_drop"], self.clip_widths)
-        return denoiser(hidden_states=noisy, encoder_hidden_states=states.to(dtype),
-                        pooled_projections=pooled.to(dtype), timestep=timesteps.to(dtype), return_dict=False)[0]
+        embedding = pos_embed.installed(denoiser)
+        draws = conditioning.get("pos_crop")
+        if embedding is not None and draws is not None and draws[0] < self.pos_emb_random_crop_rate:
+            embedding.crop = (float(draws[1]), float(draws[2]))
+        try:
+            return denoiser(hidden_states=noisy, encoder_hidden_states=states.to(dtype),
+                            pooled_projections=pooled.to(dtype), timestep=timesteps.to(dtype), return_dict=False)[0]
+        finally:
+            if embedding is not None:
+                embedding.crop = None
 
     def objective(self, components: Components, config: Any, device: torch.device) -> SD3Objective:
         class WithoutTimestepRange:  # min/max_timestep are SD3's own (see SD3Objective), not ignored

@@ -156,6 +156,7 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     if config.vae is not None:  # kohya's separate VAE file
         components.vae = load_vae(config.vae, components.vae, vae_dtype)
     family = components.family = components.family.configured(config)
+    family.prepare_denoiser(components.denoiser, [spec.resolution for spec in data.specs])
     merge_base_weights(components, config.base_weights, config.base_weights_multiplier)  # before any cache
     if config.weighted_captions and not family.offers_weighted_captions:
         raise UserError(f"weighted_captions is not offered for {family.name}: sd-scripts weights captions for the "

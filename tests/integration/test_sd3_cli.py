@@ -23,13 +23,15 @@ def sd3_toml(tiny_sd3_dir, sample_data_dir, tmp_path_factory) -> str:
     for name in IMAGES:
         for suffix in (".png", ".txt"):
             shutil.copy(sample_data_dir / "10_sks shape" / f"{name}{suffix}", data / f"{name}{suffix}")
-    # kohya's SD3 options on the tiny model (per-encoder dropout too), CLIP-L and CLIP-G trained too.
+    # kohya's SD3 options on the tiny model (per-encoder dropout and SD3.5 Medium's position embeddings too), CLIP-L
+    # and CLIP-G trained too.
     return (f'pretrained_model_name_or_path = "{tiny_sd3_dir}"\ntrain_data_dir = "{data.parent}"\n'
             'resolution = 64\ncaption_extension = ".txt"\ntrain_batch_size = 2\nseed = 3\nlearning_rate = 1e-3\n'
             'network_module = "networks.lora_sd3"\nnetwork_dim = 4\nnetwork_alpha = 2\n'
             't5xxl_max_token_length = 16\napply_lg_attn_mask = true\n'
             'apply_t5_attn_mask = true\nweighting_scheme = "logit_normal"\ntraining_shift = 3.0\n'
-            'clip_l_dropout_rate = 0.3\nclip_g_dropout_rate = 0.3\nt5_dropout_rate = 0.3\n')
+            'clip_l_dropout_rate = 0.3\nclip_g_dropout_rate = 0.3\nt5_dropout_rate = 0.3\n'
+            'pos_emb_random_crop_rate = 0.5\nenable_scaled_pos_embed = true\n')
 
 
 @pytest.fixture(scope="module")
