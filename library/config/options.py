@@ -96,10 +96,11 @@ _MODEL = [
     _opt("clip_g_dropout_rate", _to_float, 0.0, "SD3: kohya's per-caption dropout of CLIP-G's outputs"),
     _opt("t5_dropout_rate", _to_float, 0.0, "SD3: kohya's per-caption dropout of T5's outputs"),
     _opt("pos_emb_random_crop_rate", _to_float, 0.0,
-         "SD3.5 Medium: the probability that a step reads its position embeddings from a random place of the grid "
-         "instead of its centre (kohya's)"),
+         "SD3: SD3.5 Medium's probability that a step reads its position embeddings from a random place of the "
+         "grid instead of its centre (kohya's)"),
     _opt("enable_scaled_pos_embed", _to_bool, False,
-         "SD3.5 Medium: position embeddings scaled for each dataset resolution, in training and samples (kohya's)"),
+         "SD3: SD3.5 Medium's position embeddings scaled for each dataset resolution, in training and samples "
+         "(kohya's)"),
     _opt("training_shift", _to_float, 1.0,
          "SD3: shift of the timestep draw, u -> shift * u / (1 + (shift - 1) * u), after weighting_scheme"),
     # musubi-tuner's names (Z-Image, Qwen-Image from separate files)
@@ -248,7 +249,7 @@ _TRAINING = [
          "CUDA: keep the activations gradient checkpointing saves in CPU memory (turns on gradient_checkpointing; "
          "not with blocks_to_swap); without CUDA it has no effect"),
     _opt("split_mode", _to_bool, False,
-         "FLUX, deprecated in sd-scripts: blocks_to_swap 18 unless blocks_to_swap is set, as sd-scripts does"),
+         "FLUX: deprecated in sd-scripts, where it means blocks_to_swap 18 unless blocks_to_swap is set; so here"),
     _opt("seed", _to_int, None, "random seed (a random one is drawn and recorded when unset)"),
     _opt("initial_step", _to_int, None,
          "kohya's: start counting at this optimizer step (e.g. to continue from a LoRA given as network_weights): "
