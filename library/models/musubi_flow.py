@@ -11,11 +11,14 @@ as for FLUX.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from library.config import UserError
+from library.models.family import Components, Family
 from library.models.flow_matching import (
     NUM_TRAIN_TIMESTEPS,
     FlowMatchingObjective,
@@ -130,3 +133,44 @@ def unsupported(config: Any, family: str) -> list[str]:
         problems.append(f"loss_type {config.loss_type} with huber_schedule snr: not for {family} (the schedule "
                         "follows a DDPM SNR); set huber_schedule to constant or exponential")
     return problems
+
+
+class MusubiFamily(Family):
+    """What musubi-tuner's image families share here: one text encoder, never trained (musubi has no text-encoder
+    LoRA); musubi's flow-matching objective with the DDPM and FLUX options refused; its ss_* fields and
+    sai_model_spec; Euler sampling on the flow with the model's scheduler config. A subclass names its
+    `display_name` and `implementation` (the URL musubi's model spec gives)."""
+    text_encoder_folders = ("text_encoder",)
+    tokenizer_folders = ("tokenizer",)
+    lora_text_prefixes = ("lora_te",)  # never written: the text encoder is not trained
+    trains_text_encoders = False
+    display_name = ""
+    implementation = ""
+
+    def objective(self, components: Components, config: Any, device: torch.device) -> Any:
+        problems = unsupported(config, self.display_name)
+        if problems:
+            raise UserError(problems)
+        return MusubiFlowObjective.from_config(config)
+
+    def lora_text_encoders(self, text_encoders: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+        return []
+
+    def metadata_flags(self, v_prediction: bool) -> dict[str, Any]:
+        # musubi's sai_model_spec: architecture "<model>/lora" and the model's implementation URL
+        return {"base_model": self.base_model_version, "architecture": f"{self.display_name}/lora",
+                "implementation": self.implementation}
+
+    def metadata_fields(self, config: Any) -> dict[str, Any]:
+        """musubi's flow-matching ss_* fields, with the values this run trained with."""
+        options = MusubiFlowObjective.from_config(config).options
+        return {f"ss_{name}": getattr(options, name) for name in (
+            "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "timestep_sampling", "sigmoid_scale",
+            "discrete_flow_shift")}
+
+    def sampling_scheduler(self, scheduler_config: Mapping[str, Any]) -> Any:
+        """Euler on the flow with the model's own scheduler config (Z-Image's fixed shift 3, Qwen-Image's
+        resolution-dependent shift), as musubi samples without --fs; sample_sampler / --ss do not apply."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler.from_config(dict(scheduler_config))

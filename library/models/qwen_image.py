@@ -22,7 +22,7 @@ from torch import nn
 from library.config import UserError
 from library.models import musubi_flow, qwen_image_lora
 from library.models.diffusers_folder import read_folder, transformer_class
-from library.models.family import Components, Family, Tokenizer
+from library.models.family import Components, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -92,17 +92,15 @@ class QwenImageVae(nn.Module):
 
 
 @dataclasses.dataclass(frozen=True)
-class QwenImage(Family):
+class QwenImage(musubi_flow.MusubiFamily):
     """Qwen-Image; nothing in the prompts depends on the config. `last_block` is the transformer's last block
     index (its text-stream-only layers get no LoRA; library.models.qwen_image_lora)."""
     last_block: int | None = None
     name = "qwen-image"
     base_model_version = "qwen_image"  # musubi's ss_base_model_version (architecture_full_name)
-    text_encoder_folders = ("text_encoder",)
-    tokenizer_folders = ("tokenizer",)
-    lora_text_prefixes = ("lora_te",)  # never written: the text encoder is not trained
+    display_name = "Qwen-Image"
+    implementation = "https://github.com/QwenLM/Qwen-Image"
     default_sampling_scale = DEFAULT_CFG
-    trains_text_encoders = False
 
     def configured(self, config: Any) -> QwenImage:
         problems = [f"{name}: not for Qwen-Image ({why})" for name, why in (
@@ -170,16 +168,7 @@ class QwenImage(Family):
                             f"{len(blocks)} blocks here")
         return [(blocks, blocks_to_swap)]
 
-    def objective(self, components: Components, config: Any, device: torch.device) -> Any:
-        problems = musubi_flow.unsupported(config, "Qwen-Image")
-        if problems:
-            raise UserError(problems)
-        return musubi_flow.MusubiFlowObjective.from_config(config)
-
-    # --- LoRA files and metadata -------------------------------------------------------------------------------
-    def lora_text_encoders(self, text_encoders: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
-        return []
-
+    # --- LoRA files ---------------------------------------------------------------------------------------------
     def denoiser_lora_targets(self, denoiser: torch.nn.Module, rank: int, alpha: float,
                               net: Any) -> tuple[list[str], dict[str, tuple[int, float]]]:
         try:
@@ -193,18 +182,6 @@ class QwenImage(Family):
     def import_lora_keys(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return qwen_image_lora.from_file(state_dict, self.last_block)
 
-    def metadata_flags(self, v_prediction: bool) -> dict[str, Any]:
-        # musubi's sai_model_spec: architecture "Qwen-Image" + "/lora", its implementation URL
-        return {"base_model": "qwen_image", "architecture": "Qwen-Image/lora",
-                "implementation": "https://github.com/QwenLM/Qwen-Image"}
-
-    def metadata_fields(self, config: Any) -> dict[str, Any]:
-        """musubi's flow-matching ss_* fields, with the values this run trained with."""
-        options = musubi_flow.MusubiFlowObjective.from_config(config).options
-        return {f"ss_{name}": getattr(options, name) for name in (
-            "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "timestep_sampling", "sigmoid_scale",
-            "discrete_flow_shift")}
-
     # --- sampling ----------------------------------------------------------------------------------------------
     def pipeline(self, denoiser: Any, vae: Any, text_encoders: Sequence[Any], tokenizers: Sequence[Any],
                  scheduler: Any) -> Any:
@@ -212,13 +189,6 @@ class QwenImage(Family):
 
         return QwenImagePipeline(scheduler=scheduler, vae=vae.vae, text_encoder=text_encoders[0],
                                  tokenizer=tokenizers[0], transformer=denoiser)
-
-    def sampling_scheduler(self, scheduler_config: Mapping[str, Any]) -> Any:
-        """Euler on the flow with the model's resolution-dependent shift (QwenImagePipeline's, and musubi's when
-        --fs is not given); sample_sampler / --ss do not apply."""
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        return FlowMatchEulerDiscreteScheduler.from_config(dict(scheduler_config))
 
     def sampling_guidance(self, scale: float, guidance: float | None, positive: Mapping[str, torch.Tensor],
                           width: int, height: int) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import torch
 from library.config import UserError
 from library.models import musubi_flow, z_image_lora
 from library.models.diffusers_folder import read_folder, transformer_class
-from library.models.family import Components, Family, Tokenizer
+from library.models.family import Components, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -38,15 +38,13 @@ def chat_prompt(tokenizer: Any, caption: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class ZImage(Family):
+class ZImage(musubi_flow.MusubiFamily):
     """Z-Image; nothing in the prompts depends on the config."""
     name = "z-image"
     base_model_version = "z_image"  # musubi's ss_base_model_version
-    text_encoder_folders = ("text_encoder",)
-    tokenizer_folders = ("tokenizer",)
-    lora_text_prefixes = ("lora_te",)  # never written: the text encoder is not trained
+    display_name = "Z-Image"
+    implementation = "https://github.com/Tongyi-MAI/Z-Image"
     default_sampling_scale = DEFAULT_CFG
-    trains_text_encoders = False
 
     def configured(self, config: Any) -> ZImage:
         problems = [f"{name}: not for Z-Image ({why})" for name, why in (
@@ -103,16 +101,7 @@ class ZImage(Family):
         out = denoiser(images, t, captions, return_dict=False)[0]
         return -torch.stack(out).squeeze(2)
 
-    def objective(self, components: Components, config: Any, device: torch.device) -> Any:
-        problems = musubi_flow.unsupported(config, "Z-Image")
-        if problems:
-            raise UserError(problems)
-        return musubi_flow.MusubiFlowObjective.from_config(config)
-
-    # --- LoRA files and metadata -------------------------------------------------------------------------------
-    def lora_text_encoders(self, text_encoders: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
-        return []
-
+    # --- LoRA files ---------------------------------------------------------------------------------------------
     def denoiser_lora_targets(self, denoiser: torch.nn.Module, rank: int, alpha: float,
                               net: Any) -> tuple[list[str], dict[str, tuple[int, float]]]:
         try:
@@ -126,18 +115,6 @@ class ZImage(Family):
     def import_lora_keys(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return z_image_lora.from_file(state_dict)
 
-    def metadata_flags(self, v_prediction: bool) -> dict[str, Any]:
-        # musubi's sai_model_spec: architecture "Z-Image" + "/lora", its implementation URL
-        return {"base_model": "z_image", "architecture": "Z-Image/lora",
-                "implementation": "https://github.com/Tongyi-MAI/Z-Image"}
-
-    def metadata_fields(self, config: Any) -> dict[str, Any]:
-        """musubi's flow-matching ss_* fields, with the values this run trained with."""
-        options = musubi_flow.MusubiFlowObjective.from_config(config).options
-        return {f"ss_{name}": getattr(options, name) for name in (
-            "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "timestep_sampling", "sigmoid_scale",
-            "discrete_flow_shift")}
-
     # --- sampling ----------------------------------------------------------------------------------------------
     def pipeline(self, denoiser: Any, vae: Any, text_encoders: Sequence[Any], tokenizers: Sequence[Any],
                  scheduler: Any) -> Any:
@@ -145,13 +122,6 @@ class ZImage(Family):
 
         return ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoders[0], tokenizer=tokenizers[0],
                               transformer=denoiser)
-
-    def sampling_scheduler(self, scheduler_config: Mapping[str, Any]) -> Any:
-        """Euler on the flow with the model's shift (3.0 in Z-Image's scheduler config, musubi's default
-        --fs); sample_sampler / --ss do not apply."""
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        return FlowMatchEulerDiscreteScheduler.from_config(dict(scheduler_config))
 
     def sampling_guidance(self, scale: float, guidance: float | None, positive: Mapping[str, torch.Tensor],
                           width: int, height: int) -> dict[str, Any]:
