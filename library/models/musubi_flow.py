@@ -135,6 +135,19 @@ def unsupported(config: Any, family: str) -> list[str]:
     return problems
 
 
+def plain_lora_problems(net: Any, family: str, network_module: str) -> list[str]:
+    """network_args musubi's LoRA modules for its image families do not take: conv and block dims, block learning
+    rates, FLUX's keys, LyCORIS and DoRA (they train plain LoRA on Linear layers)."""
+    problems = [f"network_args {key}: not for {family}" for key in (
+        "conv_dim", "conv_alpha", "block_dims", "block_alphas", "conv_block_dims", "conv_block_alphas",
+        "down_lr_weight", "mid_lr_weight", "up_lr_weight") if getattr(net, key) is not None]
+    problems += [f"network_args {key}: only for FLUX.1 (kohya's networks.lora_flux)" for key in net.flux_keys]
+    if net.algo not in ("lora", "locon") or net.dora_wd or net.lycoris:
+        problems.append(f"network_args algo / dora_wd / lycoris.kohya: {family} trains plain LoRA here "
+                        f"(musubi-tuner's {network_module})")
+    return problems
+
+
 class MusubiFamily(Family):
     """What musubi-tuner's image families share here: one text encoder, never trained (musubi has no text-encoder
     LoRA); musubi's flow-matching objective with the DDPM and FLUX options refused; its ss_* fields and

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from library.models.musubi_flow import plain_lora_problems
+
 PREFIX = "lora_unet"
 DOWN, UP, ALPHA = "lora_down.weight", "lora_up.weight", "alpha"
 BLOCK_CLASS = "QwenImageTransformerBlock"
@@ -44,13 +46,7 @@ _OURS = re.compile(rf"^{PREFIX}_transformer_blocks_(\d+)_(.+)$")
 
 def targets(transformer: nn.Module, net: Any) -> list[str]:
     """musubi's lora_qwen_image targets in a diffusers QwenImageTransformer2DModel."""
-    problems = [f"network_args {key}: not for Qwen-Image" for key in (
-        "conv_dim", "conv_alpha", "block_dims", "block_alphas", "conv_block_dims", "conv_block_alphas",
-        "down_lr_weight", "mid_lr_weight", "up_lr_weight") if getattr(net, key) is not None]
-    problems += [f"network_args {key}: only for FLUX.1 (kohya's networks.lora_flux)" for key in net.flux_keys]
-    if net.algo not in ("lora", "locon") or net.dora_wd or net.lycoris:
-        problems.append("network_args algo / dora_wd / lycoris.kohya: Qwen-Image trains plain LoRA here "
-                        "(musubi-tuner's networks.lora_qwen_image)")
+    problems = plain_lora_problems(net, "Qwen-Image", "networks.lora_qwen_image")
     if problems:
         raise ValueError("; ".join(problems))
     discarded = set(discarded_paths(len(transformer.transformer_blocks) - 1))

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from library.models.musubi_flow import plain_lora_problems
+
 PREFIX = "lora_unet"
 FILE_PREFIX = "diffusion_model."
 DOWN, UP, ALPHA = "lora_down.weight", "lora_up.weight", "alpha"
@@ -35,13 +37,7 @@ _COMFY_QKV = re.compile(rf"^{PREFIX}_(layers|noise_refiner|context_refiner)_(\d+
 
 def targets(transformer: nn.Module, net: Any) -> list[str]:
     """musubi's lora_zimage targets in a diffusers ZImageTransformer2DModel."""
-    problems = [f"network_args {key}: not for Z-Image" for key in (
-        "conv_dim", "conv_alpha", "block_dims", "block_alphas", "conv_block_dims", "conv_block_alphas",
-        "down_lr_weight", "mid_lr_weight", "up_lr_weight") if getattr(net, key) is not None]
-    problems += [f"network_args {key}: only for FLUX.1 (kohya's networks.lora_flux)" for key in net.flux_keys]
-    if net.algo not in ("lora", "locon") or net.dora_wd or net.lycoris:
-        problems.append("network_args algo / dora_wd / lycoris.kohya: Z-Image trains plain LoRA here (musubi-tuner's "
-                        "networks.lora_zimage)")
+    problems = plain_lora_problems(net, "Z-Image", "networks.lora_zimage")
     if problems:
         raise ValueError("; ".join(problems))
     return [name for name, module in transformer.named_modules()
