@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from library.models.tiny_flux import VAE_SCALING_FACTOR, VAE_SHIFT_FACTOR, WIDTH, build_t5_tokenizer
-from library.models.tiny_parts import _check_target, _seeded, _write_pipeline
+from library.models.tiny_parts import _seeded, save_pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -57,13 +57,7 @@ def build_tiny_chroma(seed: int = 0) -> dict[str, Any]:
 
 def save_tiny_chroma(path: str | os.PathLike[str], seed: int = 0, overwrite: bool = False) -> Path:
     """Write a tiny ChromaPipeline folder at `path` (atomically) and return it."""
-    from diffusers import ChromaPipeline
-
-    target = Path(path).absolute()
-    _check_target(target, overwrite)
-    _write_pipeline(ChromaPipeline(**build_tiny_chroma(seed)), target, ())
-    logger.info("wrote tiny Chroma model (seed=%d) to %s", seed, target)
-    return target
+    return save_pipeline(path, overwrite, "ChromaPipeline", lambda: build_tiny_chroma(seed), "Chroma", seed)
 
 
 def save_tiny_chroma_files(folder: str | os.PathLike[str], target: str | os.PathLike[str]) -> dict[str, Path]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import re
 import shutil
@@ -12,11 +13,13 @@ import tempfile
 import uuid
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from library.models.clip_tokenizer import bytes_to_unicode
+
+logger = logging.getLogger(__name__)
 
 MODEL_MAX_LENGTH = 77
 BOS_TOKEN = "<|startoftext|>"
@@ -140,3 +143,16 @@ def _check_target(target: Path, overwrite: bool) -> None:
         raise FileExistsError(f"{target} exists and is not a directory")
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise FileExistsError(f"{target} exists and is not empty (use --overwrite / overwrite=True)")
+
+
+def save_pipeline(path: str | os.PathLike[str], overwrite: bool, pipeline: str, build: Callable[[], dict[str, Any]],
+                  label: str, seed: int, tokenizers: tuple[str, ...] = ()) -> Path:
+    """Write the diffusers `pipeline` (its class name) of the parts `build()` returns as a folder at `path`
+    (atomically: see _write_pipeline) and return it; `label` and `seed` name it in the log."""
+    import diffusers
+
+    target = Path(path).absolute()
+    _check_target(target, overwrite)
+    _write_pipeline(getattr(diffusers, pipeline)(**build()), target, tokenizers)
+    logger.info("wrote tiny %s model (seed=%d) to %s", label, seed, target)
+    return target

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from library.models.tiny_parts import _check_target, _seeded, _write_pipeline
+from library.models.tiny_parts import _seeded, save_pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -90,13 +90,7 @@ def build_tiny_qwen_image(seed: int = 0) -> dict[str, Any]:
 
 def save_tiny_qwen_image(path: str | os.PathLike[str], seed: int = 0, overwrite: bool = False) -> Path:
     """Write a tiny QwenImagePipeline folder at `path` (atomically) and return it."""
-    from diffusers import QwenImagePipeline
-
-    target = Path(path).absolute()
-    _check_target(target, overwrite)
-    _write_pipeline(QwenImagePipeline(**build_tiny_qwen_image(seed)), target, ())
-    logger.info("wrote tiny Qwen-Image model (seed=%d) to %s", seed, target)
-    return target
+    return save_pipeline(path, overwrite, "QwenImagePipeline", lambda: build_tiny_qwen_image(seed), "Qwen-Image", seed)
 
 
 def comfy_vae_state_dict(vae: Any) -> dict[str, torch.Tensor]:

@@ -16,7 +16,12 @@ from typing import Any
 import torch
 
 from library.models.tiny_flux import build_t5_tokenizer
-from library.models.tiny_parts import MODEL_MAX_LENGTH, _check_target, _seeded, _write_pipeline, build_tiny_tokenizer
+from library.models.tiny_parts import (
+    MODEL_MAX_LENGTH,
+    _seeded,
+    build_tiny_tokenizer,
+    save_pipeline,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +74,8 @@ def build_tiny_sd3(seed: int = 0) -> dict[str, Any]:
 
 def save_tiny_sd3(path: str | os.PathLike[str], seed: int = 0, overwrite: bool = False) -> Path:
     """Write a tiny StableDiffusion3Pipeline folder at `path` (atomically) and return it."""
-    from diffusers import StableDiffusion3Pipeline
-
-    target = Path(path).absolute()
-    _check_target(target, overwrite)
-    _write_pipeline(StableDiffusion3Pipeline(**build_tiny_sd3(seed)), target, ("tokenizer", "tokenizer_2"))
-    logger.info("wrote tiny SD3 model (seed=%d) to %s", seed, target)
-    return target
+    return save_pipeline(path, overwrite, "StableDiffusion3Pipeline", lambda: build_tiny_sd3(seed), "SD3", seed,
+                         ("tokenizer", "tokenizer_2"))
 
 
 def save_tiny_sd3_files(folder: str | os.PathLike[str], target: str | os.PathLike[str]) -> dict[str, Path]:

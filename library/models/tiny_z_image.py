@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from library.models.tiny_parts import _check_target, _seeded, _write_pipeline
+from library.models.tiny_parts import _seeded, save_pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -86,13 +86,7 @@ def build_tiny_z_image(seed: int = 0) -> dict[str, Any]:
 
 def save_tiny_z_image(path: str | os.PathLike[str], seed: int = 0, overwrite: bool = False) -> Path:
     """Write a tiny ZImagePipeline folder at `path` (atomically) and return it."""
-    from diffusers import ZImagePipeline
-
-    target = Path(path).absolute()
-    _check_target(target, overwrite)
-    _write_pipeline(ZImagePipeline(**build_tiny_z_image(seed)), target, ())
-    logger.info("wrote tiny Z-Image model (seed=%d) to %s", seed, target)
-    return target
+    return save_pipeline(path, overwrite, "ZImagePipeline", lambda: build_tiny_z_image(seed), "Z-Image", seed)
 
 
 def save_tiny_z_image_files(folder: str | os.PathLike[str], target: str | os.PathLike[str]) -> dict[str, Path]:
