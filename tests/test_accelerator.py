@@ -158,7 +158,25 @@ def test_kohya_zero3_options_reach_the_deepspeed_config(tmp_path, monkeypatch):
     assert zero["stage"] == 3 and zero["stage3_gather_16bit_weights_on_model_save"] is True
     assert zero["offload_optimizer"] == {"device": "nvme", "nvme_path": str(nvme)}
     assert zero["offload_param"] == {"device": "nvme", "nvme_path": str(nvme)}
+    assert zero["stage3_max_reuse_distance"] == 0  # else NVMe's swap buffers run out in the second step
     assert plugin.zero3_init_flag is True
+
+
+def test_nvme_offload_without_libaio_or_zero3_names_both(tmp_path, monkeypatch):
+    from deepspeed.accelerator import get_accelerator
+
+    class WithoutLibaio:
+        def is_compatible(self, verbose: bool = False) -> bool:
+            return False
+
+    monkeypatch.setattr(get_accelerator(), "create_op_builder", lambda name: WithoutLibaio())
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    config = config_with(tmp_path, "--deepspeed", "--zero_stage", "2", "--offload_optimizer_device", "nvme",
+                         "--offload_optimizer_nvme_path", str(nvme))
+    with pytest.raises(UserError) as caught:
+        accelerator_kwargs(config)
+    assert "libaio-dev" in str(caught.value) and "needs zero_stage = 3 (got 2)" in str(caught.value)
 
 
 def test_nvme_offload_needs_its_folder_and_the_nvme_device(tmp_path):

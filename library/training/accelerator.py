@@ -6,11 +6,13 @@ import datetime
 import importlib.util
 import logging
 import os
+from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin, DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs
+from accelerate.utils.constants import MODEL_NAME
 
 from library.config import Config, UserError
 from library.config.network_args import network_args_of
@@ -78,12 +80,24 @@ def deepspeed_plugin(config: Config, world_size: int) -> DeepSpeedPlugin:
 
     zero_stage = setting("zero_stage", "ACCELERATE_DEEPSPEED_ZERO_STAGE")
     offload_optimizer = setting("offload_optimizer_device", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE")
+    offload_param = setting("offload_param_device", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE")
+    if "nvme" in (offload_optimizer, offload_param):
+        nvme_problems = []
+        if zero_stage != 3:  # DeepSpeed's ZeRO-1/2 would keep an optimizer "offloaded to nvme" in CPU memory
+            nvme_problems.append(f"offload to NVMe needs zero_stage = 3 (got {zero_stage}); or set "
+                                 "offload_optimizer_device = \"cpu\"")
+        if not async_io_available():
+            nvme_problems.append("offload to NVMe needs DeepSpeed's async_io op, which is built against libaio: "
+                                 "install it (Debian/Ubuntu: apt install libaio-dev; Fedora: dnf install "
+                                 "libaio-devel), then `ds_report` lists async_io as compatible")
+        if nvme_problems:
+            raise UserError(nvme_problems)
     plugin = DeepSpeedPlugin(
         zero_stage=zero_stage,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
         gradient_clipping=config.max_grad_norm or None,
         offload_optimizer_device=offload_optimizer,
-        offload_param_device=setting("offload_param_device", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"),
+        offload_param_device=offload_param,
         offload_optimizer_nvme_path=setting("offload_optimizer_nvme_path",
                                             "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH"),
         offload_param_nvme_path=setting("offload_param_nvme_path", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH"),
@@ -93,6 +107,11 @@ def deepspeed_plugin(config: Config, world_size: int) -> DeepSpeedPlugin:
     if zero_stage == 3 and plugin.zero3_init_flag:
         logger.info("zero3_init_flag: the base is read whole in each process and sharded when training starts "
                     "(diffusers' models cannot be built sharded, and caching needs the text encoders whole)")
+    if plugin.deepspeed_config["zero_optimization"].get("offload_param", {}).get("device") == "nvme":
+        # Each parameter fetched from NVMe holds one of DeepSpeed's few swap buffers (buffer_count, 5) until it is
+        # released, and by default none is released that is used again within 1e9 parameters (the whole model):
+        # the second step runs out of buffers ("Not enough buffers 0 for swapping 1").
+        plugin.deepspeed_config["zero_optimization"]["stage3_max_reuse_distance"] = 0
     micro_batch = config.train_batch_size
     plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch
     plugin.deepspeed_config["train_batch_size"] = micro_batch * config.gradient_accumulation_steps * world_size
@@ -106,6 +125,14 @@ def deepspeed_plugin(config: Config, world_size: int) -> DeepSpeedPlugin:
         # accelerate keeps an "fp16" section it finds and only fills in "enabled".
         plugin.deepspeed_config["fp16"] = deepspeed_fp16_section(config, zero_stage, offload_optimizer, cpu_adam)
     return plugin
+
+
+def async_io_available() -> bool:
+    """Whether DeepSpeed can build (or has) its async_io op, which every NVMe offload reads and writes through."""
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+    return builder is not None and builder.is_compatible(verbose=False)
 
 
 def keeps_deepspeed_cpu_adam(config: Config) -> bool:
@@ -194,6 +221,28 @@ def realign_cpu_adam(optimizer: Any) -> None:
                                       exp_avg_sq)
 
 
+
+
+def restore_nvme_optimizer_state(engine: Any, state_dir: Path) -> None:
+    """After a resume with the optimizer offloaded to NVMe: load the optimizer's own state, which DeepSpeed skips.
+
+    DeepSpeed restores such an optimizer only by copying the checkpoint's swap files back into the NVMe folder; the
+    state dict (each group's step, the tensors too small to swap) is never loaded, so Adam restarted from zero
+    moments at step 1. Loading it as for the other offloads leaves the swapped moments as empty tensors, which the
+    swapper no longer tracks: they are replaced by tensors of their size, which the next step reads from the
+    copied files."""
+    if not engine.zero_nvme_offload_optimizer():
+        return
+    engine._load_zero_checkpoint(str(state_dir), MODEL_NAME, load_optimizer_states=True)  # accelerate's tag
+    zero = engine.optimizer
+    for group, parameter in enumerate(zero.fp32_partitioned_groups_flat):
+        if not zero._swappable_optimizer_subgroup(group):
+            continue  # kept in memory and loaded whole
+        state = zero.optimizer.state.get(parameter, {})
+        numel = zero.fp16_partitioned_groups_flat_numel[group]
+        for name, value in state.items():
+            if torch.is_tensor(value) and value.numel() == 0:
+                state[name] = torch.zeros(numel, dtype=parameter.dtype, device=parameter.device)
 
 
 def zero3(accelerator: Accelerator) -> bool:

@@ -29,7 +29,7 @@ from library.monitoring.tracking import StepMetrics, TimestepLoss, lr_names
 from library.network import kohya_format, lora
 from library.network.metadata import lora_metadata, model_file_hashes
 from library.training import adapters as adapter_training
-from library.training.accelerator import gathered, realign_cpu_adam, zero3, zero3_refusals
+from library.training.accelerator import gathered, realign_cpu_adam, restore_nvme_optimizer_state, zero3, zero3_refusals
 from library.training.base_weights import merge_base_weights
 from library.training.caching import cache_inputs, plan_caching, release_encoders
 from library.training.hub import HUB_STATE_FOLDER, download_state, parse_hub_state
@@ -238,6 +238,7 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
             logger.warning(note)
         resume(resume_dir, resumed, state, checkpointer, metrics)
         if accelerator.distributed_type == DistributedType.DEEPSPEED:
+            restore_nvme_optimizer_state(accelerator.deepspeed_engine_wrapped.engine, resume_dir)
             realign_cpu_adam(optimizer)
     return Session(config, accelerator, output_dir, seed, started_at, weight_dtype, vae_dtype, spec, prompts, data,
                    components, objective, model, unwrapped, trainable, lr_names(groups), optimizer, lr_scheduler,

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from library.training.accelerator import async_io_available
 from tests.integration.test_multiprocess import copy_images, launch
 
 # 12 images, batch 2 per process, 2 processes: 3 batches per process in an epoch.
@@ -124,5 +125,25 @@ def test_zero3_shards_the_base_and_resumes_bit_exactly(small_sd1_dir, data, tmp_
     assert all(tensor.numel() > 0 for tensor in lora.values())  # gathered, not this process's shard
     assert any(v.abs().max() > 0 for k, v in lora.items() if "lora_up" in k)
     resumed = run(arguments(small_sd1_dir, data, tmp_path / "b", *zero3, "--resume", str(state)))
+    assert resumed["losses"] == straight["losses"][2:]
+    assert_same_lora(tmp_path / "b" / "last.safetensors", tmp_path / "a" / "last.safetensors")
+
+
+@pytest.mark.skipif(not async_io_available(), reason="DeepSpeed's async_io op needs libaio (apt install libaio-dev)")
+def test_zero3_with_nvme_offload_resumes_bit_exactly(small_sd1_dir, data, tmp_path):
+    """Parameters and optimizer state on NVMe (a folder here, through DeepSpeed's async_io op and libaio). DeepSpeed
+    resumes such an optimizer only from its swap files; its state dict (the steps, the groups too small to swap) is
+    loaded by the trainer. Rank 32 makes the U-Net's group large enough to swap (1 MiB per process), the text
+    encoder's stays in memory: both kinds are resumed."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    args = ["--zero_stage", "3", "--max_train_steps", "3", "--save_every_n_steps", "2", "--save_state",
+            "--network_dim", "32", "--offload_optimizer_device", "nvme", "--offload_optimizer_nvme_path", str(nvme),
+            "--offload_param_device", "nvme", "--offload_param_nvme_path", str(nvme)]
+    straight = run(arguments(small_sd1_dir, data, tmp_path / "a", *args))
+    swapped = {path.parent.parent.name for path in nvme.rglob("*.tensor.swp")}
+    assert swapped == {"optimizer", "float32params"}, swapped  # both really went through NVMe
+    resumed = run(arguments(small_sd1_dir, data, tmp_path / "b", *args, "--resume",
+                            str(tmp_path / "a" / "last-step00000002-state")))
     assert resumed["losses"] == straight["losses"][2:]
     assert_same_lora(tmp_path / "b" / "last.safetensors", tmp_path / "a" / "last.safetensors")
