@@ -20,11 +20,11 @@ import torch
 
 from library.config import UserError
 from library.config.network_args import network_args_of
-from library.models import flux_lora
+from library.models import flux_lora, transformer_checks
 from library.models.diffusers_folder import read_folder, transformer_class
 from library.models.family import Components, Family, Tokenizer
 from library.models.flow_matching import FlowMatchingObjective, unsupported
-from library.models.flux import image_ids, pack_latents, unpack_latents
+from library.models.flux import image_ids, kohya_flux_fields, pack_latents, unpack_latents
 
 logger = logging.getLogger(__name__)
 
@@ -99,10 +99,7 @@ class Chroma(Family):
             problems.append(f"guidance_scale {config.guidance_scale}: Chroma is not guidance-distilled and its "
                             "approximator takes guidance 0 (kohya's docs require guidance_scale = 0.0); set "
                             "guidance_scale = 0")
-        if any(side % 16 for side in config.resolution):
-            problems.append(f"resolution {config.resolution}: Chroma needs sides that are multiples of 16")
-        if config.enable_bucket and config.bucket_reso_steps % 16:
-            problems.append(f"bucket_reso_steps {config.bucket_reso_steps}: Chroma needs a multiple of 16")
+        problems += transformer_checks.size_problems(config, "Chroma")
         net = network_args_of(config)
         problems += [f"network_args {key}: Chroma has no modulation layers (its approximator replaces them)"
                      for key in MOD_DIMS if getattr(net, key) is not None]
@@ -110,9 +107,7 @@ class Chroma(Family):
         if not config.network_train_unet_only and not train_t5xxl:
             logger.info("Chroma's only text encoder, T5, gets LoRA only with network_args train_t5xxl=True (kohya's); "
                         "training the transformer only")
-        if train_t5xxl and config.network_train_unet_only:
-            problems.append("network_args train_t5xxl: T5 trains with the text encoder, and network_train_unet_only "
-                            "trains the transformer only; drop one")
+        problems += transformer_checks.train_t5xxl_problems(config, train_t5xxl)
         if problems:
             raise UserError(problems)
         return dataclasses.replace(self, t5_max_length=config.t5xxl_max_token_length, train_t5xxl=train_t5xxl)
@@ -142,9 +137,7 @@ class Chroma(Family):
     def denoise(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 text: Mapping[str, torch.Tensor], conditioning: Mapping[str, torch.Tensor]) -> torch.Tensor:
         batch, _, height, width = noisy.shape
-        if height % 2 or width % 2:  # a dataset_config subset's own resolution can get past `configured`
-            raise UserError(f"Chroma needs image sides that are multiples of 16; got {8 * width}x{8 * height} "
-                            "pixels: set resolution (and bucket_reso_steps) to multiples of 16")
+        transformer_checks.check_latent_size("Chroma", height, width)
         dtype, device = noisy.dtype, noisy.device
         states = text["encoder_hidden_states"].to(dtype)
         # Text tokens come first in the joint attention; image tokens are never masked.
@@ -188,11 +181,7 @@ class Chroma(Family):
                 "implementation": "https://huggingface.co/lodestones/Chroma"}
 
     def metadata_fields(self, config: Any) -> dict[str, Any]:
-        """kohya's FLUX-trainer ss_* fields, with its model type."""
-        return {"ss_model_type": "chroma", "ss_apply_t5_attn_mask": config.apply_t5_attn_mask,
-                **{f"ss_{name}": getattr(config, name) for name in (
-                    "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale",
-                    "timestep_sampling", "sigmoid_scale", "model_prediction_type", "discrete_flow_shift")}}
+        return kohya_flux_fields(config, "chroma")
 
     # --- sampling ----------------------------------------------------------------------------------------------
     def pipeline(self, denoiser: Any, vae: Any, text_encoders: Sequence[Any], tokenizers: Sequence[Any],
@@ -236,15 +225,9 @@ class Chroma(Family):
 # --- loading ---------------------------------------------------------------------------------------------------
 def is_bfl_chroma(path: Path) -> bool:
     """A BFL-layout transformer file with Chroma's approximator (it also has FLUX.1's block keys)."""
-    from library.models.flux_files import file_keys
+    from library.models.flux_files import BFL_PREFIX, marked_keys
 
-    if path.suffix != ".safetensors":
-        return False
-    try:
-        keys = file_keys(path)
-    except Exception:  # not a readable safetensors file: the SD single-file loader reports it
-        return False
-    return any(key.removeprefix("model.diffusion_model.") == BFL_MARKER for key in keys)
+    return BFL_MARKER in marked_keys(path, BFL_PREFIX)
 
 
 def is_chroma_folder(path: Path) -> bool:

@@ -17,7 +17,7 @@ import torch
 
 from library.config import UserError
 from library.config.network_args import network_args_of
-from library.models import flux_lora
+from library.models import flux_lora, transformer_checks
 from library.models.clip_text import tokenize
 from library.models.diffusers_folder import read_folder
 from library.models.family import Components, Family, Tokenizer
@@ -43,6 +43,14 @@ def unpack_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tenso
     c = packed // 4
     patches = tokens.reshape(b, height // 2, width // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
     return patches.reshape(b, c, height, width)
+
+
+def kohya_flux_fields(config: Any, model_type: str) -> dict[str, Any]:
+    """The ss_* fields kohya's FLUX trainer writes (for FLUX.1 and for Chroma, told apart by ss_model_type)."""
+    return {"ss_model_type": model_type, "ss_apply_t5_attn_mask": config.apply_t5_attn_mask,
+            **{f"ss_{name}": getattr(config, name) for name in (
+                "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale",
+                "timestep_sampling", "sigmoid_scale", "model_prediction_type", "discrete_flow_shift")}}
 
 
 def image_ids(height: int, width: int, device: torch.device | str = "cpu",
@@ -85,15 +93,9 @@ class Flux(Family):
         if config.model_type == "chroma":
             problems.append("model_type chroma: the weights are FLUX.1's (they have its modulation layers, which "
                             "Chroma's approximator replaces); set model_type = \"flux\" or leave it out")
-        # The latents are packed in 2x2 patches of an 8x VAE: image sides must be multiples of 16.
-        if any(side % 16 for side in config.resolution):
-            problems.append(f"resolution {config.resolution}: FLUX needs sides that are multiples of 16")
-        if config.enable_bucket and config.bucket_reso_steps % 16:
-            problems.append(f"bucket_reso_steps {config.bucket_reso_steps}: FLUX needs a multiple of 16")
+        problems += transformer_checks.size_problems(config, "FLUX")
         train_t5xxl = bool(network_args_of(config).train_t5xxl)
-        if train_t5xxl and config.network_train_unet_only:
-            problems.append("network_args train_t5xxl: T5 trains with the text encoders, and network_train_unet_only "
-                            "trains the transformer only; drop one")
+        problems += transformer_checks.train_t5xxl_problems(config, train_t5xxl)
         if problems:
             raise UserError(problems)
         return dataclasses.replace(self, t5_max_length=config.t5xxl_max_token_length,
@@ -130,9 +132,7 @@ class Flux(Family):
     def denoise(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 text: Mapping[str, torch.Tensor], conditioning: Mapping[str, torch.Tensor]) -> torch.Tensor:
         batch, _, height, width = noisy.shape
-        if height % 2 or width % 2:  # a dataset_config subset's own resolution can get past `configured`
-            raise UserError(f"FLUX needs image sides that are multiples of 16; got {8 * width}x{8 * height} pixels: "
-                            "set resolution (and bucket_reso_steps) to multiples of 16")
+        transformer_checks.check_latent_size("FLUX", height, width)
         dtype, device = noisy.dtype, noisy.device
         states = text["encoder_hidden_states"].to(dtype)
         extra: dict[str, Any] = {}
@@ -192,11 +192,7 @@ class Flux(Family):
                 "implementation": "https://github.com/black-forest-labs/flux"}
 
     def metadata_fields(self, config: Any) -> dict[str, Any]:
-        """kohya's FLUX-specific ss_* fields."""
-        return {"ss_model_type": "flux", "ss_apply_t5_attn_mask": config.apply_t5_attn_mask,
-                **{f"ss_{name}": getattr(config, name) for name in (
-                    "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale",
-                    "timestep_sampling", "sigmoid_scale", "model_prediction_type", "discrete_flow_shift")}}
+        return kohya_flux_fields(config, "flux")
 
     # --- sampling ----------------------------------------------------------------------------------------------
     def pipeline(self, denoiser: Any, vae: Any, text_encoders: Sequence[Any], tokenizers: Sequence[Any],

@@ -51,14 +51,19 @@ def file_keys(path: Path) -> list[str]:
         return list(f.keys())
 
 
-def is_bfl_flux(path: Path) -> bool:
+def marked_keys(path: Path, prefix: str) -> set[str]:
+    """The tensor names of a .safetensors file without `prefix`, to look for a family's marker keys in; none when
+    `path` is not a readable .safetensors file (the SD single-file loader reports those)."""
     if path.suffix != ".safetensors":
-        return False
+        return set()
     try:
-        keys = file_keys(path)
-    except Exception:  # not a readable safetensors file: the SD single-file loader reports it
-        return False
-    return any(key.removeprefix(BFL_PREFIX) == BFL_MARKER for key in keys)
+        return {key.removeprefix(prefix) for key in file_keys(path)}
+    except Exception:
+        return set()
+
+
+def is_bfl_flux(path: Path) -> bool:
+    return BFL_MARKER in marked_keys(path, BFL_PREFIX)
 
 
 def _assign(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str,

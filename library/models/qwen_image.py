@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from library.config import UserError
-from library.models import musubi_flow, qwen_image_lora
+from library.models import musubi_flow, qwen_image_lora, transformer_checks
 from library.models.diffusers_folder import read_folder, transformer_class
 from library.models.family import Components, Tokenizer
 
@@ -115,11 +115,7 @@ class QwenImage(musubi_flow.MusubiFamily):
             if getattr(config, name)]
         if config.is_set("guidance_scale"):
             problems.append("guidance_scale: not for Qwen-Image (its transformer has no guidance input)")
-        # 8x VAE and 2x2 patches: image sides must be multiples of 16.
-        if any(side % 16 for side in config.resolution):
-            problems.append(f"resolution {config.resolution}: Qwen-Image needs sides that are multiples of 16")
-        if config.enable_bucket and config.bucket_reso_steps % 16:
-            problems.append(f"bucket_reso_steps {config.bucket_reso_steps}: Qwen-Image needs a multiple of 16")
+        problems += transformer_checks.size_problems(config, "Qwen-Image")
         if problems:
             raise UserError(problems)
         if not config.network_train_unet_only:
@@ -150,9 +146,7 @@ class QwenImage(musubi_flow.MusubiFamily):
     def denoise(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 text: Mapping[str, torch.Tensor], conditioning: Mapping[str, torch.Tensor]) -> torch.Tensor:
         batch, _, height, width = noisy.shape
-        if height % 2 or width % 2:  # a dataset_config subset's own resolution can get past `configured`
-            raise UserError(f"Qwen-Image needs image sides that are multiples of 16; got {8 * width}x{8 * height} "
-                            "pixels: set resolution (and bucket_reso_steps) to multiples of 16")
+        transformer_checks.check_latent_size("Qwen-Image", height, width)
         states, mask = _trimmed(text)
         prediction = denoiser(hidden_states=pack(noisy), encoder_hidden_states=states.to(noisy.dtype),
                               encoder_hidden_states_mask=mask, timestep=(timesteps.float() / 1000).to(noisy.dtype),

@@ -30,14 +30,9 @@ NOT_MARKER = "txt_in.text_norm.weight"  # Qwen-Image 2.1, another architecture
 
 
 def is_qwen_image_file(path: Path) -> bool:
-    if path.suffix != ".safetensors":
-        return False
-    from library.models.flux_files import file_keys
+    from library.models.flux_files import marked_keys
 
-    try:
-        keys = {key.removeprefix(COMFY_PREFIX) for key in file_keys(path)}
-    except Exception:  # not a readable safetensors file: the SD single-file loader reports it
-        return False
+    keys = marked_keys(path, COMFY_PREFIX)
     return MARKER in keys and NOT_MARKER not in keys
 
 

@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from library.config import UserError
-from library.models import sd3_lora
+from library.models import sd3_lora, transformer_checks
 from library.models import sd3_pos_embed as pos_embed
 from library.models.diffusers_folder import read_folder, transformer_class
 from library.models.family import Components, Family, Tokenizer
@@ -113,14 +113,9 @@ class SD3(Family):
         if not 0 <= config.pos_emb_random_crop_rate <= 1:
             problems.append(f"pos_emb_random_crop_rate {config.pos_emb_random_crop_rate}: a probability, between 0 "
                             "and 1")
-        if any(side % 16 for side in config.resolution):
-            problems.append(f"resolution {config.resolution}: SD3 needs sides that are multiples of 16")
-        if config.enable_bucket and config.bucket_reso_steps % 16:
-            problems.append(f"bucket_reso_steps {config.bucket_reso_steps}: SD3 needs a multiple of 16")
+        problems += transformer_checks.size_problems(config, "SD3")
         train_t5xxl = bool(network_args_of(config).train_t5xxl)
-        if train_t5xxl and config.network_train_unet_only:
-            problems.append("network_args train_t5xxl: T5 trains with the text encoders, and network_train_unet_only "
-                            "trains the transformer only; drop one")
+        problems += transformer_checks.train_t5xxl_problems(config, train_t5xxl)
         if problems:
             raise UserError(problems)
         return dataclasses.replace(self, t5_max_length=config.t5xxl_max_token_length,
@@ -213,8 +208,7 @@ class SD3(Family):
     def denoise(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 text: Mapping[str, torch.Tensor], conditioning: Mapping[str, torch.Tensor]) -> torch.Tensor:
         _, _, height, width = noisy.shape
-        if height % 2 or width % 2:  # a dataset_config subset's own resolution can get past `configured`
-            raise UserError(f"SD3 needs image sides that are multiples of 16; got {8 * width}x{8 * height} pixels")
+        transformer_checks.check_latent_size("SD3", height, width)
         dtype = noisy.dtype
         states, pooled = text["encoder_hidden_states"], text["pooled"]
         if "text_drop" in conditioning:

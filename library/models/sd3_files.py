@@ -31,14 +31,9 @@ ENCODERS = (("clip_l", "text_encoder"), ("clip_g", "text_encoder_2"), ("t5xxl", 
 
 
 def is_sd3_file(path: Path) -> bool:
-    from library.models.flux_files import file_keys
+    from library.models.flux_files import marked_keys
 
-    if path.suffix != ".safetensors":
-        return False
-    try:
-        return any(key.removeprefix(PREFIX) == MARKER for key in file_keys(path))
-    except Exception:  # not a readable safetensors file: the SD single-file loader reports it
-        return False
+    return MARKER in marked_keys(path, PREFIX)
 
 
 def transformer_config(state: dict[str, torch.Tensor]) -> dict[str, Any]:

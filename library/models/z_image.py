@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from library.config import UserError
-from library.models import musubi_flow, z_image_lora
+from library.models import musubi_flow, transformer_checks, z_image_lora
 from library.models.diffusers_folder import read_folder, transformer_class
 from library.models.family import Components, Tokenizer
 
@@ -57,11 +57,7 @@ class ZImage(musubi_flow.MusubiFamily):
             if getattr(config, name)]
         if config.is_set("guidance_scale"):
             problems.append("guidance_scale: not for Z-Image (its transformer has no guidance input)")
-        # 8x VAE and 2x2 patches: image sides must be multiples of 16.
-        if any(side % 16 for side in config.resolution):
-            problems.append(f"resolution {config.resolution}: Z-Image needs sides that are multiples of 16")
-        if config.enable_bucket and config.bucket_reso_steps % 16:
-            problems.append(f"bucket_reso_steps {config.bucket_reso_steps}: Z-Image needs a multiple of 16")
+        problems += transformer_checks.size_problems(config, "Z-Image")
         if problems:
             raise UserError(problems)
         if not config.network_train_unet_only:
@@ -90,9 +86,7 @@ class ZImage(musubi_flow.MusubiFamily):
     def denoise(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 text: Mapping[str, torch.Tensor], conditioning: Mapping[str, torch.Tensor]) -> torch.Tensor:
         _, _, height, width = noisy.shape
-        if height % 2 or width % 2:  # a dataset_config subset's own resolution can get past `configured`
-            raise UserError(f"Z-Image needs image sides that are multiples of 16; got {8 * width}x{8 * height} "
-                            "pixels: set resolution (and bucket_reso_steps) to multiples of 16")
+        transformer_checks.check_latent_size("Z-Image", height, width)
         states = text["encoder_hidden_states"].to(noisy.dtype)
         mask = text["attention_mask"].to(states.device).bool()
         captions = [state[keep] for state, keep in zip(states, mask, strict=True)]

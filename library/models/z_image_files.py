@@ -44,15 +44,9 @@ def shards(path: Path) -> list[Path]:
 
 
 def is_z_image_file(path: Path) -> bool:
-    if path.suffix != ".safetensors":
-        return False
-    from library.models.flux_files import file_keys
+    from library.models.flux_files import marked_keys
 
-    try:
-        keys = file_keys(path)
-    except Exception:  # not a readable safetensors file: the SD single-file loader reports it
-        return False
-    return any(key.removeprefix(COMFY_PREFIX) == MARKER for key in keys)
+    return MARKER in marked_keys(path, COMFY_PREFIX)
 
 
 def _read(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
