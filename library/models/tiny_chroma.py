@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from library.models.tiny_flux import VAE_SCALING_FACTOR, VAE_SHIFT_FACTOR, WIDTH, build_t5_tokenizer
-from library.models.tiny_parts import _seeded, save_pipeline
+from library.models.tiny_parts import _seeded, ae_state_dict, save_files, save_pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -65,23 +65,16 @@ def save_tiny_chroma_files(folder: str | os.PathLike[str], target: str | os.Path
     reads these): the BFL-layout transformer (behind `model.diffusion_model.`), t5xxl and ae. Returns their paths
     by option name."""
     from diffusers import AutoencoderKL, ChromaTransformer2DModel
-    from safetensors.torch import save_file
     from transformers import T5EncoderModel
 
     from library.models.flux_files import BFL_PREFIX, bfl_state_dict
-    from library.models.ldm_export import _vae_key_to_ldm
 
     folder, target = Path(folder), Path(target)
-    target.mkdir(parents=True, exist_ok=True)
     local = {"local_files_only": True}
     transformer = ChromaTransformer2DModel.from_pretrained(folder, subfolder="transformer", **local)
     vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", **local)
     t5 = T5EncoderModel.from_pretrained(folder, subfolder="text_encoder", **local)
-    levels = len(vae.config.block_out_channels)
-    ae = {}
-    for key, value in vae.state_dict().items():
-        ldm = _vae_key_to_ldm(key, levels)
-        ae[ldm] = value[:, :, None, None] if ".mid.attn_1." in ldm and value.dim() == 2 else value
+    ae = ae_state_dict(vae)
     files = {
         "transformer": ({BFL_PREFIX + k: v for k, v in bfl_state_dict(transformer).items()},
                         "chroma-tiny.safetensors"),
@@ -90,8 +83,4 @@ def save_tiny_chroma_files(folder: str | os.PathLike[str], target: str | os.Path
         "t5xxl": ({k: v for k, v in t5.state_dict().items() if k != "encoder.embed_tokens.weight"},
                   "t5xxl.safetensors"),
     }
-    paths = {}
-    for name, (state, filename) in files.items():
-        paths[name] = target / filename
-        save_file({k: v.detach().contiguous() for k, v in state.items()}, str(paths[name]))
-    return paths
+    return save_files(target, files)

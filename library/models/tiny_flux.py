@@ -15,7 +15,15 @@ from typing import Any, Sequence
 
 import torch
 
-from library.models.tiny_parts import MODEL_MAX_LENGTH, _check_target, _seeded, _write_pipeline, build_tiny_tokenizer
+from library.models.tiny_parts import (
+    MODEL_MAX_LENGTH,
+    _check_target,
+    _seeded,
+    _write_pipeline,
+    ae_state_dict,
+    build_tiny_tokenizer,
+    save_files,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -101,24 +109,17 @@ def save_tiny_flux_files(folder: str | os.PathLike[str], target: str | os.PathLi
     """The tiny FLUX folder's weights as kohya's separate files: the BFL-layout transformer (behind
     `model.diffusion_model.`, as BFL ships it), clip_l, t5xxl and ae. Returns their paths by option name."""
     from diffusers import AutoencoderKL, FluxTransformer2DModel
-    from safetensors.torch import save_file
     from transformers import CLIPTextModel, T5EncoderModel
 
     from library.models.flux_files import BFL_PREFIX, bfl_state_dict
-    from library.models.ldm_export import _vae_key_to_ldm
 
     folder, target = Path(folder), Path(target)
-    target.mkdir(parents=True, exist_ok=True)
     local = {"local_files_only": True}
     transformer = FluxTransformer2DModel.from_pretrained(folder, subfolder="transformer", **local)
     vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", **local)
     clip = CLIPTextModel.from_pretrained(folder, subfolder="text_encoder", **local)
     t5 = T5EncoderModel.from_pretrained(folder, subfolder="text_encoder_2", **local)
-    levels = len(vae.config.block_out_channels)
-    ae = {}
-    for key, value in vae.state_dict().items():
-        ldm = _vae_key_to_ldm(key, levels)
-        ae[ldm] = value[:, :, None, None] if ".mid.attn_1." in ldm and value.dim() == 2 else value
+    ae = ae_state_dict(vae)
     files = {
         "transformer": ({BFL_PREFIX + k: v for k, v in bfl_state_dict(transformer).items()}, "flux1-tiny.safetensors"),
         "ae": (ae, "ae.safetensors"),
@@ -128,8 +129,4 @@ def save_tiny_flux_files(folder: str | os.PathLike[str], target: str | os.PathLi
         "t5xxl": ({k: v for k, v in t5.state_dict().items() if k != "encoder.embed_tokens.weight"},
                   "t5xxl.safetensors"),
     }
-    paths = {}
-    for name, (state, filename) in files.items():
-        paths[name] = target / filename
-        save_file({k: v.detach().contiguous() for k, v in state.items()}, str(paths[name]))
-    return paths
+    return save_files(target, files)

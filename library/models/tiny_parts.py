@@ -156,3 +156,28 @@ def save_pipeline(path: str | os.PathLike[str], overwrite: bool, pipeline: str, 
     _write_pipeline(getattr(diffusers, pipeline)(**build()), target, tokenizers)
     logger.info("wrote tiny %s model (seed=%d) to %s", label, seed, target)
     return target
+
+
+def ae_state_dict(vae: Any) -> dict[str, torch.Tensor]:
+    """A diffusers AutoencoderKL's weights in the original (ldm) layout of FLUX.1's ae.safetensors, whose mid-block
+    attention projections are 1x1 convolutions."""
+    from library.models.ldm_export import _vae_key_to_ldm
+
+    levels = len(vae.config.block_out_channels)
+    ae = {}
+    for key, value in vae.state_dict().items():
+        ldm = _vae_key_to_ldm(key, levels)
+        ae[ldm] = value[:, :, None, None] if ".mid.attn_1." in ldm and value.dim() == 2 else value
+    return ae
+
+
+def save_files(target: Path, files: dict[str, tuple[dict[str, torch.Tensor], str]]) -> dict[str, Path]:
+    """Write each (state dict, relative file name) under `target`; returns the paths by the same names."""
+    from safetensors.torch import save_file
+
+    paths = {}
+    for name, (state, filename) in files.items():
+        paths[name] = target / filename
+        paths[name].parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().contiguous() for k, v in state.items()}, str(paths[name]))
+    return paths

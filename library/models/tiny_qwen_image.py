@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from library.models.tiny_parts import _seeded, save_pipeline
+from library.models.tiny_parts import _seeded, save_files, save_pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +136,6 @@ def save_tiny_qwen_image_files(folder: str | os.PathLike[str], target: str | os.
     `lm_head`; text_encoders/) and the VAE in the Wan 2.1 layout (vae/). Returns their paths by option name
     (`pretrained_model_name_or_path` as "transformer")."""
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
-    from safetensors.torch import save_file
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from library.models.qwen_image_files import COMFY_PREFIX
@@ -155,9 +154,4 @@ def save_tiny_qwen_image_files(folder: str | os.PathLike[str], target: str | os.
         "text_encoder": (text, "text_encoders/qwen_2.5_vl_tiny.safetensors"),
         "ae": (comfy_vae_state_dict(vae), "vae/qwen_image_vae.safetensors"),
     }
-    paths = {}
-    for name, (state, filename) in files.items():
-        paths[name] = target / filename
-        paths[name].parent.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().contiguous() for k, v in state.items()}, str(paths[name]))
-    return paths
+    return save_files(target, files)

@@ -19,7 +19,9 @@ from library.models.tiny_flux import build_t5_tokenizer
 from library.models.tiny_parts import (
     MODEL_MAX_LENGTH,
     _seeded,
+    ae_state_dict,
     build_tiny_tokenizer,
+    save_files,
     save_pipeline,
 )
 
@@ -83,23 +85,16 @@ def save_tiny_sd3_files(folder: str | os.PathLike[str], target: str | os.PathLik
     inside (`sd3-tiny.safetensors`), one without them (`sd3-tiny-no-te.safetensors`) and kohya's separate clip_l,
     clip_g and t5xxl files. Returns their paths by option name ("checkpoint", "checkpoint_no_te", "clip_l", ...)."""
     from diffusers import AutoencoderKL, SD3Transformer2DModel
-    from safetensors.torch import save_file
     from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
-    from library.models.ldm_export import _vae_key_to_ldm
     from library.models.sd3_files import ENCODER_PREFIX, PREFIX, sai_state_dict
 
     folder, target = Path(folder), Path(target)
-    target.mkdir(parents=True, exist_ok=True)
     local = {"local_files_only": True}
     transformer = SD3Transformer2DModel.from_pretrained(folder, subfolder="transformer", **local)
     vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", **local)
-    levels = len(vae.config.block_out_channels)
     base = {PREFIX + k: v for k, v in sai_state_dict(transformer).items()}
-    for key, value in vae.state_dict().items():
-        ldm = _vae_key_to_ldm(key, levels)
-        base["first_stage_model." + ldm] = value[:, :, None, None] if ".mid.attn_1." in ldm and value.dim() == 2 \
-            else value
+    base.update({"first_stage_model." + k: v for k, v in ae_state_dict(vae).items()})
     encoders = {"clip_l": CLIPTextModelWithProjection.from_pretrained(folder, subfolder="text_encoder", **local),
                 "clip_g": CLIPTextModelWithProjection.from_pretrained(folder, subfolder="text_encoder_2", **local),
                 "t5xxl": T5EncoderModel.from_pretrained(folder, subfolder="text_encoder_3", **local)}
@@ -110,8 +105,4 @@ def save_tiny_sd3_files(folder: str | os.PathLike[str], target: str | os.PathLik
                                         for k, v in sd.items()}}, "sd3-tiny.safetensors"),
              "checkpoint_no_te": (base, "sd3-tiny-no-te.safetensors"),
              **{name: (sd, f"{name}.safetensors") for name, sd in separate.items()}}
-    paths = {}
-    for name, (state, filename) in files.items():
-        paths[name] = target / filename
-        save_file({k: v.detach().contiguous() for k, v in state.items()}, str(paths[name]))
-    return paths
+    return save_files(target, files)

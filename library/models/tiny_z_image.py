@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from library.models.tiny_parts import _seeded, save_pipeline
+from library.models.tiny_parts import _seeded, ae_state_dict, save_files, save_pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -95,10 +95,8 @@ def save_tiny_z_image_files(folder: str | os.PathLike[str], target: str | os.Pat
     (text_encoders/) and the autoencoder in FLUX.1's ae.safetensors layout (vae/). Returns their paths by option
     name (`pretrained_model_name_or_path` as "transformer")."""
     from diffusers import AutoencoderKL, ZImageTransformer2DModel
-    from safetensors.torch import save_file
     from transformers import Qwen3Model
 
-    from library.models.ldm_export import _vae_key_to_ldm
     from library.models.z_image_files import COMFY_PREFIX, comfy_state_dict
 
     folder, target = Path(folder), Path(target)
@@ -106,11 +104,7 @@ def save_tiny_z_image_files(folder: str | os.PathLike[str], target: str | os.Pat
     transformer = ZImageTransformer2DModel.from_pretrained(folder, subfolder="transformer", **local)
     vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", **local)
     qwen = Qwen3Model.from_pretrained(folder, subfolder="text_encoder", **local)
-    levels = len(vae.config.block_out_channels)
-    ae = {}
-    for key, value in vae.state_dict().items():
-        ldm = _vae_key_to_ldm(key, levels)
-        ae[ldm] = value[:, :, None, None] if ".mid.attn_1." in ldm and value.dim() == 2 else value
+    ae = ae_state_dict(vae)
     files = {
         "transformer": ({COMFY_PREFIX + k: v for k, v in comfy_state_dict(transformer).items()},
                         "diffusion_models/z_image_tiny.safetensors"),
@@ -118,9 +112,4 @@ def save_tiny_z_image_files(folder: str | os.PathLike[str], target: str | os.Pat
                          "text_encoders/qwen_3_tiny.safetensors"),
         "ae": (ae, "vae/ae.safetensors"),
     }
-    paths = {}
-    for name, (state, filename) in files.items():
-        paths[name] = target / filename
-        paths[name].parent.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().contiguous() for k, v in state.items()}, str(paths[name]))
-    return paths
+    return save_files(target, files)
