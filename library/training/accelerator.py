@@ -112,6 +112,7 @@ def deepspeed_plugin(config: Config, world_size: int) -> DeepSpeedPlugin:
         # released, and by default none is released that is used again within 1e9 parameters (the whole model):
         # the second step runs out of buffers ("Not enough buffers 0 for swapping 1").
         plugin.deepspeed_config["zero_optimization"]["stage3_max_reuse_distance"] = 0
+        keep_nvme_parameter_dtype_on_cpu()
     micro_batch = config.train_batch_size
     plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch
     plugin.deepspeed_config["train_batch_size"] = micro_batch * config.gradient_accumulation_steps * world_size
@@ -125,6 +126,28 @@ def deepspeed_plugin(config: Config, world_size: int) -> DeepSpeedPlugin:
         # accelerate keeps an "fp16" section it finds and only fills in "enabled".
         plugin.deepspeed_config["fp16"] = deepspeed_fp16_section(config, zero_stage, offload_optimizer, cpu_adam)
     return plugin
+
+
+def keep_nvme_parameter_dtype_on_cpu() -> None:
+    """DeepSpeed's zero.Init picks the dtype of the parameters it swaps to NVMe as `dtype or torch.float16 if
+    fp16_supported else torch.bfloat16 ...`: on its CPU accelerator (no fp16) that is bfloat16 whatever dtype it was
+    given, and fp32 weights came back from the swap as bf16 ("Input type (torch.FloatTensor) and weight type
+    (CPUBFloat16Type) should be the same"). On the CPU accelerator the given dtype is kept; GPUs support fp16, so
+    there DeepSpeed already keeps it."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as ZeroInit
+
+    if get_accelerator().device_name() != "cpu" or getattr(ZeroInit._set_dtype, "keeps_dtype", False):
+        return
+    set_dtype = ZeroInit._set_dtype
+
+    def _set_dtype(self: Any, ds_config: Any, dtype: torch.dtype | None) -> None:
+        set_dtype(self, ds_config, dtype)
+        if dtype is not None:
+            self.dtype = dtype
+
+    _set_dtype.keeps_dtype = True  # type: ignore[attr-defined]
+    ZeroInit._set_dtype = _set_dtype
 
 
 def async_io_available() -> bool:

@@ -14,25 +14,7 @@ from library.training import loop, model
 from library.training.accelerator import parameter_storage
 
 
-def keep_deepspeeds_dtype_on_cpu() -> None:
-    """DeepSpeed's zero.Init picks the dtype of the parameters it swaps to NVMe with `dtype or torch.float16 if
-    fp16_supported else torch.bfloat16 ...`: on its CPU accelerator (no fp16) that is bfloat16 whatever dtype it was
-    given, and fp32 weights come back from the swap as bf16. GPUs support fp16, so there the given dtype is kept."""
-    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as Init
-
-    set_dtype = Init._set_dtype
-
-    def _set_dtype(self, ds_config, dtype):
-        set_dtype(self, ds_config, dtype)
-        if dtype is not None:
-            self.dtype = dtype
-
-    Init._set_dtype = _set_dtype
-
-
 def main() -> None:
-    if "--deepspeed" in sys.argv:
-        keep_deepspeeds_dtype_on_cpu()
     config, _ = parse_config(sys.argv[1:])
     result = loop.run(config)
     rank = int(os.environ.get("RANK", "0"))
