@@ -83,9 +83,9 @@ def deepspeed_plugin(config: Config, world_size: int) -> DeepSpeedPlugin:
     offload_param = setting("offload_param_device", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE")
     if "nvme" in (offload_optimizer, offload_param):
         nvme_problems = []
-        if zero_stage != 3:  # DeepSpeed's ZeRO-1/2 would keep an optimizer "offloaded to nvme" in CPU memory
-            nvme_problems.append(f"offload to NVMe needs zero_stage = 3 (got {zero_stage}); or set "
-                                 "offload_optimizer_device = \"cpu\"")
+        if zero_stage != 3:
+            nvme_problems.append(f"offload to NVMe needs zero_stage = 3 (got {zero_stage}: DeepSpeed would keep that "
+                                 "optimizer state in CPU memory instead); set zero_stage = 3, or offload to \"cpu\"")
         if not async_io_available():
             nvme_problems.append("offload to NVMe needs DeepSpeed's async_io op, which is built against libaio: "
                                  "install it (Debian/Ubuntu: apt install libaio-dev; Fedora: dnf install "
