@@ -4,7 +4,6 @@ gloo processes (DDP)."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,19 +12,15 @@ from safetensors.torch import load_file
 
 from library.network.kohya_format import load_kohya_lora
 from tests.integration.test_cli import run_cli, write
-from tests.integration.test_flux_cli import IMAGES, refused_in_process
+from tests.integration.test_flux_cli import refused_in_process, sample_images
 from tests.integration.test_multiprocess import copy_images, launch
 
 
 @pytest.fixture(scope="module")
 def chroma_toml(tiny_chroma_dir, sample_data_dir, tmp_path_factory) -> str:
-    data = tmp_path_factory.mktemp("chroma_data") / "1_sks shape"
-    data.mkdir()
-    for name in IMAGES:
-        for suffix in (".png", ".txt"):
-            shutil.copy(sample_data_dir / "10_sks shape" / f"{name}{suffix}", data / f"{name}{suffix}")
+    data = sample_images(sample_data_dir, tmp_path_factory.mktemp("chroma_data"))
     # kohya's Chroma recipe (model_type, the mask, guidance 0, sigmoid sampling, raw prediction) on the tiny model.
-    return (f'pretrained_model_name_or_path = "{tiny_chroma_dir}"\ntrain_data_dir = "{data.parent}"\n'
+    return (f'pretrained_model_name_or_path = "{tiny_chroma_dir}"\ntrain_data_dir = "{data}"\n'
             'resolution = 64\ncaption_extension = ".txt"\ntrain_batch_size = 2\nseed = 3\nlearning_rate = 1e-3\n'
             'network_module = "networks.lora_flux"\nnetwork_dim = 4\nnetwork_alpha = 2\nmodel_type = "chroma"\n'
             't5xxl_max_token_length = 16\napply_t5_attn_mask = true\nguidance_scale = 0.0\n'

@@ -14,16 +14,23 @@ from tests.integration.test_cli import run_cli, write
 IMAGES = ("00_red_circle", "01_yellow_square", "02_white_triangle", "03_orange_diamond")
 
 
-@pytest.fixture(scope="module")
-def flux_toml(tiny_flux_dir, sample_data_dir, tmp_path_factory) -> str:
-    data = tmp_path_factory.mktemp("flux_data") / "1_sks shape"
+def sample_images(sample_data_dir: Path, root: Path, names: tuple[str, ...] = IMAGES) -> Path:
+    """The named images and their captions from the sample data, in a kohya folder `1_sks shape` under `root`;
+    returns root."""
+    data = root / "1_sks shape"
     data.mkdir()
-    for name in IMAGES:
+    for name in names:
         for suffix in (".png", ".txt"):
             shutil.copy(sample_data_dir / "10_sks shape" / f"{name}{suffix}", data / f"{name}{suffix}")
+    return root
+
+
+@pytest.fixture(scope="module")
+def flux_toml(tiny_flux_dir, sample_data_dir, tmp_path_factory) -> str:
+    data = sample_images(sample_data_dir, tmp_path_factory.mktemp("flux_data"))
     # kohya's FLUX option names; huber with an exponential schedule, the T5 mask, a logit-normal draw and input
     # perturbation on top of the defaults, so that those paths run end to end.
-    return (f'pretrained_model_name_or_path = "{tiny_flux_dir}"\ntrain_data_dir = "{data.parent}"\n'
+    return (f'pretrained_model_name_or_path = "{tiny_flux_dir}"\ntrain_data_dir = "{data}"\n'
             'resolution = 64\ncaption_extension = ".txt"\ntrain_batch_size = 2\nseed = 3\nlearning_rate = 1e-3\n'
             'network_module = "networks.lora_flux"\nnetwork_dim = 4\nnetwork_alpha = 2\n'
             't5xxl_max_token_length = 16\napply_t5_attn_mask = true\nguidance_scale = 1.0\n'

@@ -3,7 +3,6 @@ cached text outputs and latents) trains the tiny FLUX from kohya's separate file
 is the one a bf16 base gives (keys, shapes, metadata but the precision); SD1 and SDXL train with fp8_base_unet."""
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 
 from library.network.kohya_format import load_kohya_lora
 from tests.integration.test_cli import assert_user_error, run_cli, write
+from tests.integration.test_flux_cli import sample_images
 
 IMAGES = ("00_red_circle", "01_yellow_square")
 
@@ -20,15 +20,11 @@ def kohya_flux_toml(tiny_flux_dir, sample_data_dir, tmp_path_factory) -> str:
     from library.models.tiny_flux import save_tiny_flux_files
 
     files = save_tiny_flux_files(tiny_flux_dir, tmp_path_factory.mktemp("flux_files"))
-    data = tmp_path_factory.mktemp("data") / "1_sks shape"
-    data.mkdir()
-    for name in IMAGES:
-        for suffix in (".png", ".txt"):
-            shutil.copy(sample_data_dir / "10_sks shape" / f"{name}{suffix}", data / f"{name}{suffix}")
+    data = sample_images(sample_data_dir, tmp_path_factory.mktemp("data"), IMAGES)
     # sd-scripts docs/flux_train_network.md's options (paths, sizes and counts are the tiny model's)
     return (f'pretrained_model_name_or_path = "{files["transformer"]}"\nclip_l = "{files["clip_l"]}"\n'
             f't5xxl = "{files["t5xxl"]}"\nae = "{files["ae"]}"\nmodel_config = "{tiny_flux_dir}"\n'
-            f'train_data_dir = "{data.parent}"\ncaption_extension = ".txt"\nresolution = 64\n'
+            f'train_data_dir = "{data}"\ncaption_extension = ".txt"\nresolution = 64\n'
             'cache_latents_to_disk = true\nsave_model_as = "safetensors"\nsdpa = true\n'
             'persistent_data_loader_workers = true\nmax_data_loader_n_workers = 0\nseed = 42\n'
             'gradient_checkpointing = true\nmixed_precision = "bf16"\nsave_precision = "bf16"\n'

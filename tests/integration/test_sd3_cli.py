@@ -3,7 +3,6 @@ metadata, exact resume, reading the file back with network_weights, and two gloo
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -12,20 +11,16 @@ from safetensors.torch import load_file
 
 from library.network.kohya_format import load_kohya_lora
 from tests.integration.test_cli import run_cli, write
-from tests.integration.test_flux_cli import IMAGES
+from tests.integration.test_flux_cli import sample_images
 from tests.integration.test_multiprocess import copy_images, launch
 
 
 @pytest.fixture(scope="module")
 def sd3_toml(tiny_sd3_dir, sample_data_dir, tmp_path_factory) -> str:
-    data = tmp_path_factory.mktemp("sd3_data") / "1_sks shape"
-    data.mkdir()
-    for name in IMAGES:
-        for suffix in (".png", ".txt"):
-            shutil.copy(sample_data_dir / "10_sks shape" / f"{name}{suffix}", data / f"{name}{suffix}")
+    data = sample_images(sample_data_dir, tmp_path_factory.mktemp("sd3_data"))
     # kohya's SD3 options on the tiny model (per-encoder dropout and SD3.5 Medium's position embeddings too), CLIP-L
     # and CLIP-G trained too.
-    return (f'pretrained_model_name_or_path = "{tiny_sd3_dir}"\ntrain_data_dir = "{data.parent}"\n'
+    return (f'pretrained_model_name_or_path = "{tiny_sd3_dir}"\ntrain_data_dir = "{data}"\n'
             'resolution = 64\ncaption_extension = ".txt"\ntrain_batch_size = 2\nseed = 3\nlearning_rate = 1e-3\n'
             'network_module = "networks.lora_sd3"\nnetwork_dim = 4\nnetwork_alpha = 2\n'
             't5xxl_max_token_length = 16\napply_lg_attn_mask = true\n'
