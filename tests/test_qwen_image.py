@@ -4,13 +4,13 @@ and ComfyUI's key rules reading our file, and sampling with QwenImagePipeline.""
 from __future__ import annotations
 
 import math
-import re
 
 import pytest
 import torch
 
 from library.config import UserError, parse_config
 from library.models import musubi_flow, qwen_image_lora
+from tests import musubi_lora
 
 TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
             "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
@@ -152,30 +152,13 @@ def test_configured_refuses_what_does_not_apply(components, tiny_qwen_image_dir)
 
 def musubi_lora_names(transformer) -> set[str]:
     """musubi's networks.lora create_modules with lora_qwen_image's target class and default exclude pattern."""
-    exclude = re.compile(r".*(_mod_).*")
-    names = set()
-    for name, module in transformer.named_modules():
-        if module.__class__.__name__ != "QwenImageTransformerBlock":
-            continue
-        for child_name, child in module.named_modules():
-            original = (name + "." if name else "") + child_name
-            if child.__class__.__name__ == "Linear" and not exclude.fullmatch(original):
-                names.add(f"lora_unet.{original}".replace(".", "_"))
-    return names
+    return musubi_lora.musubi_lora_names(transformer, "QwenImageTransformerBlock", r".*(_mod_).*")
 
 
 def random_lora(transformer, rank=4, alpha=2.0, seed=0):
     from library.config.network_args import NetworkArgs
 
-    g = torch.Generator().manual_seed(seed)
-    state = {}
-    for name in qwen_image_lora.targets(transformer, NetworkArgs()):
-        layer = transformer.get_submodule(name)
-        key = "lora_unet_" + name.replace(".", "_")
-        state[f"{key}.lora_down.weight"] = torch.randn(rank, layer.in_features, generator=g)
-        state[f"{key}.lora_up.weight"] = torch.randn(layer.out_features, rank, generator=g)
-        state[f"{key}.alpha"] = torch.tensor(alpha)
-    return state
+    return musubi_lora.random_lora(transformer, qwen_image_lora.targets(transformer, NetworkArgs()), rank, alpha, seed)
 
 
 def delta(state, name):

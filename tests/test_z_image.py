@@ -3,7 +3,6 @@ musubi's rules, diffusers' loader reading our file, separate-file loading and sa
 from __future__ import annotations
 
 import math
-import re
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch
 from library.config import UserError, parse_config
 from library.models import musubi_flow, z_image_lora
 from library.models.flow_matching import FlowOptions
+from tests import musubi_lora
 
 
 def config(*args: str):
@@ -156,28 +156,11 @@ def test_configured_refuses_what_does_not_apply(components):
 
 def musubi_lora_names(transformer) -> set[str]:
     """musubi's networks.lora create_modules with lora_zimage's targets and exclude pattern."""
-    exclude = re.compile(r".*(_modulation|_refiner).*")
-    names = set()
-    for name, module in transformer.named_modules():
-        if module.__class__.__name__ != "ZImageTransformerBlock":
-            continue
-        for child_name, child in module.named_modules():
-            original = (name + "." if name else "") + child_name
-            if child.__class__.__name__ == "Linear" and not exclude.fullmatch(original):
-                names.add(f"lora_unet.{original}".replace(".", "_"))
-    return names
+    return musubi_lora.musubi_lora_names(transformer, "ZImageTransformerBlock", r".*(_modulation|_refiner).*")
 
 
 def random_lora(transformer, rank=4, alpha=2.0, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    state = {}
-    for name in z_image_lora.targets(transformer, _no_args()):
-        layer = transformer.get_submodule(name)
-        key = "lora_unet_" + name.replace(".", "_")
-        state[f"{key}.lora_down.weight"] = torch.randn(rank, layer.in_features, generator=g)
-        state[f"{key}.lora_up.weight"] = torch.randn(layer.out_features, rank, generator=g)
-        state[f"{key}.alpha"] = torch.tensor(alpha)
-    return state
+    return musubi_lora.random_lora(transformer, z_image_lora.targets(transformer, _no_args()), rank, alpha, seed)
 
 
 def _no_args():
