@@ -78,7 +78,12 @@ def test_what_is_not_offered_is_an_error_naming_it(transformer, arg, message):
 def trained(transformer, *args, seed=0):
     """The transformer with LoRA attached and random (non-zero) up weights, as after some training."""
     modules, overrides = flux_lora.targets(transformer, RANK, ALPHA, net(*args))
-    lora.attach_lora(transformer, modules, RANK, ALPHA, overrides=overrides)
+    return attached(transformer, modules, overrides, seed)
+
+
+def attached(transformer, modules, overrides, seed, rank=RANK, alpha=ALPHA):
+    """LoRA on `modules`, with random up weights."""
+    lora.attach_lora(transformer, modules, rank, alpha, overrides=overrides)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, layer in lora.lora_layers(transformer):

@@ -12,6 +12,7 @@ import torch
 from library.config import UserError
 from library.models import sd3_lora
 from library.models.sd3 import SD3
+from tests.test_flux_lora import attached, deltas, file_delta
 
 RANK, ALPHA = 4, 2.0
 
@@ -190,29 +191,11 @@ def test_position_embeddings_are_cropped_where_the_step_drew(components, caplog)
 
 def trained(transformer, seed=0):
     from library.config.network_args import parse_network_args
-    from library.network import lora
 
     net, _ = parse_network_args([])
     modules, overrides = SD3(last_block=len(transformer.transformer_blocks) - 1).denoiser_lora_targets(
         transformer, RANK, ALPHA, net)
-    lora.attach_lora(transformer, modules, RANK, ALPHA, overrides=overrides)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, layer in lora.lora_layers(transformer):
-            layer.lora_B["default"].weight.copy_(torch.randn(layer.lora_B["default"].weight.shape, generator=g))
-    return transformer
-
-
-def deltas(transformer) -> dict[str, torch.Tensor]:
-    from library.network import lora
-
-    return {name: layer.lora_B["default"].weight @ layer.lora_A["default"].weight * layer.scaling["default"]
-            for name, layer in lora.lora_layers(transformer)}
-
-
-def file_delta(state, name):
-    down, up = state[f"{name}.lora_down.weight"], state[f"{name}.lora_up.weight"]
-    return up @ down * (state[f"{name}.alpha"] / down.shape[0])
+    return attached(transformer, modules, overrides, seed, RANK, ALPHA)
 
 
 def test_keys_follow_kohyas_lora_sd3_layout(tiny_sd3_dir):
