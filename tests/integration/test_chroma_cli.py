@@ -3,39 +3,38 @@ metadata, sample images, exact resume, the BFL files training like the folder, a
 gloo processes (DDP)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from library.network.kohya_format import load_kohya_lora
+from tests.integration.family_cli import (
+    assert_resumes_bit_exactly,
+    assert_same_lora,
+    ddp_ranks_agree,
+    family_toml,
+    train_reference,
+)
 from tests.integration.test_cli import run_cli, write
 from tests.integration.test_flux_cli import refused_in_process, sample_images
-from tests.integration.test_multiprocess import copy_images, launch
+from tests.integration.test_multiprocess import copy_images
 
 
 @pytest.fixture(scope="module")
 def chroma_toml(tiny_chroma_dir, sample_data_dir, tmp_path_factory) -> str:
     data = sample_images(sample_data_dir, tmp_path_factory.mktemp("chroma_data"))
     # kohya's Chroma recipe (model_type, the mask, guidance 0, sigmoid sampling, raw prediction) on the tiny model.
-    return (f'pretrained_model_name_or_path = "{tiny_chroma_dir}"\ntrain_data_dir = "{data}"\n'
-            'resolution = 64\ncaption_extension = ".txt"\ntrain_batch_size = 2\nseed = 3\nlearning_rate = 1e-3\n'
-            'network_module = "networks.lora_flux"\nnetwork_dim = 4\nnetwork_alpha = 2\nmodel_type = "chroma"\n'
-            't5xxl_max_token_length = 16\napply_t5_attn_mask = true\nguidance_scale = 0.0\n'
-            'timestep_sampling = "sigmoid"\nmodel_prediction_type = "raw"\n')
+    return family_toml(tiny_chroma_dir, data, "networks.lora_flux",
+                       'model_type = "chroma"\nt5xxl_max_token_length = 16\napply_t5_attn_mask = true\n'
+                       'guidance_scale = 0.0\ntimestep_sampling = "sigmoid"\nmodel_prediction_type = "raw"\n')
 
 
 @pytest.fixture(scope="module")
 def reference(chroma_toml, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("chroma_reference")
     prompts = write(out / "prompts.txt", "a photo of sks shape --n a red circle --l 4 --s 2 --w 64 --h 64 --d 1\n")
-    config = write(out / "lora.toml", chroma_toml + f'output_dir = "{out}"\nmax_train_steps = 4\n'
-                   f'save_every_n_steps = 2\nsave_state = true\nsample_prompts = "{prompts}"\n'
-                   'sample_every_n_steps = 4\n')
-    result = run_cli("--config", str(config))
-    assert result.returncode == 0, result.stderr
+    train_reference(chroma_toml, out, f'sample_prompts = "{prompts}"\nsample_every_n_steps = 4\n')
     return out
 
 
@@ -52,13 +51,7 @@ def test_trains_and_writes_kohyas_chroma_file(reference):
 
 
 def test_resumes_bit_exactly(reference, chroma_toml, tmp_path):
-    out = tmp_path / "resumed"
-    config = write(tmp_path / "lora.toml", chroma_toml + f'output_dir = "{out}"\nmax_train_steps = 4\n')
-    result = run_cli("--config", str(config), "--resume", str(reference / "last-step00000002-state"))
-    assert result.returncode == 0, result.stderr
-    expected, _ = load_kohya_lora(reference / "last.safetensors")
-    got, _ = load_kohya_lora(out / "last.safetensors")
-    assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
+    assert_resumes_bit_exactly(reference, chroma_toml, tmp_path)
 
 
 def test_the_bfl_files_train_like_the_folder(reference, chroma_toml, tiny_chroma_dir, tmp_path):
@@ -74,9 +67,7 @@ def test_the_bfl_files_train_like_the_folder(reference, chroma_toml, tiny_chroma
     config = write(tmp_path / "lora.toml", body + f'output_dir = "{out}"\nmax_train_steps = 2\n')
     result = run_cli("--config", str(config))
     assert result.returncode == 0, result.stderr
-    expected, _ = load_kohya_lora(reference / "last-step00000002.safetensors")
-    got, _ = load_kohya_lora(out / "last.safetensors")
-    assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
+    assert_same_lora(reference / "last-step00000002.safetensors", out / "last.safetensors")
 
 
 @pytest.mark.usefixtures("fresh_accelerator_state")
@@ -89,16 +80,8 @@ def test_flux_guidance_is_refused_naming_why(chroma_toml, tmp_path, capsys):
 def test_two_gloo_processes_train_in_step(tiny_chroma_dir, sample_data_dir, tmp_path):
     (tmp_path / "data").mkdir()
     data = copy_images(sample_data_dir, tmp_path / "data", 8)
-    result = launch(2, ["--pretrained_model_name_or_path", str(tiny_chroma_dir), "--train_data_dir", str(data),
-                        "--output_dir", str(tmp_path / "ddp"), "--resolution", "64", "--caption_extension", ".txt",
-                        "--train_batch_size", "2", "--seed", "7", "--learning_rate", "3e-3", "--max_train_steps", "2",
-                        "--network_module", "networks.lora_flux", "--t5xxl_max_token_length", "16",
-                        "--apply_t5_attn_mask", "--guidance_scale", "0", "--timestep_sampling", "sigmoid"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    rank0, rank1 = (load_file(tmp_path / "ddp" / f"rank{r}.safetensors") for r in (0, 1))
-    # The ranks saw different images: equal weights after two steps mean the gradients were averaged.
-    assert rank0.keys() == rank1.keys() and all(torch.equal(rank0[k], rank1[k]) for k in rank0)
-    assert any(v.abs().max() > 0 for k, v in rank0.items() if "lora_up" in k)
-    losses = [json.loads((tmp_path / "ddp" / f"rank{r}.json").read_text())["losses"] for r in (0, 1)]
-    assert losses[0] == losses[1] and len(losses[0]) == 2
+    losses = ddp_ranks_agree(tiny_chroma_dir, data, tmp_path / "ddp", "--network_module", "networks.lora_flux",
+                             "--t5xxl_max_token_length", "16", "--apply_t5_attn_mask", "--guidance_scale", "0",
+                             "--timestep_sampling", "sigmoid")
+    assert len(losses) == 2
     assert "lora_unet_double_blocks_0_img_attn_qkv.alpha" in load_file(tmp_path / "ddp" / "last.safetensors")

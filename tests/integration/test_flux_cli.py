@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from library.network.kohya_format import load_kohya_lora
+from tests.integration.family_cli import assert_resumes_bit_exactly, assert_same_lora, family_toml, train_reference
 from tests.integration.test_cli import run_cli, write
 
 IMAGES = ("00_red_circle", "01_yellow_square", "02_white_triangle", "03_orange_diamond")
@@ -30,21 +31,16 @@ def flux_toml(tiny_flux_dir, sample_data_dir, tmp_path_factory) -> str:
     data = sample_images(sample_data_dir, tmp_path_factory.mktemp("flux_data"))
     # kohya's FLUX option names; huber with an exponential schedule, the T5 mask, a logit-normal draw and input
     # perturbation on top of the defaults, so that those paths run end to end.
-    return (f'pretrained_model_name_or_path = "{tiny_flux_dir}"\ntrain_data_dir = "{data}"\n'
-            'resolution = 64\ncaption_extension = ".txt"\ntrain_batch_size = 2\nseed = 3\nlearning_rate = 1e-3\n'
-            'network_module = "networks.lora_flux"\nnetwork_dim = 4\nnetwork_alpha = 2\n'
-            't5xxl_max_token_length = 16\napply_t5_attn_mask = true\nguidance_scale = 1.0\n'
-            'timestep_sampling = "sigma"\nweighting_scheme = "logit_normal"\nmodel_prediction_type = "raw"\n'
-            'loss_type = "huber"\nhuber_schedule = "exponential"\nip_noise_gamma = 0.05\n')
+    return family_toml(tiny_flux_dir, data, "networks.lora_flux",
+                       't5xxl_max_token_length = 16\napply_t5_attn_mask = true\nguidance_scale = 1.0\n'
+                       'timestep_sampling = "sigma"\nweighting_scheme = "logit_normal"\nmodel_prediction_type = "raw"\n'
+                       'loss_type = "huber"\nhuber_schedule = "exponential"\nip_noise_gamma = 0.05\n')
 
 
 @pytest.fixture(scope="module")
 def reference(flux_toml, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("flux_reference")
-    config = write(out / "lora.toml", flux_toml + f'output_dir = "{out}"\nmax_train_steps = 4\n'
-                   'save_every_n_steps = 2\nsave_state = true\n')
-    result = run_cli("--config", str(config))
-    assert result.returncode == 0, result.stderr
+    train_reference(flux_toml, out)
     return out
 
 
@@ -69,15 +65,7 @@ def test_trains_and_writes_kohyas_flux_file(reference):
 
 
 def test_resumes_bit_exactly(reference, flux_toml, tmp_path):
-    out = tmp_path / "resumed"
-    config = write(tmp_path / "lora.toml", flux_toml + f'output_dir = "{out}"\nmax_train_steps = 4\n')
-    result = run_cli("--config", str(config), "--resume", str(reference / "last-step00000002-state"))
-    assert result.returncode == 0, result.stderr
-    expected, _ = load_kohya_lora(reference / "last.safetensors")
-    got, _ = load_kohya_lora(out / "last.safetensors")
-    assert set(got) == set(expected)
-    for key, tensor in expected.items():
-        assert torch.equal(got[key], tensor), key
+    assert_resumes_bit_exactly(reference, flux_toml, tmp_path)
 
 
 def test_network_weights_reads_the_fused_file_back(reference, flux_toml, tmp_path):
@@ -161,7 +149,5 @@ def test_kohyas_separate_files_train_like_the_folder(reference, flux_toml, tiny_
     config = write(tmp_path / "lora.toml", body + f'output_dir = "{out}"\nmax_train_steps = 2\n')
     result = run_cli("--config", str(config))
     assert result.returncode == 0, result.stderr
-    expected, _ = load_kohya_lora(reference / "last-step00000002.safetensors")
-    got, metadata = load_kohya_lora(out / "last.safetensors")
+    metadata = assert_same_lora(reference / "last-step00000002.safetensors", out / "last.safetensors")
     assert metadata["modelspec.architecture"] == "flux-1-dev/lora"
-    assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)

@@ -3,7 +3,6 @@ sizes overridden on the command line): the file and its metadata, exact resume (
 back), and 2 gloo processes (DDP)."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,8 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from library.network.kohya_format import load_kohya_lora
+from tests.integration.family_cli import ddp_ranks_agree
 from tests.integration.test_cli import REPO, run_cli
-from tests.integration.test_multiprocess import copy_images, launch
+from tests.integration.test_multiprocess import copy_images
 
 
 @dataclass(frozen=True)
@@ -106,17 +106,6 @@ def test_resumes_bit_exactly(family, reference, model, data, tmp_path):
 
 def test_ddp_ranks_agree(family, model, data, tmp_path):
     """Two gloo processes on different halves of the data end with the same LoRA: the gradients were synced."""
-    common = ["--pretrained_model_name_or_path", str(model), "--train_data_dir", str(data),
-              "--resolution", "64", "--caption_extension", ".txt", "--train_batch_size", "1", "--seed", "7",
-              "--learning_rate", "3e-3", "--max_train_steps", "2", "--network_module", family.network_module,
-              "--timestep_sampling", family.timestep_sampling]
-    ddp = launch(2, common + ["--output_dir", str(tmp_path / "ddp")])
-    assert ddp.returncode == 0, ddp.stderr[-3000:]
-    rank0, rank1 = (load_file(tmp_path / "ddp" / f"rank{r}.safetensors") for r in (0, 1))
-    assert rank0.keys() == rank1.keys()
-    for key in rank0:
-        assert torch.equal(rank0[key], rank1[key]), key
-    assert any(v.abs().max() > 0 for k, v in rank0.items() if "lora_B" in k or "lora_up" in k)
-    losses = [json.loads((tmp_path / "ddp" / f"rank{r}.json").read_text())["losses"] for r in (0, 1)]
-    assert losses[0] == losses[1]
+    ddp_ranks_agree(model, data, tmp_path / "ddp", "--network_module", family.network_module,
+                    "--timestep_sampling", family.timestep_sampling, batch_size=1)
     assert family.first_key in load_file(tmp_path / "ddp" / "last.safetensors")
