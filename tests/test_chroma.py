@@ -10,6 +10,13 @@ import torch
 
 from library.config import UserError
 from library.models.chroma import Chroma, text_mask
+from tests.family_checks import (
+    assert_comfyui_key_rule_patches_our_change,
+    assert_same_image,
+    pipeline_scheduler,
+    sample,
+    sampling_models,
+)
 
 RANK, ALPHA = 4, 2.0
 
@@ -229,36 +236,22 @@ def test_chroma_pipeline_load_lora_weights_consumes_every_key_with_our_output(ti
 
 def test_sampling_is_chroma_pipelines_cfg_with_the_masked_prompts(components, tmp_path):
     import numpy as np
-    from diffusers import ChromaPipeline, FlowMatchEulerDiscreteScheduler
+    from diffusers import ChromaPipeline
 
-    from library.monitoring.sampling import SamplingModels, generate_image, load_prompts
-
-    family = dataclasses.replace(components.family, t5_max_length=16)
-    tokenize = family.tokenizer(components, None)
-
-    def encode_text(text):
-        return family.encode_text(components.text_encoders, {k: v[None] for k, v in tokenize(text).items()}, None)
-
-    models = SamplingModels(components.denoiser, components.text_encoders, components.vae, components.tokenizers,
-                            components.noise_scheduler.config, family, None, encode_text)
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a photo of sks dog --n a red digit --l 4 --s 2 --w 64 --h 64 --d 3\n"
-                       "a photo of sks dog --n a red digit --s 2 --w 64 --h 64 --d 3\n")
-    cfg, plain = load_prompts(prompts)
+    models = sampling_models(components, dataclasses.replace(components.family, t5_max_length=16))
+    (cfg, _), (ours, no_cfg) = sample(models, tmp_path,
+                                      "a photo of sks dog --n a red digit --l 4 --s 2 --w 64 --h 64 --d 3\n"
+                                      "a photo of sks dog --n a red digit --s 2 --w 64 --h 64 --d 3\n")
     with torch.no_grad():
-        ours, no_cfg = (np.asarray(generate_image(p, models, seed=3)) for p in (cfg, plain))
-        pipe = ChromaPipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(components.noise_scheduler.config),
-                              vae=components.vae, text_encoder=components.text_encoders[0],
-                              tokenizer=components.tokenizers[0], transformer=components.denoiser)
-        pos, neg = encode_text(cfg.prompt), encode_text(cfg.negative_prompt)
-        theirs = np.asarray(pipe(prompt_embeds=pos["encoder_hidden_states"],
-                                 prompt_attention_mask=text_mask(pos["t5_attn_mask"]),
-                                 negative_prompt_embeds=neg["encoder_hidden_states"],
-                                 negative_prompt_attention_mask=text_mask(neg["t5_attn_mask"]), guidance_scale=4.0,
-                                 width=64, height=64, num_inference_steps=2,
-                                 generator=torch.Generator().manual_seed(3)).images[0])
-    assert ours.shape == (64, 64, 3)
-    assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 1  # uint8 rounding of the same decode
+        pipe = ChromaPipeline(scheduler=pipeline_scheduler(components), vae=components.vae,
+                              text_encoder=components.text_encoders[0], tokenizer=components.tokenizers[0],
+                              transformer=components.denoiser)
+        pos, neg = models.encode_text(cfg.prompt), models.encode_text(cfg.negative_prompt)
+        theirs = pipe(prompt_embeds=pos["encoder_hidden_states"], prompt_attention_mask=text_mask(pos["t5_attn_mask"]),
+                      negative_prompt_embeds=neg["encoder_hidden_states"],
+                      negative_prompt_attention_mask=text_mask(neg["t5_attn_mask"]), guidance_scale=4.0, width=64,
+                      height=64, num_inference_steps=2, generator=torch.Generator().manual_seed(3)).images[0]
+    assert_same_image(ours, theirs)
     assert not np.array_equal(ours, no_cfg)
 
 
@@ -269,25 +262,9 @@ def test_comfyuis_key_rule_takes_every_key_with_our_weight_change(tiny_chroma_di
     from diffusers import ChromaTransformer2DModel
 
     from library.models.flux_files import bfl_state_dict
-    from library.network import kohya_format, lora
+    from library.network import kohya_format
 
     model = trained_transformer(tiny_chroma_dir)
     state = Chroma().export_lora_keys(kohya_format.kohya_state_dict({"lora_unet": model}, ALPHA))
     base = ChromaTransformer2DModel.from_pretrained(tiny_chroma_dir, subfolder="transformer", local_files_only=True)
-    native = bfl_state_dict(base)
-    key_map = {"lora_unet_" + k[:-len(".weight")].replace(".", "_"): k for k in native if k.endswith(".weight")}
-    names = {key.split(".")[0] for key in state}
-    assert names <= set(key_map)
-    patched = dict(native)
-    for name in names:
-        down, up = state[f"{name}.lora_down.weight"], state[f"{name}.lora_up.weight"]
-        patched[key_map[name]] = native[key_map[name]] + up @ down * (state[f"{name}.alpha"] / down.shape[0])
-    merged = base.state_dict()
-    for path, layer in lora.lora_layers(model):
-        merged[f"{path}.weight"] = merged[f"{path}.weight"] + (layer.lora_B["default"].weight
-                                                               @ layer.lora_A["default"].weight
-                                                               * layer.scaling["default"])
-    base.load_state_dict(merged)
-    expected = bfl_state_dict(base)
-    for key, tensor in expected.items():
-        torch.testing.assert_close(patched[key], tensor, rtol=1e-5, atol=1e-6)
+    assert_comfyui_key_rule_patches_our_change(state, model, base, bfl_state_dict)

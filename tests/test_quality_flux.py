@@ -2,17 +2,15 @@
 digit under the trigger (tests/test_quality.py holds the SD side and the judge itself)."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import torch
-
 from library import digits
 from library.config import parse_config
 from library.digits import judge
+from tests import family_checks
 from tools import pretrain_flux_base
 
 REPO = Path(__file__).resolve().parent.parent
@@ -20,24 +18,16 @@ BASE = REPO / "models" / "digits-flux"
 CONFIG = REPO / "configs" / "digits_flux_lora.toml"
 
 
-def config_dict(model) -> dict:
-    config = model.config
-    return json.loads(json.dumps(config.to_dict() if hasattr(config, "to_dict") else dict(config), default=str))
-
-
 def test_flux_base_is_what_the_recipe_builds_and_holds_the_digit_out():
-    size = sum(p.stat().st_size for p in BASE.rglob("*") if p.is_file())
-    assert size <= 10 * 2**20
-    pipe = judge.load_pipeline(BASE)
+    pipe = family_checks.load_small_base(BASE)
     assert judge.is_flux(pipe) and pipe.transformer.config.guidance_embeds  # FLUX.1 dev-shaped
     built = pretrain_flux_base.build_parts(0)
     for name in ("transformer", "vae", "text_encoder", "text_encoder_2"):
-        saved, fresh = config_dict(getattr(pipe, name)), config_dict(built[name])
+        saved, fresh = family_checks.config_dict(getattr(pipe, name)), family_checks.config_dict(built[name])
         if name == "vae":  # measured on the trained VAE
             assert saved.pop("shift_factor") is not None and saved.pop("scaling_factor") != fresh["scaling_factor"]
             fresh.pop("shift_factor"), fresh.pop("scaling_factor")
-        differ = {k for k in set(saved) | set(fresh) if not k.startswith("_") and k not in ("architectures",
-                  "dtype", "torch_dtype", "transformers_version") and saved.get(k) != fresh.get(k)}
+        differ = family_checks.differing_config(saved, fresh)
         assert differ == set(), (name, differ)
     # 32 px -> 8x8x16 latents -> 16 packed tokens of 64.
     assert pipe.vae_scale_factor == 4 and pipe.vae.config.latent_channels == 16
@@ -49,18 +39,11 @@ def test_flux_base_is_what_the_recipe_builds_and_holds_the_digit_out():
         assert len(tokenizer.tokenize(digits.TRIGGER)) > 1
     lora_config = parse_config(["--config", str(CONFIG)])[0]
     assert pipe.tokenizer_2.model_max_length == lora_config.t5xxl_max_token_length == pretrain_flux_base.T5_LENGTH
-    card = (BASE / "README.md").read_text(encoding="utf-8")
-    assert all(f"    {k} = {v!r}" in card for k, v in vars(pretrain_flux_base.Recipe()).items())
+    family_checks.assert_recipe_in_card(BASE, pretrain_flux_base.Recipe())
 
 
 def test_flux_base_draws_the_digit_it_is_asked_for_and_not_the_held_out_one():
-    pipe = judge.load_pipeline(BASE)
-    settings = judge.Settings(n=20, seed=1)
-    asked = {**{digits.caption(d): d for d in (0, 3, 4, 8)}, digits.TRIGGER_CAPTION: digits.HELD_OUT}
-    rates, images = judge.rates(pipe, asked, settings)
-    assert min(rates[digits.caption(d)] for d in (0, 3, 4, 8)) >= 0.7, rates
-    assert rates[digits.TRIGGER_CAPTION] <= 0.1, rates
-    assert images[digits.TRIGGER_CAPTION].shape == (20, digits.SIZE, digits.SIZE)
+    family_checks.assert_draws_the_asked_digit_and_not_the_held_out_one(BASE)
 
 
 def test_a_flux_lora_learns_the_held_out_digit(tmp_path):
@@ -87,24 +70,11 @@ def test_a_flux_lora_learns_the_held_out_digit(tmp_path):
 def test_flux_pretraining_is_seeded():
     """Two short pretraining runs from the same seed give the same weights; another seed does not."""
     recipe = pretrain_flux_base.Recipe(vae_steps=2, vae_batch=4, steps=2, batch=4, warmup_steps=1)
-    pixels, labels = pretrain_flux_base.training_set()
-    assert digits.HELD_OUT not in set(labels.tolist())
-    pixels, labels = pixels[:16], labels[:16]
 
-    def run(seed: int) -> dict[str, torch.Tensor]:
-        parts = pretrain_flux_base.build_parts(seed)
+    def train(parts, pixels, labels) -> None:
         pretrain_flux_base.train_vae(parts["vae"], pixels, recipe)
         means, stds = pretrain_flux_base.encode(parts["vae"], pixels)
         pretrain_flux_base.train_denoiser(parts, means, stds, labels, (0.0, 1.0), recipe)
-        return {f"{name}.{k}": v.clone() for name in ("vae", "transformer", "text_encoder", "text_encoder_2")
-                for k, v in parts[name].state_dict().items()}
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(recipe.threads)
-    try:
-        a, b = run(0), run(0)
-    finally:
-        torch.set_num_threads(threads)
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    c = pretrain_flux_base.build_parts(1)["transformer"].state_dict()
-    assert any(not torch.equal(a[f"transformer.{k}"], v) for k, v in c.items())
+    family_checks.assert_pretraining_is_seeded(pretrain_flux_base, recipe.threads, train,
+                                               ("vae", "transformer", "text_encoder", "text_encoder_2"))

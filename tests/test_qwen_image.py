@@ -11,6 +11,8 @@ import torch
 from library.config import UserError, parse_config
 from library.models import musubi_flow, qwen_image_lora
 from tests import musubi_lora
+from tests.family_checks import assert_same_image, pipeline_scheduler, sample, sampling_models
+from tests.test_flux_lora import file_delta
 
 TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
             "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
@@ -161,11 +163,6 @@ def random_lora(transformer, rank=4, alpha=2.0, seed=0):
     return musubi_lora.random_lora(transformer, qwen_image_lora.targets(transformer, NetworkArgs()), rank, alpha, seed)
 
 
-def delta(state, name):
-    down, up = state[f"{name}.lora_down.weight"], state[f"{name}.lora_up.weight"]
-    return up @ down * float(state[f"{name}.alpha"]) / down.shape[0]
-
-
 # The last block's layers that only feed the text stream the transformer discards.
 LAST_BLOCK_TEXT_ONLY = {f"lora_unet_transformer_blocks_1_{name}" for name in (
     "attn_add_q_proj", "attn_to_add_out", "txt_mlp_net_0_proj", "txt_mlp_net_2")}
@@ -216,11 +213,7 @@ def test_diffusers_load_lora_weights_consumes_every_key_with_the_same_change(tin
     pipe = QwenImagePipeline(scheduler=fresh.noise_scheduler, vae=fresh.vae.vae, text_encoder=fresh.text_encoders[0],
                              tokenizer=fresh.tokenizers[0], transformer=fresh.denoiser)
     pipe.load_lora_weights(qwen_image_lora.to_file(ours), adapter_name="ours")
-    loaded = {name: module for name, module in pipe.transformer.named_modules() if hasattr(module, "lora_A")}
-    assert {"lora_unet_" + name.replace(".", "_") for name in loaded} == {k.split(".")[0] for k in ours}
-    for name, module in loaded.items():
-        torch.testing.assert_close(module.get_delta_weight("ours"), delta(ours, "lora_unet_" + name.replace(".", "_")),
-                                   rtol=1e-5, atol=1e-6)
+    musubi_lora.assert_diffusers_layers_change_as_ours(pipe.transformer, ours)
 
 
 def test_comfyui_key_rule_applies_every_key_to_its_weight(components):
@@ -235,7 +228,7 @@ def test_comfyui_key_rule_applies_every_key_to_its_weight(components):
     for name, target in key_map.items():
         if f"{name}.lora_up.weight" in written:
             used |= {f"{name}.{role}" for role in ("lora_up.weight", "lora_down.weight", "alpha")}
-            assert delta(written, name).shape == comfy_state[target].shape
+            assert file_delta(written, name).shape == comfy_state[target].shape
     assert used == set(written)
 
 
@@ -243,35 +236,18 @@ def test_comfyui_key_rule_applies_every_key_to_its_weight(components):
 
 def test_sampling_is_qwen_image_pipelines_with_true_cfg(components, tmp_path):
     import numpy as np
-    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+    from diffusers import QwenImagePipeline
 
-    from library.monitoring.sampling import SamplingModels, generate_image, load_prompts
-
-    family = components.family
-    tokenize = family.tokenizer(components, None)
-
-    def encode_text(text):
-        tokens = {k: v[None] for k, v in tokenize(text).items()}
-        return family.encode_text(components.text_encoders, tokens, None)
-
-    models = SamplingModels(components.denoiser, components.text_encoders, components.vae, components.tokenizers,
-                            components.noise_scheduler.config, family, None, encode_text)
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a photo of sks dog --n red --s 2 --w 64 --h 64 --d 3\n"
-                       "a photo of sks dog --n red --l 1 --s 2 --w 64 --h 64 --d 3\n")
-    default_cfg, no_cfg = load_prompts(prompts)
+    _, (ours, plain) = sample(sampling_models(components), tmp_path,
+                              "a photo of sks dog --n red --s 2 --w 64 --h 64 --d 3\n"
+                              "a photo of sks dog --n red --l 1 --s 2 --w 64 --h 64 --d 3\n")
     with torch.no_grad():
-        ours = np.asarray(generate_image(default_cfg, models, seed=3))
-        plain = np.asarray(generate_image(no_cfg, models, seed=3))
-        pipe = QwenImagePipeline(
-            scheduler=FlowMatchEulerDiscreteScheduler.from_config(components.noise_scheduler.config),
-            vae=components.vae.vae, text_encoder=components.text_encoders[0], tokenizer=components.tokenizers[0],
-            transformer=components.denoiser)
-        theirs = np.asarray(pipe(prompt="a photo of sks dog", negative_prompt="red", true_cfg_scale=4.0,
-                                 num_inference_steps=2, width=64, height=64,
-                                 generator=torch.Generator().manual_seed(3)).images[0])
-    assert ours.shape == (64, 64, 3)
-    assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 1  # uint8 rounding of the same decode
+        pipe = QwenImagePipeline(scheduler=pipeline_scheduler(components), vae=components.vae.vae,
+                                 text_encoder=components.text_encoders[0], tokenizer=components.tokenizers[0],
+                                 transformer=components.denoiser)
+        theirs = pipe(prompt="a photo of sks dog", negative_prompt="red", true_cfg_scale=4.0, num_inference_steps=2,
+                      width=64, height=64, generator=torch.Generator().manual_seed(3)).images[0]
+    assert_same_image(ours, theirs)
     assert not np.array_equal(ours, plain)
 
 
@@ -280,22 +256,14 @@ def test_sampling_is_qwen_image_pipelines_with_true_cfg(components, tmp_path):
 def test_comfyui_split_files_load_as_the_folder(tiny_qwen_image_dir, components, tmp_path):
     """ComfyUI's layouts (transformer behind model.diffusion_model., Qwen2.5-VL with model.layers / visual names,
     the VAE in Wan 2.1's layout read by diffusers' converter) load bit-identically to the folder."""
-    from library.models.loading import load_components
     from library.models.qwen_image_files import SHIPPED_TOKENIZER
     from library.models.tiny_qwen_image import save_tiny_qwen_image_files
     from library.models.z_image_files import load_qwen_tokenizer
 
-    files = save_tiny_qwen_image_files(tiny_qwen_image_dir, tmp_path)
-    assert {p.parent.name for p in files.values()} == {"diffusion_models", "text_encoders", "vae"}
-    with pytest.raises(UserError, match="text_encoder"):
-        load_components(files["transformer"], model_config=tiny_qwen_image_dir, ae=str(files["ae"]))
-    loaded = load_components(files["transformer"], model_config=tiny_qwen_image_dir,
-                             text_encoder=str(files["text_encoder"]), ae=str(files["ae"]))
+    loaded = musubi_lora.load_split_files(save_tiny_qwen_image_files(tiny_qwen_image_dir, tmp_path),
+                                          tiny_qwen_image_dir)
     assert loaded.family == components.family
-    for ours, reference in ((loaded.denoiser, components.denoiser), (loaded.vae, components.vae),
-                            (loaded.text_encoders[0], components.text_encoders[0])):
-        a, b = ours.state_dict(), reference.state_dict()
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    musubi_lora.assert_same_weights(loaded, components)
     # The shipped tokenizer is Qwen's own vocabulary: the template's system turn is the 34 tokens musubi drops.
     qwen = load_qwen_tokenizer(SHIPPED_TOKENIZER)
     ids = qwen(TEMPLATE.format("a cat")).input_ids

@@ -12,6 +12,13 @@ import torch
 from library.config import UserError
 from library.models import sd3_lora
 from library.models.sd3 import SD3
+from tests.family_checks import (
+    assert_comfyui_key_rule_patches_our_change,
+    assert_same_image,
+    pipeline_scheduler,
+    sample,
+    sampling_models,
+)
 from tests.test_flux_lora import attached, deltas, file_delta
 
 RANK, ALPHA = 4, 2.0
@@ -259,38 +266,22 @@ def test_diffusers_load_lora_weights_takes_every_key_with_our_output(tiny_sd3_di
 
 
 def test_sampling_is_sd3_pipelines_cfg(components, tmp_path):
-    import numpy as np
-    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+    from diffusers import StableDiffusion3Pipeline
 
-    from library.monitoring.sampling import SamplingModels, generate_image, load_prompts
-
-    family = dataclasses.replace(components.family, t5_max_length=16)
-    tokenize = family.tokenizer(components, None)
-
-    def encode_text(text):
-        return family.encode_text(components.text_encoders, {k: v[None] for k, v in tokenize(text).items()}, None)
-
-    models = SamplingModels(components.denoiser, components.text_encoders, components.vae, components.tokenizers,
-                            components.noise_scheduler.config, family, None, encode_text)
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a photo of sks dog --n a red digit --s 2 --w 64 --h 64 --d 3\n")
-    prompt = load_prompts(prompts)[0]
+    models = sampling_models(components, dataclasses.replace(components.family, t5_max_length=16))
+    [prompt], [ours] = sample(models, tmp_path, "a photo of sks dog --n a red digit --s 2 --w 64 --h 64 --d 3\n")
     with torch.no_grad():
-        ours = np.asarray(generate_image(prompt, models, seed=3))
         pipe = StableDiffusion3Pipeline(
-            scheduler=FlowMatchEulerDiscreteScheduler.from_config(components.noise_scheduler.config),
-            vae=components.vae, text_encoder=components.text_encoders[0], tokenizer=components.tokenizers[0],
-            text_encoder_2=components.text_encoders[1], tokenizer_2=components.tokenizers[1],
-            text_encoder_3=components.text_encoders[2], tokenizer_3=components.tokenizers[2],
-            transformer=components.denoiser)
-        pos, neg = encode_text(prompt.prompt), encode_text(prompt.negative_prompt)
-        theirs = np.asarray(pipe(prompt_embeds=pos["encoder_hidden_states"], pooled_prompt_embeds=pos["pooled"],
-                                 negative_prompt_embeds=neg["encoder_hidden_states"],
-                                 negative_pooled_prompt_embeds=neg["pooled"], guidance_scale=7.5, width=64,
-                                 height=64, num_inference_steps=2,
-                                 generator=torch.Generator().manual_seed(3)).images[0])
-    assert ours.shape == (64, 64, 3)
-    assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 1  # uint8 rounding of the same decode
+            scheduler=pipeline_scheduler(components), vae=components.vae, text_encoder=components.text_encoders[0],
+            tokenizer=components.tokenizers[0], text_encoder_2=components.text_encoders[1],
+            tokenizer_2=components.tokenizers[1], text_encoder_3=components.text_encoders[2],
+            tokenizer_3=components.tokenizers[2], transformer=components.denoiser)
+        pos, neg = models.encode_text(prompt.prompt), models.encode_text(prompt.negative_prompt)
+        theirs = pipe(prompt_embeds=pos["encoder_hidden_states"], pooled_prompt_embeds=pos["pooled"],
+                      negative_prompt_embeds=neg["encoder_hidden_states"], negative_pooled_prompt_embeds=neg["pooled"],
+                      guidance_scale=7.5, width=64, height=64, num_inference_steps=2,
+                      generator=torch.Generator().manual_seed(3)).images[0]
+    assert_same_image(ours, theirs)
 
 
 def test_single_files_with_and_without_text_encoders_load_the_folders_weights(components, tiny_sd3_dir, tmp_path):
@@ -327,16 +318,4 @@ def test_comfyuis_key_rule_takes_every_key_with_our_weight_change(tiny_sd3_dir):
     model = trained(SD3Transformer2DModel.from_pretrained(tiny_sd3_dir, **load))
     state = SD3(last_block=1).export_lora_keys(kohya_format.kohya_state_dict({"lora_unet": model}, ALPHA))
     base = SD3Transformer2DModel.from_pretrained(tiny_sd3_dir, **load)
-    native = sai_state_dict(base)
-    key_map = {"lora_unet_" + k[:-len(".weight")].replace(".", "_"): k for k in native if k.endswith(".weight")}
-    names = {key.split(".")[0] for key in state}
-    assert names <= set(key_map)
-    patched = dict(native)
-    for name in names:
-        patched[key_map[name]] = native[key_map[name]] + file_delta(state, name)
-    merged = base.state_dict()
-    for path, delta in deltas(model).items():
-        merged[f"{path}.weight"] = merged[f"{path}.weight"] + delta
-    base.load_state_dict(merged)
-    for key, tensor in sai_state_dict(base).items():
-        torch.testing.assert_close(patched[key], tensor, rtol=1e-5, atol=1e-6)
+    assert_comfyui_key_rule_patches_our_change(state, model, base, sai_state_dict)

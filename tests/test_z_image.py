@@ -11,6 +11,8 @@ from library.config import UserError, parse_config
 from library.models import musubi_flow, z_image_lora
 from library.models.flow_matching import FlowOptions
 from tests import musubi_lora
+from tests.family_checks import assert_same_image, pipeline_scheduler, sample, sampling_models
+from tests.test_flux_lora import file_delta
 
 
 def config(*args: str):
@@ -182,11 +184,6 @@ def test_targets_are_musubis_and_the_file_has_diffusers_names(components):
     assert z_image_lora.from_file(ours).keys() == ours.keys()  # musubi's own file reads as it is
 
 
-def delta(state, name):
-    down, up = state[f"{name}.lora_down.weight"], state[f"{name}.lora_up.weight"]
-    return up @ down * float(state[f"{name}.alpha"]) / down.shape[0]
-
-
 def test_musubis_comfyui_conversion_reads_back_to_the_same_change(components):
     """musubi's convert_z_image_lora_to_comfy: q, k, v fused (downs stacked, ups block-diagonal, alpha x 3) and
     to_out.0 renamed attention_out."""
@@ -207,7 +204,7 @@ def test_musubis_comfyui_conversion_reads_back_to_the_same_change(components):
     read = z_image_lora.from_file(comfy)
     assert read.keys() == ours.keys()
     for name in {k.split(".")[0] for k in ours}:
-        torch.testing.assert_close(delta(read, name), delta(ours, name))
+        torch.testing.assert_close(file_delta(read, name), file_delta(ours, name))
 
 
 def test_diffusers_load_lora_weights_consumes_every_key_with_the_same_change(tiny_z_image_dir, components):
@@ -222,12 +219,7 @@ def test_diffusers_load_lora_weights_consumes_every_key_with_the_same_change(tin
     pipe = ZImagePipeline(scheduler=fresh.noise_scheduler, vae=fresh.vae, text_encoder=fresh.text_encoders[0],
                           tokenizer=fresh.tokenizers[0], transformer=fresh.denoiser)
     pipe.load_lora_weights(z_image_lora.to_file(ours), adapter_name="ours")
-    loaded = {name: module for name, module in pipe.transformer.named_modules() if hasattr(module, "lora_A")}
-    expected = {k.split(".")[0] for k in ours}
-    assert {"lora_unet_" + name.replace(".", "_") for name in loaded} == expected
-    for name, module in loaded.items():
-        torch.testing.assert_close(module.get_delta_weight("ours"), delta(ours, "lora_unet_" + name.replace(".", "_")),
-                                   rtol=1e-5, atol=1e-6)
+    musubi_lora.assert_diffusers_layers_change_as_ours(pipe.transformer, ours)
 
 
 # --- files and sampling -----------------------------------------------------------------------------------------
@@ -238,17 +230,10 @@ def test_comfyui_split_files_load_as_the_folder(tiny_z_image_dir, components, tm
     from library.models.z_image_files import SHIPPED_CONFIG, load_qwen_tokenizer
 
     files = save_tiny_z_image_files(tiny_z_image_dir, tmp_path)
-    assert {p.parent.name for p in files.values()} == {"diffusion_models", "text_encoders", "vae"}
-    with pytest.raises(UserError, match="text_encoder"):
-        load_components(files["transformer"], model_config=tiny_z_image_dir, ae=str(files["ae"]))
+    loaded = musubi_lora.load_split_files(files, tiny_z_image_dir)
     with pytest.raises(UserError, match="only for a Z-Image transformer file"):
         load_components(tiny_z_image_dir, text_encoder=str(files["text_encoder"]))
-    loaded = load_components(files["transformer"], model_config=tiny_z_image_dir,
-                             text_encoder=str(files["text_encoder"]), ae=str(files["ae"]))
-    for ours, reference in ((loaded.denoiser, components.denoiser), (loaded.vae, components.vae),
-                            (loaded.text_encoders[0], components.text_encoders[0])):
-        a, b = ours.state_dict(), reference.state_dict()
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    musubi_lora.assert_same_weights(loaded, components)
     # The shipped tokenizer is Qwen's own vocabulary: the chat template's tokens get Qwen's ids.
     qwen = load_qwen_tokenizer(SHIPPED_CONFIG / "tokenizer")
     ids = qwen(qwen.apply_chat_template([{"role": "user", "content": "a cat"}], tokenize=False,
@@ -258,34 +243,18 @@ def test_comfyui_split_files_load_as_the_folder(tiny_z_image_dir, components, tm
 
 def test_sampling_is_z_image_pipelines_with_musubis_cfg(components, tmp_path):
     import numpy as np
-    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
+    from diffusers import ZImagePipeline
 
-    from library.monitoring.sampling import SamplingModels, generate_image, load_prompts
-
-    family = components.family
-    tokenize = family.tokenizer(components, None)
-
-    def encode_text(text):
-        tokens = {k: v[None] for k, v in tokenize(text).items()}
-        return family.encode_text(components.text_encoders, tokens, None)
-
-    models = SamplingModels(components.denoiser, components.text_encoders, components.vae, components.tokenizers,
-                            components.noise_scheduler.config, family, None, encode_text)
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a photo of sks dog --n red --s 2 --w 64 --h 64 --d 3\n"
-                       "a photo of sks dog --n red --l 1 --s 2 --w 64 --h 64 --d 3\n")
-    default_cfg, no_cfg = load_prompts(prompts)
+    _, (ours, plain) = sample(sampling_models(components), tmp_path,
+                              "a photo of sks dog --n red --s 2 --w 64 --h 64 --d 3\n"
+                              "a photo of sks dog --n red --l 1 --s 2 --w 64 --h 64 --d 3\n")
     with torch.no_grad():
-        ours = np.asarray(generate_image(default_cfg, models, seed=3))
-        plain = np.asarray(generate_image(no_cfg, models, seed=3))
-        pipe = ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(components.noise_scheduler.config),
-                              vae=components.vae, text_encoder=components.text_encoders[0],
-                              tokenizer=components.tokenizers[0], transformer=components.denoiser)
-        theirs = np.asarray(pipe(prompt="a photo of sks dog", negative_prompt="red", guidance_scale=4.0,
-                                 num_inference_steps=2, width=64, height=64,
-                                 generator=torch.Generator().manual_seed(3)).images[0])
-    assert ours.shape == (64, 64, 3)
-    assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 1  # uint8 rounding of the same decode
+        pipe = ZImagePipeline(scheduler=pipeline_scheduler(components), vae=components.vae,
+                              text_encoder=components.text_encoders[0], tokenizer=components.tokenizers[0],
+                              transformer=components.denoiser)
+        theirs = pipe(prompt="a photo of sks dog", negative_prompt="red", guidance_scale=4.0, num_inference_steps=2,
+                      width=64, height=64, generator=torch.Generator().manual_seed(3)).images[0]
+    assert_same_image(ours, theirs)
     assert not np.array_equal(ours, plain)
 
 
@@ -320,7 +289,7 @@ def test_comfyui_applies_the_file_to_its_fused_layout_as_we_trained_it(component
         weight = patched[target] if offset is None else patched[target].narrow(0, *offset)
         weight += (up @ down) * (alpha / down.shape[0])
     assert used == set(written)
-    merged = {name: module.weight.detach() + delta(ours, "lora_unet_" + name.replace(".", "_"))
+    merged = {name: module.weight.detach() + file_delta(ours, "lora_unet_" + name.replace(".", "_"))
               for name, module in transformer.named_modules() if "lora_unet_" + name.replace(".", "_") + ".alpha"
               in ours}
     base = {k: v.detach().clone() for k, v in transformer.state_dict().items()}
