@@ -120,9 +120,10 @@ def assert_draws_the_asked_digit_and_not_the_held_out_one(base: Path) -> None:
     assert images[digits.TRIGGER_CAPTION].shape == (20, digits.SIZE, digits.SIZE)
 
 
-def assert_pretraining_is_seeded(tool, threads: int, train: Callable, parts: tuple[str, ...]) -> None:
+def assert_pretraining_is_seeded(tool, threads: int, train: Callable, parts: tuple[str, ...],
+                                 denoiser: str = "transformer") -> None:
     """Two short pretraining runs of `tool` (a tools/pretrain_* module) from the same seed give the same weights of
-    `parts`; another seed's transformer differs. `train(parts, pixels, labels)` trains freshly built parts on 16
+    `parts`; another seed's `denoiser` differs. `train(parts, pixels, labels)` trains freshly built parts on 16
     images of the training set (which holds the digit out), at `threads` threads as the script runs."""
     from library import digits
 
@@ -142,5 +143,5 @@ def assert_pretraining_is_seeded(tool, threads: int, train: Callable, parts: tup
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    c = tool.build_parts(1)["transformer"].state_dict()
-    assert any(not torch.equal(a[f"transformer.{k}"], v) for k, v in c.items())
+    c = tool.build_parts(1)[denoiser].state_dict()
+    assert any(not torch.equal(a[f"{denoiser}.{k}"], v) for k, v in c.items())

@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from library import digits
 from library.config import parse_config
 from library.digits import judge
+from tests import family_checks
 from tools import make_digit_dataset, pretrain_base
 
 REPO = Path(__file__).resolve().parent.parent
@@ -116,25 +116,12 @@ def test_a_lora_learns_the_held_out_digit(tmp_path):
 def test_pretraining_is_seeded(tmp_path):
     """Two short pretraining runs from the same seed give the same weights; another seed does not."""
     recipe = pretrain_base.Recipe(vae_steps=2, vae_batch=4, steps=2, batch=4, warmup_steps=1)
-    pixels, labels = pretrain_base.training_set()
-    assert digits.HELD_OUT not in set(labels.tolist())
-    pixels, labels = pixels[:16], labels[:16]
 
-    def run(seed: int) -> dict[str, torch.Tensor]:
-        parts = pretrain_base.build_parts(seed)
+    def train(parts, pixels, labels) -> None:
         pretrain_base.train_vae(parts["vae"], pixels, recipe)
         means, stds = pretrain_base.encode(parts["vae"], pixels)
         pretrain_base.train_denoiser(parts["unet"], parts["text_encoder"], parts["tokenizer"], parts["scheduler"],
                                      means, stds, labels, 1.0, recipe)
-        return {f"{name}.{k}": v.clone() for name in ("vae", "unet", "text_encoder")
-                for k, v in parts[name].state_dict().items()}
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(recipe.threads)  # as the script does; results depend on the thread count
-    try:
-        a, b = run(0), run(0)
-    finally:
-        torch.set_num_threads(threads)
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    c = pretrain_base.build_parts(1)["unet"].state_dict()
-    assert any(not torch.equal(a[f"unet.{k}"], v) for k, v in c.items())
+    family_checks.assert_pretraining_is_seeded(pretrain_base, recipe.threads, train, ("vae", "unet", "text_encoder"),
+                                               denoiser="unet")
