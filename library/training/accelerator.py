@@ -107,7 +107,7 @@ def deepspeed_plugin(config: Config, world_size: int) -> DeepSpeedPlugin:
     if zero_stage == 3 and plugin.zero3_init_flag:
         logger.info("zero3_init_flag: the base is read whole in each process and sharded when training starts "
                     "(diffusers' models cannot be built sharded, and caching needs the text encoders whole)")
-    if plugin.deepspeed_config["zero_optimization"].get("offload_param", {}).get("device") == "nvme":
+    if offload_param == "nvme":
         # Each parameter fetched from NVMe holds one of DeepSpeed's few swap buffers (buffer_count, 5) until it is
         # released, and by default none is released that is used again within 1e9 parameters (the whole model):
         # the second step runs out of buffers ("Not enough buffers 0 for swapping 1").
