@@ -2,7 +2,7 @@
 option the docs pass it; the Quickstart's own command line runs end to end with only its counts made smaller.
 
 The commands are read out of the Markdown files, so a moved module or a renamed option fails here, not in a new
-user's first minute."""
+user's first minute. Every relative link in them leads to a file that exists, and an anchor to a heading there."""
 from __future__ import annotations
 
 import os
@@ -138,7 +138,7 @@ def test_the_docs_show_the_commands_this_test_relies_on():
     entries = documented_entries()
     assert ("script", "train_network.py") in entries
     assert ("module", "library.digits.judge") in entries
-    assert ("module", "library.models.tiny") in entries
+    assert ("module", "library.families.tiny") in entries
     assert len(entries) >= 8, sorted(entries)
 
 
@@ -167,6 +167,86 @@ def test_documented_command_answers_help_and_knows_its_options(key):
                 continue
             unknown.append(f"--{option} ({command.source})")
     assert unknown == [], f"{entry.name} does not know: {', '.join(unknown)}"
+
+
+def _prose_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, line) outside code blocks: fenced ones, and indented ones (which follow a blank line; an
+    indented line right after text continues a list item)."""
+    found = []
+    in_fence = in_indented = False
+    previous = ""
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip().startswith("```"):
+            in_fence = not in_fence
+        elif not in_fence:
+            in_indented = line.startswith("    ") and (in_indented or not previous.strip())
+            if not in_indented:
+                found.append((number, line))
+        previous = line
+    return found
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as hyphens, and a
+    repeated heading numbered (-1, -2, ...)."""
+    anchors: set[str] = set()
+    for _, line in _prose_lines(text):
+        match = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not match:
+            continue
+        title = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", match.group(1))  # a link keeps its text
+        slug = re.sub(r"[^\w\- ]", "", title.replace("`", "").strip().lower()).replace(" ", "-")
+        anchor, n = slug, 0
+        while anchor in anchors:
+            n += 1
+            anchor = f"{slug}-{n}"
+        anchors.add(anchor)
+    return anchors
+
+
+def relative_links(path: Path) -> list[tuple[int, str]]:
+    """(line number, target) of every Markdown link and image in `path` that points inside the repository."""
+    text = path.read_text(encoding="utf-8")
+    links = []
+    for number, line in _prose_lines(text):
+        line = re.sub(r"`[^`]*`", "", line)
+        for match in re.finditer(r"\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)", line):
+            target = match.group(1)
+            if not re.match(r"[a-z][a-z0-9+.-]*:", target):  # not https:, mailto:, ...
+                links.append((number, target))
+    return links
+
+
+def test_heading_anchors_are_githubs():
+    text = ("# FLUX.1 (dev and schnell)\n## Dataset TOML (`dataset_config`)\n## Tests\n"
+            "```\n# not a heading\n```\n## Tests\n")
+    assert heading_anchors(text) == {"flux1-dev-and-schnell", "dataset-toml-dataset_config", "tests", "tests-1"}
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda path: str(path.relative_to(REPO)))
+def test_relative_links_lead_to_files_and_headings(path):
+    broken = []
+    for number, target in relative_links(path):
+        file_part, _, anchor = target.partition("#")
+        linked = (path.parent / file_part).resolve() if file_part else path
+        where = f"{path.relative_to(REPO)}:{number}: {target}"
+        if not linked.exists():
+            broken.append(f"{where} (no such file)")
+        elif anchor and linked.suffix == ".md" and anchor not in heading_anchors(linked.read_text(encoding="utf-8")):
+            broken.append(f"{where} (no heading with that anchor)")
+    assert broken == [], "\n".join(broken)
+
+
+def test_docs_pages_are_linked_from_the_readme_or_another_page():
+    """A page under docs/ that nothing links to is a page nobody finds."""
+    linked = set()
+    for path in DOCS:
+        for _, target in relative_links(path):
+            file_part = target.partition("#")[0]
+            if file_part:
+                linked.add((path.parent / file_part).resolve())
+    orphans = [str(page.relative_to(REPO)) for page in DOCS[2:] if page.resolve() not in linked]
+    assert orphans == []
 
 
 def quickstart_command() -> list[list[str]]:
