@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
 
     if config.dataset_check:
         from library.data.check import dataset_report
-        from library.models.loading import caption_tokenizer
+        from library.families.registry import caption_tokenizer
 
         tokenizer = caption_tokenizer(config.pretrained_model_name_or_path, config.model_config)
         text, usable = dataset_report(config, tokenizer)

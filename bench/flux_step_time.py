@@ -123,7 +123,7 @@ def child(args: argparse.Namespace) -> int:
 
 def parent(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(REPO_ROOT))
-    from library.models.tiny_flux import save_tiny_flux
+    from library.families.flux.tiny import save_tiny_flux
 
     pooled: dict[str, list[float]] = {"ours": [], "bare": []}
     with tempfile.TemporaryDirectory(prefix="flux-bench-") as tmp:

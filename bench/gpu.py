@@ -9,7 +9,7 @@ Each cell trains the denoiser the way `train_network.py` does with cached latent
 Config comes from `library.config.parse_config`, the Accelerator from `prepare_accelerator` (autocast, and the
 GradScaler for fp16), the LoRA (rank 16, UNet / transformer only) from `build_model`, AdamW (fused) from
 `build_optimizer`, the loss from `diffusion_loss` with the family's objective, then backward, gradient clipping at
-1.0 and the optimizer step. The frozen base is built from the released configs in `library/models/configs` with
+1.0 and the optimizer step. The frozen base is built from the released configs in `library/families/configs` with
 random weights, directly in the weight dtype on the device (nothing is downloaded); the latents and encoder states
 are random tensors of the real shapes. Attention is PyTorch's scaled_dot_product_attention (diffusers' default).
 
@@ -79,8 +79,8 @@ def build_denoiser(model: str, tiny: bool, dtype: torch.dtype, device: torch.dev
     `device` (no float32 copy on the host)."""
     if tiny:
         if model not in _TINY:
-            from library.models.tiny import build_tiny_sd1, build_tiny_sdxl
-            from library.models.tiny_flux import build_tiny_flux
+            from library.families.flux.tiny import build_tiny_flux
+            from library.families.sd.tiny import build_tiny_sd1, build_tiny_sdxl
 
             _TINY[model] = {"sd15": lambda: build_tiny_sd1()["unet"], "sdxl": lambda: build_tiny_sdxl()["unet"],
                             "flux": lambda: build_tiny_flux()["transformer"]}[model]()
@@ -111,14 +111,14 @@ def family_and_scheduler(model: str, config: Any) -> tuple[Any, Any]:
     if model == "flux":
         from diffusers import FlowMatchEulerDiscreteScheduler
 
-        from library.models.flux import Flux
+        from library.families.flux.family import Flux
 
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(CONFIGS / "flux1", subfolder="scheduler")
         return Flux(schnell=False).configured(config), scheduler
     from diffusers import DDPMScheduler
 
-    from library.models.sd import SD1
-    from library.models.sdxl import SDXL
+    from library.families.sd.family import SD1
+    from library.families.sd.sdxl import SDXL
 
     folder = CONFIGS / {"sd15": "sd1", "sdxl": "sdxl"}[model]
     return {"sd15": SD1, "sdxl": SDXL}[model], DDPMScheduler.from_pretrained(folder, subfolder="scheduler")
@@ -197,7 +197,7 @@ def run_cell(model: str, cell: dict[str, Any], args: argparse.Namespace, device:
              resolution: int, peak_tflops: float | None) -> dict[str, Any]:
     from accelerate.state import AcceleratorState
 
-    from library.models.family import Components
+    from library.families.family import Components
     from library.training.accelerator import prepare_accelerator
     from library.training.model import WEIGHT_DTYPES, NetworkSpec, build_model, diffusion_loss
     from library.training.optim import build_optimizer

@@ -26,7 +26,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from step_time import RESOLUTION  # noqa: E402  # the bench models' training resolutions
 
-from library.models.tiny import build_tiny_sd1  # noqa: E402
+from library.families.sd.tiny import build_tiny_sd1  # noqa: E402
 from library.network import lora  # noqa: E402
 
 

@@ -50,7 +50,7 @@ def released_shapes() -> dict[str, dict[str, tuple[int, ...]]]:
     from diffusers import AutoencoderKL, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    from library.models.flux_files import SHIPPED_CONFIG, bfl_state_dict
+    from library.families.flux.files import SHIPPED_CONFIG, bfl_state_dict
 
     with init_empty_weights():
         transformer = FluxTransformer2DModel.from_config(

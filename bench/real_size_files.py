@@ -1,6 +1,6 @@
 """Full-size model files with random weights, written piece by piece (used by bench/real_size.py).
 
-The architectures are the released models' configs shipped in `library/models/configs` (SD1.5, SDXL base,
+The architectures are the released models' configs shipped in `library/families/configs` (SD1.5, SDXL base,
 FLUX.1 dev). Every component is first built on the meta device, which gives the names and shapes of the whole
 file, so the safetensors header can be written before any weight exists; then one component at a time is built
 for real, directly in the file's dtype (the default dtype is set while it is initialised, so no float32 copy is
@@ -113,14 +113,14 @@ def _sd_builders(arch: str, folder: Path) -> dict[str, Callable[[], Any]]:
 
 
 def _sd_state(parts: dict[str, Any]) -> dict[str, torch.Tensor]:
-    from library.models.ldm_export import ldm_state_dict
+    from library.families.shared.ldm_export import ldm_state_dict
 
     return ldm_state_dict(parts["unet"], parts["vae"], parts["text_encoder"],
                           text_encoder_2=parts.get("text_encoder_2"))
 
 
 def _sd_owner(key: str) -> str:
-    from library.models.single_file import SDXL_OPEN_CLIP_PREFIX, UNET_PREFIX, VAE_PREFIX
+    from library.families.sd.single_file import SDXL_OPEN_CLIP_PREFIX, UNET_PREFIX, VAE_PREFIX
 
     if key.startswith(UNET_PREFIX):
         return "unet"
@@ -211,14 +211,14 @@ def write_flux_files(folder: Path, dtype: torch.dtype = torch.bfloat16, seed: in
                      log: Callable[[str], None] = print, config_dir: Path | None = None,
                      large_dtype: torch.dtype | None = None) -> dict[str, Path]:
     """FLUX.1 dev as kohya's four files (BFL transformer, ae, clip_l, t5xxl), random weights: the layouts
-    `library.models.tiny_flux.save_tiny_flux_files` writes, at full size. `large_dtype` (float8_e4m3fn, as in the
+    `library.families.flux.tiny.save_tiny_flux_files` writes, at full size. `large_dtype` (float8_e4m3fn, as in the
     fp8 files users download: `flux1-dev-fp8`, `t5xxl_fp8_e4m3fn`) stores the transformer and T5-XXL in that dtype,
     every tensor of them (`_write_random`); CLIP-L and the AE stay in `dtype`."""
     from diffusers import AutoencoderKL, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    from library.models.flux_files import BFL_PREFIX, bfl_state_dict
-    from library.models.ldm_export import _vae_key_to_ldm
+    from library.families.flux.files import BFL_PREFIX, bfl_state_dict
+    from library.families.shared.ldm_export import vae_key_to_ldm
 
     config = Path(config_dir) if config_dir else CONFIGS / "flux1"
     folder.mkdir(parents=True, exist_ok=True)
@@ -226,7 +226,7 @@ def write_flux_files(folder: Path, dtype: torch.dtype = torch.bfloat16, seed: in
     def ae_state(parts: dict[str, Any]) -> dict[str, torch.Tensor]:
         vae, out = parts["ae"], {}
         for key, value in vae.state_dict().items():
-            ldm = _vae_key_to_ldm(key, len(vae.config.block_out_channels))
+            ldm = vae_key_to_ldm(key, len(vae.config.block_out_channels))
             out[ldm] = value[:, :, None, None] if ".mid.attn_1." in ldm and value.dim() == 2 else value
         return out
 

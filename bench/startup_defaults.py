@@ -72,7 +72,7 @@ def build_model(kind: str, folder: Path) -> Path:
                 f"write_sd_checkpoint(SD_ARCHITECTURES[{kind!r}], Path({str(path)!r}), torch.float16)")
     else:
         path = folder
-        code = ("import sys; sys.path.insert(0, '.'); from library.models.tiny import save_tiny_sd1; "
+        code = ("import sys; sys.path.insert(0, '.'); from library.families.tiny import save_tiny_sd1; "
                 f"save_tiny_sd1({str(folder)!r}, size={kind!r})")
     if not path.exists():
         folder.mkdir(parents=True, exist_ok=True)

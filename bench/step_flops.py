@@ -3,8 +3,8 @@ image, on the bench models and the released architectures.
 
     python bench/step_flops.py [--models tiny small sd15 sdxl]
 
-The bench models (library/models/tiny.py) are built on the CPU at their bench resolution (step_time.RESOLUTION);
-the released architectures (library/models/configs) on the meta device at 512 px (sd15) and 1024 px (sdxl), so
+The bench models (library/families/tiny.py) are built on the CPU at their bench resolution (step_time.RESOLUTION);
+the released architectures (library/families/configs) on the meta device at 512 px (sd15) and 1024 px (sdxl), so
 nothing is computed or allocated for them. Attention runs on torch's math kernel, so that its FLOPs are counted
 (torch's counter does not know the CPU flash kernel). A LoRA step runs the UNet (and a trained text encoder)
 forward and backward; the backward computes input gradients only, about the forward's FLOPs again. Caching the
@@ -33,7 +33,7 @@ def resolution_of(model: str) -> int:
 def build(model: str) -> tuple[dict, torch.device]:
     """{"vae", "unet", "text_encoders"} and the device they are on."""
     if model in RESOLUTION:
-        from library.models.tiny import build_tiny_sd1
+        from library.families.sd.tiny import build_tiny_sd1
 
         tiny = build_tiny_sd1(model)
         parts = {"vae": tiny["vae"], "unet": tiny["unet"], "text_encoders": [tiny["text_encoder"]]}

@@ -386,7 +386,7 @@ def parent_main(args: argparse.Namespace) -> int:
 
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
-    from library.models.tiny import save_tiny_sd1
+    from library.families.sd.tiny import save_tiny_sd1
 
     steps = {m: args.steps or DEFAULT_STEPS[m] for m in args.models}
     for m in args.models:

@@ -54,7 +54,7 @@ def small_dataset(sample_data_dir: Path):
 def tiny() -> dict:
     """The tiny SD1 components (seed 0) in memory, frozen and in eval mode. Shared: copy a module before attaching
     anything to it."""
-    from library.models.tiny import build_tiny_sd1
+    from library.families.sd.tiny import build_tiny_sd1
 
     components = build_tiny_sd1(seed=0)
     for name in ("unet", "text_encoder", "vae"):
@@ -65,7 +65,7 @@ def tiny() -> dict:
 @pytest.fixture(scope="session")
 def tiny_sd1_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny SD1-shaped diffusers pipeline folder (seed 0, epsilon), written once per session. Read-only."""
-    from library.models.tiny import save_tiny_sd1
+    from library.families.sd.tiny import save_tiny_sd1
 
     return save_tiny_sd1(tmp_path_factory.mktemp("tiny_sd1") / "model", size="tiny", seed=0)
 
@@ -83,7 +83,7 @@ def fresh_accelerator_state():
 @pytest.fixture(scope="session")
 def tiny_flux_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny FLUX.1-dev-shaped diffusers pipeline folder (seed 0), written once per session. Read-only."""
-    from library.models.tiny_flux import save_tiny_flux
+    from library.families.flux.tiny import save_tiny_flux
 
     return save_tiny_flux(tmp_path_factory.mktemp("tiny_flux") / "model", seed=0)
 
@@ -91,7 +91,7 @@ def tiny_flux_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_chroma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Chroma-shaped diffusers pipeline folder (seed 0), written once per session. Read-only."""
-    from library.models.tiny_chroma import save_tiny_chroma
+    from library.families.chroma.tiny import save_tiny_chroma
 
     return save_tiny_chroma(tmp_path_factory.mktemp("tiny_chroma") / "model", seed=0)
 
@@ -99,7 +99,7 @@ def tiny_chroma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_z_image_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Z-Image-shaped diffusers pipeline folder (seed 0), written once per session. Read-only."""
-    from library.models.tiny_z_image import save_tiny_z_image
+    from library.families.z_image.tiny import save_tiny_z_image
 
     return save_tiny_z_image(tmp_path_factory.mktemp("tiny_z_image") / "model", seed=0)
 
@@ -107,7 +107,7 @@ def tiny_z_image_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen_image_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen-Image-shaped diffusers pipeline folder (seed 0), written once per session. Read-only."""
-    from library.models.tiny_qwen_image import save_tiny_qwen_image
+    from library.families.qwen_image.tiny import save_tiny_qwen_image
 
     return save_tiny_qwen_image(tmp_path_factory.mktemp("tiny_qwen_image") / "model", seed=0)
 
@@ -115,6 +115,6 @@ def tiny_qwen_image_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_sd3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny SD3.5-Medium-shaped diffusers pipeline folder (seed 0), written once per session. Read-only."""
-    from library.models.tiny_sd3 import save_tiny_sd3
+    from library.families.sd3.tiny import save_tiny_sd3
 
     return save_tiny_sd3(tmp_path_factory.mktemp("tiny_sd3") / "model", seed=0)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from library.models.loading import load_components
+from library.families.registry import load_components
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
@@ -53,7 +53,7 @@ def test_streamed_sd1_checkpoint_loads_with_the_files_weights(files_module, tiny
 
 
 def test_streamed_sdxl_checkpoint_is_told_sdxl(files_module, tmp_path):
-    from library.models.tiny import save_tiny_sdxl
+    from library.families.sd.tiny import save_tiny_sdxl
 
     folder = save_tiny_sdxl(tmp_path / "xl")
     path = files_module.write_sd_checkpoint("sdxl", tmp_path / "xl.safetensors", torch.float16,

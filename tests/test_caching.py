@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from library.config import parse_config
-from library.models.loading import load_components
+from library.families.registry import load_components
 from library.training import loop
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")

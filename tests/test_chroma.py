@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from library.config import UserError
-from library.models.chroma import Chroma, text_mask
+from library.families.chroma.family import Chroma, text_mask
 from tests.family_checks import (
     assert_comfyui_key_rule_patches_our_change,
     assert_same_image,
@@ -23,7 +23,7 @@ RANK, ALPHA = 4, 2.0
 
 @pytest.fixture(scope="module")
 def components(tiny_chroma_dir):
-    from library.models.loading import load_components
+    from library.families.registry import load_components
 
     return load_components(tiny_chroma_dir)
 
@@ -38,8 +38,8 @@ def settings(**changes):
 def test_the_bfl_files_load_to_the_folders_weights(components, tiny_chroma_dir, tmp_path):
     from safetensors import safe_open
 
-    from library.models.loading import load_components
-    from library.models.tiny_chroma import save_tiny_chroma_files
+    from library.families.chroma.tiny import save_tiny_chroma_files
+    from library.families.registry import load_components
 
     files = save_tiny_chroma_files(tiny_chroma_dir, tmp_path)
     with safe_open(str(files["transformer"]), "pt") as f:
@@ -115,7 +115,7 @@ def test_the_transformer_sees_the_prompt_and_its_first_padding_token_only(compon
 
 def test_gradient_checkpointing_keeps_the_single_blocks_masked(components):
     """diffusers drops the single blocks' mask under checkpointing; the family binds it back."""
-    from library.models.tiny_chroma import build_tiny_chroma
+    from library.families.chroma.tiny import build_tiny_chroma
 
     family = dataclasses.replace(components.family, t5_max_length=16)
     encoded = encode(family, components, ["a photo of sks dog", "a red digit seven"])
@@ -199,7 +199,7 @@ def test_chroma_pipeline_load_lora_weights_consumes_every_key_with_our_output(ti
     / atol 1e-5 (diffusers folds alpha / rank into the matrices)."""
     from diffusers import ChromaPipeline
 
-    from library.models import flux_lora
+    from library.families.flux import lora as flux_lora
     from library.network import kohya_format
 
     model = trained_transformer(tiny_chroma_dir, "train_blocks=double")
@@ -261,7 +261,7 @@ def test_comfyuis_key_rule_takes_every_key_with_our_weight_change(tiny_chroma_di
     must name such a weight, and the patched weights must equal our trained model's, in BFL's layout."""
     from diffusers import ChromaTransformer2DModel
 
-    from library.models.flux_files import bfl_state_dict
+    from library.families.flux.files import bfl_state_dict
     from library.network import kohya_format
 
     model = trained_transformer(tiny_chroma_dir)

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from library.config import UserError
-from library.models.clip_text import tokenize
-from library.models.loading import load_components
-from library.models.tiny import save_tiny_sd1
+from library.families.registry import load_components
+from library.families.sd.tiny import save_tiny_sd1
+from library.families.shared.clip_text import tokenize
 
 
 @pytest.fixture(scope="module")

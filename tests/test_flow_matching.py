@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from library.models.flow_matching import FlowMatchingObjective, FlowOptions, unsupported
-from library.models.objective import LossOptions
+from library.families.flow_matching import FlowMatchingObjective, FlowOptions, unsupported
+from library.families.objective import LossOptions
 
 B = 64
 
@@ -182,7 +182,7 @@ def test_huber_snr_schedule_is_refused():
 ])
 def test_options_kohyas_flux_trainer_ignores_are_noted(caplog, name, value, why):
     # flux_train_network.py accepts them and applies none (its post_process_loss returns the loss as it is)
-    with caplog.at_level("WARNING", logger="library.models.flow_matching"):
+    with caplog.at_level("WARNING", logger="library.families.flow_matching"):
         assert unsupported(config(**{name: value})) == []
     assert name.split("_timestep")[0] in caplog.text and "no effect for FLUX" in caplog.text and why in caplog.text
     objective = FlowMatchingObjective.from_config(SimpleNamespace(**{
@@ -198,7 +198,7 @@ def test_options_kohyas_flux_trainer_ignores_are_noted(caplog, name, value, why)
 
 def test_mode_at_u_zero_stays_inside_the_schedule(monkeypatch):
     # mode maps a uniform draw of exactly 0 to u = 1, one past the schedule's last index in kohya's code.
-    from library.models.flow_matching import sample_sigmas
+    from library.families.flow_matching import sample_sigmas
 
     zeros = torch.zeros
     monkeypatch.setattr(torch, "rand", lambda size, generator=None: zeros(size))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from library.config import UserError
-from library.models.flux import Flux, image_ids, is_schnell, pack_latents, unpack_latents
+from library.families.flux.family import Flux, image_ids, is_schnell, pack_latents, unpack_latents
 
 
 def test_packing_puts_each_2x2_patch_in_one_token_channel_major():
@@ -37,7 +37,7 @@ def test_image_ids_hold_row_and_column_of_each_token():
 
 @pytest.fixture(scope="module")
 def components(tiny_flux_dir):
-    from library.models.loading import load_components
+    from library.families.registry import load_components
 
     return load_components(tiny_flux_dir)
 
@@ -50,7 +50,7 @@ def test_a_flux_folder_loads_as_dev_with_the_vae_shift(components):
 
 
 def test_schnell_is_told_by_the_missing_guidance_embedding():
-    from library.models.tiny_flux import build_tiny_flux
+    from library.families.flux.tiny import build_tiny_flux
 
     assert is_schnell(build_tiny_flux(guidance=False)["transformer"])
     assert not is_schnell(build_tiny_flux(guidance=True)["transformer"])
@@ -171,7 +171,7 @@ def test_sampling_uses_flow_match_euler_and_the_g_guidance(components, tmp_path)
 def test_t5_stays_in_eval_mode_while_clip_l_trains(tiny_flux_dir):
     # T5 has dropout (0.1 in FLUX.1's T5-XXL); training CLIP-L's LoRA must not switch it on.
     from library.config import parse_config
-    from library.models.loading import load_components
+    from library.families.registry import load_components
     from library.training.model import build_model
 
     config, _ = parse_config(["--pretrained_model_name_or_path", str(tiny_flux_dir), "--train_data_dir", ".",

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from library.config import UserError
-from library.models.loading import load_components
+from library.families.registry import load_components
 
 
 @pytest.fixture(scope="module")
 def files(tiny_flux_dir, tmp_path_factory):
-    from library.models.tiny_flux import save_tiny_flux_files
+    from library.families.flux.tiny import save_tiny_flux_files
 
     return save_tiny_flux_files(tiny_flux_dir, tmp_path_factory.mktemp("flux_files"))
 
@@ -67,7 +67,7 @@ def test_bfl_layout_agrees_with_diffusers_converter(tiny_flux_dir):
     from diffusers import FluxTransformer2DModel
     from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
 
-    from library.models.flux_files import bfl_state_dict
+    from library.families.flux.files import bfl_state_dict
 
     transformer = FluxTransformer2DModel.from_pretrained(tiny_flux_dir, subfolder="transformer",
                                                          local_files_only=True)
@@ -108,7 +108,7 @@ def test_shipped_configs_have_flux1_shapes():
     from accelerate import init_empty_weights
     from diffusers import AutoencoderKL, FluxTransformer2DModel
 
-    from library.models.flux_files import SHIPPED_CONFIG, bfl_state_dict
+    from library.families.flux.files import SHIPPED_CONFIG, bfl_state_dict
 
     with init_empty_weights():
         transformer = FluxTransformer2DModel.from_config(
@@ -127,8 +127,9 @@ def test_shipped_configs_have_flux1_shapes():
 
 
 def test_shipped_tokenizers_are_clip_and_t5():
-    from library.models.clip_tokenizer import load_tokenizer
-    from library.models.flux_files import SHIPPED_CONFIG, load_t5_tokenizer
+    from library.families.flux.files import SHIPPED_CONFIG
+    from library.families.shared.clip_tokenizer import load_tokenizer
+    from library.families.shared.separate_files import load_t5_tokenizer
 
     t5 = load_t5_tokenizer(SHIPPED_CONFIG / "tokenizer_2")
     ids = t5("a photo of a cat", padding="max_length", max_length=12).input_ids
@@ -146,7 +147,7 @@ def test_files_of_other_widths_without_model_config_ask_for_it(files):
 
 
 def test_tiny_cli_writes_the_folder_and_the_separate_files(tmp_path):
-    from library.models.tiny import main
+    from library.families.tiny import main
 
     assert main([str(tmp_path / "flux"), "--family", "flux", "--files"]) == 0
     assert (tmp_path / "flux" / "transformer" / "config.json").is_file()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from library.config.network_args import parse_network_args
-from library.models import flux_lora
+from library.families.flux import lora as flux_lora
 from library.network import kohya_format, lora
 
 RANK, ALPHA = 4, 2.0
@@ -20,7 +20,7 @@ def net(*args: str):
 
 @pytest.fixture
 def transformer():
-    from library.models.tiny_flux import build_tiny_flux
+    from library.families.flux.tiny import build_tiny_flux
 
     return build_tiny_flux(seed=1)["transformer"]
 
@@ -166,7 +166,7 @@ def test_diffusers_load_lora_weights_consumes_every_key_and_matches_our_output(t
     checked above). Outputs agree to rtol 1e-4 / atol 1e-5 (diffusers folds alpha / rank into both matrices)."""
     from diffusers import FluxPipeline
 
-    from library.models.flux import Flux
+    from library.families.flux.family import Flux
 
     pipe = FluxPipeline.from_pretrained(tiny_flux_dir, local_files_only=True)
     ours = FluxPipeline.from_pretrained(tiny_flux_dir, local_files_only=True)
@@ -241,7 +241,7 @@ def test_to_peft_loads_single_blocks_too_and_matches_our_output(tiny_flux_dir, t
     give every trained layer (double, single, CLIP-L) the delta the trainer's LoRA has."""
     from diffusers import FluxPipeline
 
-    from library.models.flux import Flux
+    from library.families.flux.family import Flux
 
     pipe = FluxPipeline.from_pretrained(tiny_flux_dir, local_files_only=True)
     ours = FluxPipeline.from_pretrained(tiny_flux_dir, local_files_only=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from library.models.clip_text import parse_prompt_weights, tokenize, tokenize_weighted
+from library.families.shared.clip_text import parse_prompt_weights, tokenize, tokenize_weighted
 
 
 @pytest.fixture(scope="module")
@@ -12,7 +12,7 @@ def tiny_sdxl_parts():
     """SDXL's two tokenizers (the second pads with "!") and text encoders (the second with a projection), tiny."""
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    from library.models.tiny_parts import build_tiny_tokenizer
+    from library.families.shared.tiny_parts import build_tiny_tokenizer
 
     tokenizers = build_tiny_tokenizer(), build_tiny_tokenizer("!")
     encoders = []
@@ -54,9 +54,9 @@ def test_weighted_tokens_are_the_plain_tokens_with_their_weights(tiny_sdxl_parts
 def test_weighted_captions_scale_the_text_encoder_outputs_sd_and_sdxl(tiny_sdxl_parts):
     from types import SimpleNamespace
 
-    from library.models.family import Components
-    from library.models.sd import SD1
-    from library.models.sdxl import SDXL
+    from library.families.family import Components
+    from library.families.sd.family import SD1
+    from library.families.sd.sdxl import SDXL
 
     def encode(family, tokenizers, encoders, caption):
         family = family.configured(SimpleNamespace(weighted_captions=True))
@@ -82,12 +82,12 @@ def test_weighted_captions_scale_the_text_encoder_outputs_sd_and_sdxl(tiny_sdxl_
 
 
 def test_weighted_captions_are_refused_where_sd_scripts_has_none():
-    from library.models.chroma import Chroma
-    from library.models.flux import Flux
-    from library.models.sd import SD1, SD2
-    from library.models.sd3 import SD3
-    from library.models.sdxl import SDXL
-    from library.models.z_image import ZImage
+    from library.families.chroma.family import Chroma
+    from library.families.flux.family import Flux
+    from library.families.sd.family import SD1, SD2
+    from library.families.sd.sdxl import SDXL
+    from library.families.sd3.family import SD3
+    from library.families.z_image.family import ZImage
 
     assert SD1.offers_weighted_captions and SD2.offers_weighted_captions and SDXL.offers_weighted_captions
     assert not any(family.offers_weighted_captions for family in (Flux, Chroma, SD3, ZImage))

@@ -18,7 +18,7 @@ TINY = ["--max_train_steps", "2", "--max_train_epochs", "0", "--resolution", "64
 
 @pytest.fixture(scope="module")
 def tiny_sdxl_dir(tmp_path_factory):
-    from library.models.tiny import save_tiny_sdxl
+    from library.families.sd.tiny import save_tiny_sdxl
 
     return save_tiny_sdxl(tmp_path_factory.mktemp("sdxl") / "tiny-sdxl")
 
@@ -46,7 +46,7 @@ def gui_config(name: str, tmp_path: Path, model: Path, data: Path, prompts: str 
     ("sd15_dylora_train_norm.toml", "sd1", ("lora_down.weight", "w_norm")),
 ])
 def test_gui_preset_trains(request, tmp_path, small_dataset, monkeypatch, name, family, keys):
-    from library.models import memory_estimate
+    from library.memory import estimate as memory_estimate
     from library.training import loop
 
     # The start-up memory estimate takes LoKr's network_dim 100000 (the preset's "full matrix" LoKr) as a rank-

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from library.config.network_args import NetworkArgs
-from library.models.sdxl import SDXL
+from library.families.sd.sdxl import SDXL
 from library.network import kohya_format, lora
 from library.network import targets as network_setup
 
@@ -32,7 +32,7 @@ def resnet_names(block: str, skip: bool) -> set[str]:
     return names | ({f"lora_unet_{block}_skip_connection"} if skip else set())
 
 
-# The tiny SDXL UNet (library.models.tiny.build_tiny_sdxl): levels (32, 64), 2 ResNets per level, attention only on
+# The tiny SDXL UNet (library.families.sd.tiny.build_tiny_sdxl): levels (32, 64), 2 ResNets per level, attention only on
 # level 1 (2 transformer blocks, also in the middle block), so up level 0 has attention and up level 1 has none.
 EXPECTED_ATTENTION = set().union(*(transformer_names(b, 2) for b in (
     "input_blocks_4_1", "input_blocks_5_1", "middle_block_1", "output_blocks_0_1", "output_blocks_1_1",
@@ -46,7 +46,7 @@ EXPECTED_CONV = (resnet_names("input_blocks_1_0", False) | resnet_names("input_b
 
 @pytest.fixture(scope="module")
 def tiny_sdxl():
-    from library.models.tiny import build_tiny_sdxl
+    from library.families.sd.tiny import build_tiny_sdxl
 
     parts = build_tiny_sdxl(seed=0)
     parts["unet"].eval().requires_grad_(False)

@@ -137,8 +137,8 @@ def test_vae_replaces_the_models_vae(tiny_sd1_dir, other_vae, tmp_path, form):
     from diffusers import AutoencoderKL
     from safetensors.torch import save_file
 
-    from library.models.ldm_export import _vae_key_to_ldm
-    from library.models.vae_file import load_vae
+    from library.families.shared.ldm_export import vae_key_to_ldm
+    from library.families.shared.vae_file import load_vae
 
     base = AutoencoderKL.from_pretrained(tiny_sd1_dir / "vae", local_files_only=True)
     state = {k: v.contiguous() for k, v in other_vae.state_dict().items()}
@@ -151,7 +151,7 @@ def test_vae_replaces_the_models_vae(tiny_sd1_dir, other_vae, tmp_path, form):
     else:  # as in a checkpoint, original key names under first_stage_model.
         path = tmp_path / "vae_ldm.safetensors"
         blocks = len(other_vae.config["block_out_channels"])
-        ldm = {"first_stage_model." + _vae_key_to_ldm(k, blocks): v for k, v in state.items()}
+        ldm = {"first_stage_model." + vae_key_to_ldm(k, blocks): v for k, v in state.items()}
         # LDM's attention projections are 1x1 convolutions
         save_file({k: v[:, :, None, None] if ".attn_1." in k and k.endswith("weight") and v.dim() == 2 else v
                    for k, v in ldm.items()}, str(path))

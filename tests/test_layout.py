@@ -10,11 +10,12 @@ ALLOWED = {
     "core": set(),
     "config": {"core"},
     "data": {"config", "core"},
-    "models": {"config", "core"},
+    "memory": {"config", "core"},
+    "families": {"config", "core", "memory"},
     "network": {"config", "core"},
     "monitoring": {"config", "core"},
-    "training": {"config", "core", "data", "models", "network", "monitoring"},
-    "digits": {"config", "core", "models", "monitoring"},  # models: FLUX LoRA keys for the judge
+    "training": {"config", "core", "data", "families", "memory", "network", "monitoring"},
+    "digits": {"config", "core", "families", "monitoring"},  # families: the registry and FLUX LoRA keys
     "ui": {"config", "core", "data", "monitoring"},  # runs train_network.py as a process, never training's code
 }
 

@@ -424,7 +424,7 @@ def test_lycoris_fresh_adapter_changes_nothing(tiny):
 
 
 def built(tiny_sd1_dir, sample_data_dir, tmp_path, *extra):
-    from library.models.loading import load_components
+    from library.families.registry import load_components
     from library.training.model import build_model
 
     config = make_config(tiny_sd1_dir, sample_data_dir, tmp_path, *extra)
@@ -565,7 +565,7 @@ def logged(monkeypatch) -> list[dict[str, float]]:
 
 
 def base_models(tiny_sd1_dir) -> dict[str, nn.Module]:
-    from library.models.loading import load_components
+    from library.families.registry import load_components
 
     components = load_components(tiny_sd1_dir)
     return {"unet": components.unet.eval(), "text_encoder": components.text_encoder.eval()}
@@ -728,7 +728,7 @@ def test_block_lengths_are_checked(tiny):
 
 
 def test_sdxl_block_dims_attach_on_the_tiny_sdxl_unet():
-    from library.models.tiny import build_tiny_sdxl
+    from library.families.sd.tiny import build_tiny_sdxl
     from library.network.blocks import block_index
 
     unet = build_tiny_sdxl(seed=0)["unet"].requires_grad_(False)
@@ -805,7 +805,7 @@ def model_lora_modules(model) -> dict[str, nn.Module]:
 
 def test_a_partial_dora_file_names_the_number_of_modules_left_to_train(tiny_sd1_dir, sample_data_dir, tmp_path,
                                                                        caplog):
-    from library.models.loading import load_components
+    from library.families.registry import load_components
     from library.training.model import build_model, lora_modules, network_spec
 
     dora = ("--network_args", "dora_wd=True")

@@ -14,9 +14,9 @@ import torch
 
 from library.config import ConfigError, UserError, parse_config
 from library.core import seeds
-from library.models import objective
-from library.models.objective import DiffusionObjective as Objective
-from library.models.objective import LossOptions, NoiseOptions
+from library.families import objective
+from library.families.objective import DiffusionObjective as Objective
+from library.families.objective import LossOptions, NoiseOptions
 from library.training.model import diffusion_loss
 
 # SNR a / (1 - a): 1999 (capped to 1000 where kohya caps it), 4, 1, 0.25.

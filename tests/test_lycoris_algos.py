@@ -267,8 +267,8 @@ def test_ia3s_network_dim_is_not_a_rank_in_the_memory_estimate(tiny_sd1_dir, tmp
     from types import SimpleNamespace
 
     from library.config import UserError
-    from library.models import memory_estimate as memory
-    from library.models.precision import BasePrecision
+    from library.memory import estimate as memory
+    from library.memory.precision import BasePrecision
     from library.training.setup import check_memory
 
     def config(*network: str):

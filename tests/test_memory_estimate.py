@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from library.config import UserError, parse_config
-from library.models import memory_estimate as memory
-from library.models.precision import BasePrecision
+from library.memory import estimate as memory
+from library.memory.precision import BasePrecision
 from library.training.setup import check_memory
 
 
 @pytest.fixture(scope="module")
 def files(tiny_flux_dir, tmp_path_factory):
-    from library.models.tiny_flux import save_tiny_flux_files
+    from library.families.flux.tiny import save_tiny_flux_files
 
     return save_tiny_flux_files(tiny_flux_dir, tmp_path_factory.mktemp("flux_files"))
 

@@ -8,7 +8,7 @@ import torch
 from diffusers import DDPMScheduler
 
 from library.core import seeds
-from library.models import objective
+from library.families import objective
 
 
 @pytest.fixture(scope="module")

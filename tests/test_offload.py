@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from library.config import UserError
-from library.models.loading import load_components
-from library.models.offload import backward_swaps, forward_swaps, install_offloading
+from library.families.registry import load_components
+from library.memory.offload import backward_swaps, forward_swaps, install_offloading
 from library.network import lora
 
 DEVICE, HOST = torch.device("cpu", 0), torch.device("cpu", 1)  # two names for the same memory
@@ -99,8 +99,8 @@ def _flux(tiny_flux_dir):
 
 def _train(tiny_flux_dir, swap: bool, steps: int = 2):
     from library.config.network_args import network_args_of
-    from library.models.flux import Flux
-    from library.models.flux_lora import targets
+    from library.families.flux.family import Flux
+    from library.families.flux.lora import targets
 
     denoiser = _flux(tiny_flux_dir)
     denoiser.requires_grad_(False)
@@ -141,7 +141,7 @@ def test_a_lora_trained_with_swapping_equals_one_trained_without(tiny_flux_dir):
 
 
 def test_kohyas_limits_and_families_without_swap(tiny_flux_dir, tiny_sd1_dir):
-    from library.models.flux import Flux
+    from library.families.flux.family import Flux
 
     flux = _flux(tiny_flux_dir)
     assert [count for _, count in Flux().block_swap_plan(flux, 1)] == [0, 2]

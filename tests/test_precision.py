@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from library.models.loading import load_components
-from library.models.precision import BasePrecision, managed_layers, reading
+from library.families.registry import load_components
+from library.memory.precision import BasePrecision, managed_layers, reading
 from library.network import lora
 
 BF16 = torch.bfloat16
@@ -22,7 +22,7 @@ def _config(**overrides):
 
 def _attach(components, precision: BasePrecision):
     from library.config.network_args import network_args_of
-    from library.models.flux_lora import targets
+    from library.families.flux.lora import targets
 
     denoiser = components.denoiser
     precision.prepare(denoiser, components.text_encoders)
@@ -86,7 +86,7 @@ def test_the_base_is_stored_low_and_the_lora_trains_in_fp32(tiny_flux_dir, bf16_
 
 
 def test_fp8_files_are_read_straight_into_fp8(tiny_flux_dir, tmp_path):
-    from library.models.tiny_flux import save_tiny_flux_files
+    from library.families.flux.tiny import save_tiny_flux_files
 
     files = save_tiny_flux_files(tiny_flux_dir, tmp_path / "files")
     from safetensors.torch import load_file
@@ -95,7 +95,7 @@ def test_fp8_files_are_read_straight_into_fp8(tiny_flux_dir, tmp_path):
         state = load_file(files[name])
         save_file({k: v.to(torch.float8_e4m3fn) if v.ndim >= 2 else v for k, v in state.items()}, str(files[name]))
     reads: list[tuple[str, torch.dtype]] = []
-    import library.models.safetensors_io as io
+    import library.families.shared.safetensors_io as io
 
     original = io._cast
 

@@ -9,7 +9,7 @@ import torch
 from library import digits
 from library.config import parse_config
 from library.digits import judge
-from library.models import z_image
+from library.families.z_image import family as z_image
 from tests import family_checks
 from tools import pretrain_z_image_base
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from library.config import UserError, parse_config
-from library.models import musubi_flow, qwen_image_lora
+from library.families.qwen_image import lora as qwen_image_lora
+from library.families.shared import musubi_flow
 from tests import musubi_lora
 from tests.family_checks import assert_same_image, pipeline_scheduler, sample, sampling_models
 from tests.test_flux_lora import file_delta
@@ -26,7 +27,7 @@ def config(*args: str):
 
 @pytest.fixture(scope="module")
 def components(tiny_qwen_image_dir):
-    from library.models.loading import load_components
+    from library.families.registry import load_components
 
     return load_components(tiny_qwen_image_dir)
 
@@ -68,7 +69,7 @@ def musubi_unpack(latents, height, width):  # unpack_latents: pixel height / wid
 
 
 def test_prompts_are_musubis_template_with_the_34_template_tokens_dropped(components):
-    from library.models.qwen_image import QwenImage
+    from library.families.qwen_image.family import QwenImage
 
     family = components.family
     assert isinstance(family, QwenImage) and family.base_model_version == "qwen_image"
@@ -206,7 +207,7 @@ def test_diffusers_load_lora_weights_consumes_every_key_with_the_same_change(tin
     change equals ours (alpha / rank applied), to 1e-6."""
     from diffusers import QwenImagePipeline
 
-    from library.models.loading import load_components
+    from library.families.registry import load_components
 
     fresh = load_components(tiny_qwen_image_dir)
     ours = random_lora(components.denoiser)
@@ -256,9 +257,9 @@ def test_sampling_is_qwen_image_pipelines_with_true_cfg(components, tmp_path):
 def test_comfyui_split_files_load_as_the_folder(tiny_qwen_image_dir, components, tmp_path):
     """ComfyUI's layouts (transformer behind model.diffusion_model., Qwen2.5-VL with model.layers / visual names,
     the VAE in Wan 2.1's layout read by diffusers' converter) load bit-identically to the folder."""
-    from library.models.qwen_image_files import SHIPPED_TOKENIZER
-    from library.models.tiny_qwen_image import save_tiny_qwen_image_files
-    from library.models.z_image_files import load_qwen_tokenizer
+    from library.families.qwen_image.files import SHIPPED_TOKENIZER
+    from library.families.qwen_image.tiny import save_tiny_qwen_image_files
+    from library.families.shared.separate_files import load_qwen_tokenizer
 
     loaded = musubi_lora.load_split_files(save_tiny_qwen_image_files(tiny_qwen_image_dir, tmp_path),
                                           tiny_qwen_image_dir)
@@ -277,8 +278,8 @@ def test_a_transformer_file_stored_in_low_precision_is_read_cast(tiny_qwen_image
     training dtype."""
     from safetensors.torch import save_file
 
-    from library.models.loading import load_components
-    from library.models.tiny_qwen_image import save_tiny_qwen_image_files
+    from library.families.qwen_image.tiny import save_tiny_qwen_image_files
+    from library.families.registry import load_components
 
     files = save_tiny_qwen_image_files(tiny_qwen_image_dir, tmp_path)
     state = {f"model.diffusion_model.{k}": v.to(stored) for k, v in components.denoiser.state_dict().items()}
@@ -298,7 +299,7 @@ def test_a_transformer_file_stored_in_low_precision_is_read_cast(tiny_qwen_image
 def test_fp8_base_stores_the_transformer_in_fp8_and_trains_the_lora(tiny_qwen_image_dir):
     """fp8_base on Qwen-Image: the frozen Linear weights are float8_e4m3fn, the step runs in bf16 and every LoRA
     module gets its gradient."""
-    from library.models.loading import load_components
+    from library.families.registry import load_components
     from library.training.model import build_model
 
     run = config("--fp8_base", "--mixed_precision", "bf16", "--network_module", "networks.lora_qwen_image",
@@ -321,7 +322,7 @@ def _train_lora(components, swap: int):
     from diffusers import QwenImageTransformer2DModel
 
     from library.config.network_args import NetworkArgs
-    from library.models.offload import install_offloading
+    from library.memory.offload import install_offloading
     from library.network import lora
     from tests.test_offload import DEVICE, HOST, Recorder
 

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from library.config import parse_config
-from library.models import objective
-from library.models.loading import load_components
-from library.models.sd import zero_terminal_snr
-from library.models.tiny import save_tiny_sd1
+from library.families import objective
+from library.families.registry import load_components
+from library.families.sd.family import zero_terminal_snr
+from library.families.sd.tiny import save_tiny_sd1
 from library.network.kohya_format import read_metadata
 from library.training import loop
 

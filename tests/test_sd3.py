@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from library.config import UserError
-from library.models import sd3_lora
-from library.models.sd3 import SD3
+from library.families.sd3 import lora as sd3_lora
+from library.families.sd3.family import SD3
 from tests.family_checks import (
     assert_comfyui_key_rule_patches_our_change,
     assert_same_image,
@@ -26,7 +26,7 @@ RANK, ALPHA = 4, 2.0
 
 @pytest.fixture(scope="module")
 def components(tiny_sd3_dir):
-    from library.models.loading import load_components
+    from library.families.registry import load_components
 
     return load_components(tiny_sd3_dir)
 
@@ -133,7 +133,7 @@ def test_scaled_position_grids_centre_on_a_base_grid_and_are_chosen_by_area():
     the dataset resolution nearest its area, halfway in area between two, and one of its own beyond the largest."""
     from diffusers.models.embeddings import get_2d_sincos_pos_embed
 
-    from library.models.sd3_pos_embed import PositionEmbedding, latent_sizes, scaled_sincos_grid
+    from library.families.sd3.pos_embed import PositionEmbedding, latent_sizes, scaled_sincos_grid
 
     dim = 64
     grid = scaled_sincos_grid(dim, 24, 16)[0].reshape(24, 24, dim)
@@ -164,7 +164,7 @@ def test_scaled_position_grids_centre_on_a_base_grid_and_are_chosen_by_area():
 def test_position_embeddings_are_cropped_where_the_step_drew(components, caplog):
     """pos_emb_random_crop_rate: the step's generator decides whether and where (top, left) the transformer reads
     its position embeddings; the stored grid's centre otherwise, as before."""
-    from library.models import sd3_pos_embed
+    from library.families.sd3 import pos_embed as sd3_pos_embed
 
     family = components.family.configured(settings(pos_emb_random_crop_rate=0.5))
     draws = family.step_conditioning(2, torch.Generator().manual_seed(5))["pos_crop"]
@@ -286,8 +286,8 @@ def test_sampling_is_sd3_pipelines_cfg(components, tmp_path):
 
 def test_single_files_with_and_without_text_encoders_load_the_folders_weights(components, tiny_sd3_dir, tmp_path):
     """Stability's layout, read by diffusers' own SD3 converter: the written file converts back exactly."""
-    from library.models.loading import load_components
-    from library.models.tiny_sd3 import save_tiny_sd3_files
+    from library.families.registry import load_components
+    from library.families.sd3.tiny import save_tiny_sd3_files
 
     files = save_tiny_sd3_files(tiny_sd3_dir, tmp_path)
     whole = load_components(files["checkpoint"], model_config=tiny_sd3_dir)
@@ -311,7 +311,7 @@ def test_comfyuis_key_rule_takes_every_key_with_our_weight_change(tiny_sd3_dir):
     (the pre-only context modulation's halves included)."""
     from diffusers import SD3Transformer2DModel
 
-    from library.models.sd3_files import sai_state_dict
+    from library.families.sd3.files import sai_state_dict
     from library.network import kohya_format
 
     load = dict(subfolder="transformer", local_files_only=True)

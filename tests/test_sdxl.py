@@ -8,9 +8,9 @@ from PIL import Image
 
 from library.config import parse_config
 from library.data.dataset import build_training_data, collate
-from library.models.loading import load_components
-from library.models.sdxl import time_ids as sdxl_time_ids
-from library.models.tiny import save_tiny_sdxl
+from library.families.registry import load_components
+from library.families.sd.sdxl import time_ids as sdxl_time_ids
+from library.families.sd.tiny import save_tiny_sdxl
 from library.network.kohya_format import read_metadata
 from library.training import loop
 

@@ -13,9 +13,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from library.config import ConfigError, UserError, parse_config
-from library.models.ldm_export import ldm_state_dict
-from library.models.loading import load_components
-from library.models.single_file import (
+from library.families.registry import load_components
+from library.families.sd.single_file import (
     ARCHITECTURES,
     CLIP_PREFIX,
     CONFIG_ROOT,
@@ -24,8 +23,9 @@ from library.models.single_file import (
     load_tokenizer,
     read_checkpoint,
 )
-from library.models.single_file import main as convert_main
-from library.models.tiny import save_tiny_sd1_single_file
+from library.families.sd.single_file import main as convert_main
+from library.families.sd.tiny import save_tiny_sd1_single_file
+from library.families.shared.ldm_export import ldm_state_dict
 from library.training import loop
 
 
@@ -80,7 +80,7 @@ def test_components_from_a_file_keep_the_flags_and_dtypes(tiny_file, tiny_sd1_di
 
 
 def test_open_clip_text_encoder_reads_as_sd2(tiny_sd2_file, tiny_sd1_dir, caplog):
-    with caplog.at_level(logging.WARNING, logger="library.models.single_file"):
+    with caplog.at_level(logging.WARNING, logger="library.families.sd.single_file"):
         loaded = load_single_file(tiny_sd2_file, model_config=tiny_sd1_dir, v2=True)
     assert loaded.architecture.name == "sd2"
     assert "v_parameterization" in caplog.text  # 512 base and 768-v cannot be told apart
@@ -90,8 +90,8 @@ def test_open_clip_text_encoder_reads_as_sd2(tiny_sd2_file, tiny_sd1_dir, caplog
 
 
 def test_sdxl_single_file_loads_the_same_weights_as_the_folder(tmp_path):
-    from library.models.single_file import save_checkpoint
-    from library.models.tiny import build_tiny_sdxl, save_tiny_sdxl
+    from library.families.sd.single_file import save_checkpoint
+    from library.families.sd.tiny import build_tiny_sdxl, save_tiny_sdxl
 
     folder = save_tiny_sdxl(tmp_path / "xl")
     parts = build_tiny_sdxl()
@@ -328,11 +328,11 @@ def test_pickle_checkpoint_is_refused_with_the_way_out(tiny_ckpt, tiny_sd1_dir):
         load_components(tiny_ckpt, model_config=tiny_sd1_dir)
     message = str(refused.value)
     assert "arbitrary code" in message and "allow_pickle_checkpoints = true" in message
-    assert "python -m library.models.single_file" in message and "tiny.safetensors" in message
+    assert "python -m library.families.sd.single_file" in message and "tiny.safetensors" in message
 
 
 def test_pickle_loads_when_allowed(tiny_ckpt, tiny_sd1_dir, caplog):
-    with caplog.at_level(logging.WARNING, logger="library.models.single_file"):
+    with caplog.at_level(logging.WARNING, logger="library.families.sd.single_file"):
         components = load_components(tiny_ckpt, model_config=tiny_sd1_dir, allow_pickle_checkpoints=True)
     assert "needs full unpickling" in caplog.text  # the Namespace is not a tensor: the safe loader refused it
     reference = load_components(tiny_sd1_dir)

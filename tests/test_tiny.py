@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from library.models.tiny import MODEL_MAX_LENGTH, build_tiny_sd1, build_tiny_tokenizer, save_tiny_sd1
+from library.families.sd.tiny import build_tiny_sd1, save_tiny_sd1
+from library.families.shared.tiny_parts import MODEL_MAX_LENGTH, build_tiny_tokenizer
 
 
 def test_saved_folder_loads_and_round_trips(tiny_sd1_dir: Path) -> None:
@@ -107,8 +108,8 @@ def test_sample_dataset(sample_data_dir: Path, repo_root: Path) -> None:
 
 
 def test_command_line_builds_every_family(tmp_path: Path, capsys) -> None:
-    from library.models.loading import load_components
-    from library.models.tiny import main
+    from library.families.registry import load_components
+    from library.families.tiny import main
 
     for family, base_model_version in (("sd1", "sd_v1"), ("sd2", "sd_v2"), ("sdxl", "sdxl_base_v1-0")):
         assert main([str(tmp_path / family), "--family", family]) == 0

@@ -9,8 +9,8 @@ from accelerate.state import AcceleratorState
 from safetensors import safe_open
 
 from library.config import parse_config
-from library.models.loading import load_components
-from library.models.objective import DiffusionObjective
+from library.families.objective import DiffusionObjective
+from library.families.registry import load_components
 from library.network import kohya_format, lora
 from library.training import loop
 from library.training import model as model_module

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from library.config import UserError, parse_config
-from library.models import musubi_flow, z_image_lora
-from library.models.flow_matching import FlowOptions
+from library.families.flow_matching import FlowOptions
+from library.families.shared import musubi_flow
+from library.families.z_image import lora as z_image_lora
 from tests import musubi_lora
 from tests.family_checks import assert_same_image, pipeline_scheduler, sample, sampling_models
 from tests.test_flux_lora import file_delta
@@ -98,7 +99,7 @@ def test_loss_is_musubis_weighted_mse_of_the_negated_output(scheme):
 
 @pytest.fixture(scope="module")
 def components(tiny_z_image_dir):
-    from library.models.loading import load_components
+    from library.families.registry import load_components
 
     return load_components(tiny_z_image_dir)
 
@@ -113,7 +114,7 @@ def encode(components, captions):
 
 
 def test_prompts_are_qwen3s_penultimate_states_through_the_chat_template(components):
-    from library.models.z_image import ZImage
+    from library.families.z_image.family import ZImage
 
     assert isinstance(components.family, ZImage) and components.family.base_model_version == "z_image"
     batch, encoded = encode(components, ["a photo of sks dog", "red"])
@@ -149,7 +150,7 @@ def test_configured_refuses_what_does_not_apply(components):
         family.configured(config("--clip_skip", "2", "--guidance_scale", "1.0", "--resolution", "72"))
     text = str(error.value)
     assert "clip_skip" in text and "guidance_scale" in text and "multiples of 16" in text
-    from library.models.flow_matching import unsupported
+    from library.families.flow_matching import unsupported
 
     assert any("qwen_shift" in p for p in unsupported(config("--timestep_sampling", "qwen_shift")))
 
@@ -212,7 +213,7 @@ def test_diffusers_load_lora_weights_consumes_every_key_with_the_same_change(tin
     change equals ours (alpha / rank applied), to 1e-6."""
     from diffusers import ZImagePipeline
 
-    from library.models.loading import load_components
+    from library.families.registry import load_components
 
     fresh = load_components(tiny_z_image_dir)
     ours = random_lora(components.denoiser)
@@ -225,13 +226,15 @@ def test_diffusers_load_lora_weights_consumes_every_key_with_the_same_change(tin
 # --- files and sampling -----------------------------------------------------------------------------------------
 
 def test_comfyui_split_files_load_as_the_folder(tiny_z_image_dir, components, tmp_path):
-    from library.models.loading import load_components
-    from library.models.tiny_z_image import save_tiny_z_image_files
-    from library.models.z_image_files import SHIPPED_CONFIG, load_qwen_tokenizer
+    from library.families.registry import load_components
+    from library.families.shared.separate_files import load_qwen_tokenizer
+    from library.families.z_image.files import SHIPPED_CONFIG
+    from library.families.z_image.tiny import save_tiny_z_image_files
 
     files = save_tiny_z_image_files(tiny_z_image_dir, tmp_path)
     loaded = musubi_lora.load_split_files(files, tiny_z_image_dir)
-    with pytest.raises(UserError, match="only for a Z-Image transformer file"):
+    with pytest.raises(UserError, match=r"text_encoder: not read for .*folder, which brings its own parts.*"
+                            r"Z-Image \(text_encoder, ae\)"):
         load_components(tiny_z_image_dir, text_encoder=str(files["text_encoder"]))
     musubi_lora.assert_same_weights(loaded, components)
     # The shipped tokenizer is Qwen's own vocabulary: the chat template's tokens get Qwen's ids.
@@ -264,7 +267,7 @@ def test_comfyui_applies_the_file_to_its_fused_layout_as_we_trained_it(component
     attention.qkv at offsets 0, dim, 2 * dim; it reads `.lora_A.weight`, `.lora_B.weight`, `.alpha` and adds
     alpha / rank * B @ A. Applied to ComfyUI's layout of the base, every key of our file is used and the result is
     ComfyUI's layout of the base with our LoRA merged."""
-    from library.models.z_image_files import comfy_state_dict
+    from library.families.z_image.files import comfy_state_dict
 
     transformer = components.denoiser
     dim = transformer.config.dim
@@ -303,9 +306,9 @@ def test_comfyui_applies_the_file_to_its_fused_layout_as_we_trained_it(component
 
 
 def test_fp8_base_stores_the_transformer_in_fp8_and_trains_the_lora(tiny_z_image_dir):
-    """fp8_base (the precision options of library.models.precision) on Z-Image: the frozen Linear weights are
+    """fp8_base (the precision options of library.memory.precision) on Z-Image: the frozen Linear weights are
     float8_e4m3fn, the step runs in bf16 and the LoRA gets its gradients."""
-    from library.models.loading import load_components
+    from library.families.registry import load_components
     from library.training.model import build_model
 
     run = config("--fp8_base", "--mixed_precision", "bf16", "--network_module", "networks.lora_zimage",

@@ -40,7 +40,8 @@ if str(REPO_ROOT) not in sys.path:
 
 from library import digits  # noqa: E402
 from library.digits import judge  # noqa: E402
-from library.models.tiny import MODEL_MAX_LENGTH, build_tiny_tokenizer, save_pipeline  # noqa: E402
+from library.families.sd.tiny import save_pipeline  # noqa: E402
+from library.families.shared.tiny_parts import MODEL_MAX_LENGTH, build_tiny_tokenizer  # noqa: E402
 
 logger = logging.getLogger("pretrain_base")
 

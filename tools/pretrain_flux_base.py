@@ -35,10 +35,10 @@ if str(REPO_ROOT) not in sys.path:
 
 from library import digits  # noqa: E402
 from library.digits import judge  # noqa: E402
-from library.models.flow_matching import flux_shift_mu, time_shift  # noqa: E402
-from library.models.flux import image_ids, pack_latents  # noqa: E402
-from library.models.tiny import MODEL_MAX_LENGTH, _write_pipeline, build_tiny_tokenizer  # noqa: E402
-from library.models.tiny_flux import build_t5_tokenizer  # noqa: E402
+from library.families.flow_matching import flux_shift_mu, time_shift  # noqa: E402
+from library.families.flux.family import image_ids, pack_latents  # noqa: E402
+from library.families.flux.tiny import build_t5_tokenizer  # noqa: E402
+from library.families.shared.tiny_parts import MODEL_MAX_LENGTH, build_tiny_tokenizer, write_pipeline  # noqa: E402
 from tools.pretrain_base import (  # noqa: E402
     _log_every,
     corpus,
@@ -197,7 +197,7 @@ def train_denoiser(parts: dict[str, Any], means: torch.Tensor, stds: torch.Tenso
 def save(parts: dict[str, Any], target: Path) -> None:
     from diffusers import FluxPipeline
 
-    _write_pipeline(FluxPipeline(**parts), target.absolute(), ("tokenizer",), corpus())
+    write_pipeline(FluxPipeline(**parts), target.absolute(), ("tokenizer",), corpus())
 
 
 def model_card(recipe: Recipe, metrics: dict[str, Any], times: dict[str, float], counts: dict[str, int],

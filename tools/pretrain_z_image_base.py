@@ -5,7 +5,7 @@
 The Z-Image counterpart of tools/pretrain_flux_base.py, with the same data and the held-out digit left out of every
 stage:
 
-1. tokenizer: a Qwen2-format byte-level BPE learned from the captions (library.models.tiny_z_image's, with Qwen's
+1. tokenizer: a Qwen2-format byte-level BPE learned from the captions (library.families.z_image.tiny's, with Qwen's
    special tokens and chat template), so "seven" and "sks" fall apart into pieces;
 2. VAE: models/digits-flux's, loaded from that folder (as Z-Image itself uses FLUX.1's autoencoder; it was trained
    on the same images with the same digit held out): 32x32x3 <-> 8x8x16, which the transformer cuts into 2x2
@@ -38,10 +38,10 @@ if str(REPO_ROOT) not in sys.path:
 
 from library import digits  # noqa: E402
 from library.digits import judge  # noqa: E402
-from library.models.flow_matching import time_shift  # noqa: E402
-from library.models.tiny_parts import _write_pipeline  # noqa: E402
-from library.models.tiny_z_image import build_qwen_tokenizer  # noqa: E402
-from library.models.z_image import ZImage, chat_prompt  # noqa: E402
+from library.families.flow_matching import time_shift  # noqa: E402
+from library.families.shared.tiny_parts import write_pipeline  # noqa: E402
+from library.families.z_image.family import ZImage, chat_prompt  # noqa: E402
+from library.families.z_image.tiny import build_qwen_tokenizer  # noqa: E402
 from tools.pretrain_base import (  # noqa: E402
     _log_every,
     corpus,
@@ -200,7 +200,7 @@ def train_denoiser(parts: dict[str, Any], means: torch.Tensor, stds: torch.Tenso
 def save(parts: dict[str, Any], target: Path) -> None:
     from diffusers import ZImagePipeline
 
-    _write_pipeline(ZImagePipeline(**parts), target.absolute(), ())
+    write_pipeline(ZImagePipeline(**parts), target.absolute(), ())
 
 
 def model_card(recipe: Recipe, metrics: dict[str, Any], times: dict[str, float], counts: dict[str, int],

@@ -27,9 +27,8 @@ def checkpoint_file_problem(path: Path, allow_pickle: bool) -> str | None:
             return None
         return (f"{path} is a pickle checkpoint ({suffix}); loading a pickle can run arbitrary code hidden in the "
                 f"file, so it is refused. Convert it to safetensors without running its code (in this repository's "
-                f"folder): python -m library.models.single_file {path} {path.with_suffix('.safetensors')}; or, only "
-                f"for a "
-                "file you trust, set allow_pickle_checkpoints = true")
+                f"folder): python -m library.families.sd.single_file {path} {path.with_suffix('.safetensors')}; "
+                "or, only for a file you trust, set allow_pickle_checkpoints = true")
     return (f"{path}: not a model folder or a known checkpoint file; give a diffusers model folder or a "
             f".safetensors checkpoint (pickles {', '.join(PICKLE_CHECKPOINT_SUFFIXES)} need "
             "allow_pickle_checkpoints)")

@@ -64,7 +64,8 @@ _MODEL = [
          "SDXL architecture found in the file", is_path=True, metavar="PATH"),
     _opt("allow_pickle_checkpoints", _to_bool, False,
          "read .ckpt / .pt / .pth / .bin pickle checkpoints; unpickling can run arbitrary code hidden in the file: "
-         "only for files you trust (python -m library.models.single_file IN.ckpt OUT.safetensors converts one safely)"),
+         "only for files you trust (python -m library.families.sd.single_file IN.ckpt OUT.safetensors converts one "
+         "safely)"),
     _opt("clip_skip", _to_int, None, "use the text encoder's n-th layer from the end (2: the penultimate)"),
     _opt("max_token_length", _to_int, None, "caption length in tokens: 75 (default), 150 or 225 (kohya's chunking)"),
     _opt("weighted_captions", _to_bool, False,

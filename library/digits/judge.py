@@ -10,11 +10,10 @@ the training images went through). A prompt's rate is the share of its images ju
 for the trigger prompt that is the held-out digit. With `--lora` the same images are rendered with and without the
 LoRA and both rates are shown.
 
-The family is told from the folder: a `transformer/` folder holding a ZImageTransformer2DModel is a Z-Image model
-(models/digits-z-image), rendered by ZImagePipeline with flow-matching Euler and classifier-free guidance; any other
-`transformer/` folder is a FLUX.1 model (models/digits-flux), rendered by FluxPipeline with flow-matching Euler and
-its embedded guidance (no classifier-free guidance, as FLUX.1 dev samples); otherwise a Stable Diffusion model
-rendered by StableDiffusionPipeline with classifier-free guidance.
+The family is told from the folder by the family registry: a Z-Image model (models/digits-z-image) is rendered by
+ZImagePipeline with flow-matching Euler and classifier-free guidance; a FLUX.1 model (models/digits-flux) by
+FluxPipeline with flow-matching Euler and its embedded guidance (no classifier-free guidance, as FLUX.1 dev
+samples); a Stable Diffusion model by StableDiffusionPipeline with classifier-free guidance.
 """
 from __future__ import annotations
 
@@ -31,6 +30,7 @@ import numpy as np
 import torch
 
 from library import digits
+from library.families.registry import entry_for
 
 logger = logging.getLogger(__name__)
 
@@ -95,22 +95,26 @@ class Settings:
     # Z-Image)
 
 
-def is_z_image(pipe_or_folder: Any) -> bool:
-    """A Z-Image pipeline, or a folder holding one (told by its transformer's class)."""
-    if isinstance(pipe_or_folder, (str, Path)):
-        from library.models.z_image import is_z_image_folder
+JUDGED = {"sd": "StableDiffusionPipeline", "flux": "FluxPipeline", "z_image": "ZImagePipeline"}
 
-        return is_z_image_folder(Path(pipe_or_folder))
-    return type(pipe_or_folder).__name__ == "ZImagePipeline"
+
+def judged_family(pipe_or_folder: Any) -> str:
+    """The registered family of a pipeline, or of a folder (told by the family registry): sd, flux or z_image."""
+    if isinstance(pipe_or_folder, (str, Path)):
+        name = entry_for(pipe_or_folder).name
+    else:
+        name = next((family for family, cls in JUDGED.items() if type(pipe_or_folder).__name__ == cls), "")
+    if name not in JUDGED:
+        raise ValueError(f"{pipe_or_folder}: the judge renders {', '.join(JUDGED)} models, not {name or 'this'}")
+    return name
+
+
+def is_z_image(pipe_or_folder: Any) -> bool:
+    return judged_family(pipe_or_folder) == "z_image"
 
 
 def is_flux(pipe_or_folder: Any) -> bool:
-    """A FLUX.1 pipeline, or a folder holding one (told by its transformer/ folder, when it is not Z-Image's)."""
-    if is_z_image(pipe_or_folder):
-        return False
-    if isinstance(pipe_or_folder, (str, Path)):
-        return (Path(pipe_or_folder) / "transformer").is_dir()
-    return hasattr(pipe_or_folder, "transformer")
+    return judged_family(pipe_or_folder) == "flux"
 
 
 def settings_for(pipe: Any, settings: Settings) -> Settings:
@@ -145,9 +149,10 @@ def load_pipeline(model: str | Path = DEFAULT_MODEL, lora: str | Path | None = N
 
     diffusers_logging.disable_progress_bar()
     transformers_logging.disable_progress_bar()
-    if is_z_image(model):
+    family = judged_family(model)
+    if family == "z_image":
         pipe = ZImagePipeline.from_pretrained(model, local_files_only=True)
-    elif is_flux(model):
+    elif family == "flux":
         pipe = FluxPipeline.from_pretrained(model, local_files_only=True)
     else:
         pipe = StableDiffusionPipeline.from_pretrained(model, local_files_only=True, safety_checker=None,
@@ -161,7 +166,7 @@ def load_pipeline(model: str | Path = DEFAULT_MODEL, lora: str | Path | None = N
                 # diffusers reads kohya's FLUX single-block keys only at FLUX.1's own widths: hand it peft keys.
                 from safetensors.torch import load_file
 
-                from library.models.flux_lora import to_peft
+                from library.families.flux.lora import to_peft
 
                 pipe.load_lora_weights(to_peft(load_file(str(lora)), {"transformer": pipe.transformer,
                                                                       "text_encoder": pipe.text_encoder}))
@@ -209,7 +214,7 @@ def _grey(pixels: torch.Tensor) -> np.ndarray:
 def _render_flux(pipe: Any, prompt: str, settings: Settings) -> np.ndarray:
     """FluxPipeline with the embedded guidance, T5 read to its tokenizer's model_max_length; the noise is drawn
     unpacked ([n, 16, h, w]) and packed 2x2 as the pipeline packs its own."""
-    from library.models.flux import Flux, pack_latents
+    from library.families.flux.family import Flux, pack_latents
 
     vae = pipe.vae
     side = 2 * (digits.SIZE // (pipe.vae_scale_factor * 2))

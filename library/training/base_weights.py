@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from library.config import UserError
-from library.models.family import Components
+from library.families.family import Components
 from library.network.kohya_format import kohya_lora_name, load_kohya_lora
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from accelerate.utils import send_to_device
 from library.config import Config
 from library.data.cache import cache_latents, cache_text_encoder_outputs
 from library.data.dataset import TrainingData
-from library.models.family import Components
+from library.families.family import Components
 from library.training.model import DiffusionModel
 
 logger = logging.getLogger(__name__)

@@ -12,9 +12,9 @@ from safetensors import SafetensorError
 from library.config import Config, UserError
 from library.config.network_args import network_args_of
 from library.data.cache import check_finite_latents, sample_cached_latents
-from library.models.family import Components, Family
-from library.models.offload import install_offloading
-from library.models.precision import BasePrecision
+from library.families.family import Components, Family
+from library.memory.offload import install_offloading
+from library.memory.precision import BasePrecision
 from library.network import kohya_format
 from library.network import targets as network_setup
 from library.training import adapters as adapter_training
@@ -199,7 +199,7 @@ def build_model(config: Config, components: Components, device: torch.device,
 
 
 def install_offloading_of(config: Config, family: Family, denoiser: torch.nn.Module, device: torch.device) -> None:
-    """blocks_to_swap and cpu_offload_checkpointing (library.models.offload): checked against the family's limits
+    """blocks_to_swap and cpu_offload_checkpointing (library.memory.offload): checked against the family's limits
     and installed where there is a CUDA device to offload from; elsewhere logged as having no effect."""
     if not (config.blocks_to_swap or config.cpu_offload_checkpointing):
         return

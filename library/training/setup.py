@@ -19,11 +19,11 @@ from library.config import Config, UserError
 from library.config.network_args import network_args_of
 from library.core.memory import return_free_heap
 from library.data.dataset import TrainingData, build_training_data
-from library.models import memory_estimate as memory
-from library.models.family import Components
-from library.models.loading import load_components
-from library.models.precision import BasePrecision, reading
-from library.models.vae_file import load_vae
+from library.families.family import Components
+from library.families.registry import load_components
+from library.families.shared.vae_file import load_vae
+from library.memory import estimate as memory
+from library.memory.precision import BasePrecision, reading
 from library.monitoring.sampling import SamplePrompt, load_prompts
 from library.monitoring.tracking import StepMetrics, TimestepLoss, lr_names
 from library.network import kohya_format, lora

@@ -55,7 +55,7 @@ def test_resumes_bit_exactly(reference, chroma_toml, tmp_path):
 
 
 def test_the_bfl_files_train_like_the_folder(reference, chroma_toml, tiny_chroma_dir, tmp_path):
-    from library.models.tiny_chroma import save_tiny_chroma_files
+    from library.families.chroma.tiny import save_tiny_chroma_files
 
     files = save_tiny_chroma_files(tiny_chroma_dir, tmp_path / "files")
     out = tmp_path / "from_files"

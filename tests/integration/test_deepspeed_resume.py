@@ -101,7 +101,7 @@ def test_zero2_resumes_bit_exactly_wherever_it_stopped(tiny_sd1_dir, data, tmp_p
 def small_sd1_dir(tmp_path_factory) -> Path:
     """The small bench model: its large convolutions are above DeepSpeed's persistence threshold (1e5 elements,
     below which ZeRO-3 keeps a parameter whole on every process), as a real model's weights are."""
-    from library.models.tiny import save_tiny_sd1
+    from library.families.sd.tiny import save_tiny_sd1
 
     return save_tiny_sd1(tmp_path_factory.mktemp("small_sd1") / "model", size="small", seed=0)
 

@@ -137,7 +137,7 @@ def test_train_t5xxl_needs_the_text_encoders_trained(flux_toml, tmp_path, capsys
 
 
 def test_kohyas_separate_files_train_like_the_folder(reference, flux_toml, tiny_flux_dir, tmp_path):
-    from library.models.tiny_flux import save_tiny_flux_files
+    from library.families.flux.tiny import save_tiny_flux_files
 
     files = save_tiny_flux_files(tiny_flux_dir, tmp_path / "files")
     out = tmp_path / "from_files"

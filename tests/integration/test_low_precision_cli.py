@@ -17,7 +17,7 @@ IMAGES = ("00_red_circle", "01_yellow_square")
 
 @pytest.fixture(scope="module")
 def kohya_flux_toml(tiny_flux_dir, sample_data_dir, tmp_path_factory) -> str:
-    from library.models.tiny_flux import save_tiny_flux_files
+    from library.families.flux.tiny import save_tiny_flux_files
 
     files = save_tiny_flux_files(tiny_flux_dir, tmp_path_factory.mktemp("flux_files"))
     data = sample_images(sample_data_dir, tmp_path_factory.mktemp("data"), IMAGES)
@@ -86,7 +86,7 @@ def test_the_file_is_the_one_a_bf16_base_gives(fp8_run, kohya_flux_toml, tmp_pat
 @pytest.mark.parametrize("family", ["sd1", "sdxl"])
 def test_sd1_and_sdxl_train_with_fp8_base_unet(family, tiny_sd1_dir, sample_data_dir, tmp_path):
     if family == "sdxl":
-        from library.models.tiny import save_tiny_sdxl
+        from library.families.sd.tiny import save_tiny_sdxl
 
         model = save_tiny_sdxl(tmp_path / "sdxl")
     else:

@@ -1,0 +1,270 @@
+"""FLUX.1 (dev and schnell): CLIP-L pooled output and T5 hidden states condition a rectified-flow transformer that
+sees the 16-channel latents packed 2x2 into tokens, with image ids for its rotary positions; dev also takes a
+guidance input. Trained with the flow-matching objective (library.families.flow_matching), as kohya's
+flux_train_network.py does.
+
+The loop keeps latents unpacked ([B, 16, H/8, W/8]): packing happens around the transformer call in `denoise`,
+so masks, losses and caches see the same shapes as for SD.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from library.config import UserError
+from library.config.network_args import network_args_of
+from library.families.family import Components, Family, Tokenizer
+from library.families.flow_matching import FlowMatchingObjective, unsupported
+from library.families.flux import lora as flux_lora
+from library.families.shared import checks as transformer_checks
+from library.families.shared.clip_text import tokenize
+from library.families.shared.diffusers_folder import read_folder, transformer_class
+
+logger = logging.getLogger(__name__)
+
+FOLDERS = ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler")
+TRANSFORMER_CLASS = "FluxTransformer2DModel"
+GUIDANCE_KEY = "time_text_embed.guidance_embedder."  # present in dev's weights, absent in schnell's
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] -> [B, (H/2)(W/2), C*4]: each 2x2 patch one token, channels first then the patch row and
+    column (kohya's "b c (h ph) (w pw) -> b (h w) (c ph pw)", diffusers' _pack_latents)."""
+    b, c, h, w = latents.shape
+    patches = latents.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return patches.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Inverse of pack_latents for an unpacked latent size (height, width)."""
+    b, _, packed = tokens.shape
+    c = packed // 4
+    patches = tokens.reshape(b, height // 2, width // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return patches.reshape(b, c, height, width)
+
+
+def kohya_flux_fields(config: Any, model_type: str) -> dict[str, Any]:
+    """The ss_* fields kohya's FLUX trainer writes (for FLUX.1 and for Chroma, told apart by ss_model_type)."""
+    return {"ss_model_type": model_type, "ss_apply_t5_attn_mask": config.apply_t5_attn_mask,
+            **{f"ss_{name}": getattr(config, name) for name in (
+                "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale",
+                "timestep_sampling", "sigmoid_scale", "model_prediction_type", "discrete_flow_shift")}}
+
+
+def image_ids(height: int, width: int, device: torch.device | str = "cpu",
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[(H/2)(W/2), 3] positions of the packed tokens: axis 0 zero, axis 1 the row, axis 2 the column."""
+    ids = torch.zeros(height // 2, width // 2, 3)
+    ids[..., 1] += torch.arange(height // 2)[:, None]
+    ids[..., 2] += torch.arange(width // 2)[None, :]
+    return ids.reshape(-1, 3).to(device=device, dtype=dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Flux(Family):
+    """FLUX.1 dev (guidance input) or schnell; the prompt settings come from the config (`configured`)."""
+    schnell: bool = False
+    t5_max_length: int | None = None  # None: kohya's default, 256 for schnell and 512 for dev
+    apply_t5_attn_mask: bool = False
+    guidance_scale: float = 3.5
+    train_t5xxl: bool = False  # kohya's network_args train_t5xxl: T5 gets LoRA when the text encoders train
+
+    text_encoder_folders = ("text_encoder", "text_encoder_2")
+    tokenizer_folders = ("tokenizer", "tokenizer_2")
+    lora_text_prefixes = ("lora_te1", "lora_te3")  # CLIP-L, T5 (kohya's names)
+    default_sampling_scale = 1.0  # kohya's: no true CFG unless a prompt asks with --l
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return "flux1-schnell" if self.schnell else "flux1-dev"
+
+    @property
+    def base_model_version(self) -> str:  # type: ignore[override]
+        return "flux1"
+
+    def configured(self, config: Any) -> Flux:
+        for name, why in (("clip_skip", "kohya's FLUX trainer uses CLIP-L's pooled output only"),
+                          ("max_token_length", "CLIP-L reads 77 tokens; the T5 length is t5xxl_max_token_length")):
+            if getattr(config, name):  # kohya's FLUX trainer accepts both and uses neither
+                logger.warning("%s has no effect for FLUX, as in kohya's FLUX trainer: %s", name, why)
+        problems = []
+        if config.model_type == "chroma":
+            problems.append("model_type chroma: the weights are FLUX.1's (they have its modulation layers, which "
+                            "Chroma's approximator replaces); set model_type = \"flux\" or leave it out")
+        problems += transformer_checks.size_problems(config, "FLUX")
+        train_t5xxl = bool(network_args_of(config).train_t5xxl)
+        problems += transformer_checks.train_t5xxl_problems(config, train_t5xxl)
+        if problems:
+            raise UserError(problems)
+        return dataclasses.replace(self, t5_max_length=config.t5xxl_max_token_length,
+                                   apply_t5_attn_mask=config.apply_t5_attn_mask, guidance_scale=config.guidance_scale,
+                                   train_t5xxl=train_t5xxl)
+
+    @property
+    def t5_length(self) -> int:
+        return self.t5_max_length or (256 if self.schnell else 512)
+
+    # --- prompts ----------------------------------------------------------------------------------------------
+    def tokenizer(self, components: Components, max_token_length: int | None) -> Tokenizer:
+        clip, t5 = components.tokenizers
+        length = self.t5_length
+
+        def tokens(caption: str) -> dict[str, torch.Tensor]:
+            t5_tokens = t5(caption, padding="max_length", max_length=length, truncation=True, return_tensors="pt")
+            return {"input_ids": tokenize(clip, caption), "t5_input_ids": t5_tokens.input_ids[0],
+                    "t5_attn_mask": t5_tokens.attention_mask[0]}
+        return tokens
+
+    def encode_text(self, text_encoders: Sequence[torch.nn.Module], tokens: Mapping[str, torch.Tensor],
+                    clip_skip: int | None) -> dict[str, torch.Tensor]:
+        """CLIP-L's pooled output (no projection) and T5's last hidden states; T5 sees the padding mask only with
+        apply_t5_attn_mask (kohya's), and the mask travels with the outputs for the transformer."""
+        clip, t5 = text_encoders
+        pooled = clip(tokens["input_ids"], return_dict=True).pooler_output
+        mask = tokens["t5_attn_mask"]
+        states = t5(tokens["t5_input_ids"], attention_mask=mask if self.apply_t5_attn_mask else None,
+                    return_dict=True).last_hidden_state
+        return {"encoder_hidden_states": states, "pooled": pooled, "t5_attn_mask": mask}
+
+    # --- the denoiser ------------------------------------------------------------------------------------------
+    def denoise(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
+                text: Mapping[str, torch.Tensor], conditioning: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        batch, _, height, width = noisy.shape
+        transformer_checks.check_latent_size("FLUX", height, width)
+        dtype, device = noisy.dtype, noisy.device
+        states = text["encoder_hidden_states"].to(dtype)
+        extra: dict[str, Any] = {}
+        if self.apply_t5_attn_mask:
+            # Text tokens come first in the joint attention; image tokens are never masked.
+            image_mask = torch.ones(batch, (height // 2) * (width // 2), dtype=torch.bool, device=device)
+            mask = torch.cat([text["t5_attn_mask"].to(device=device, dtype=torch.bool), image_mask], dim=1)
+            extra["joint_attention_kwargs"] = {"attention_mask": mask[:, None, None, :]}
+        guidance = None
+        if denoiser.config.guidance_embeds:
+            guidance = torch.full((batch,), self.guidance_scale, device=device, dtype=torch.float32)
+        out = denoiser(hidden_states=pack_latents(noisy), encoder_hidden_states=states,
+                       pooled_projections=text["pooled"].to(dtype),
+                       timestep=(timesteps.float() / 1000).to(dtype), guidance=guidance,
+                       img_ids=image_ids(height, width, device, dtype),
+                       txt_ids=torch.zeros(states.shape[1], 3, device=device, dtype=dtype), return_dict=False,
+                       **extra)[0]
+        return unpack_latents(out, height, width)
+
+    def objective(self, components: Components, config: Any, device: torch.device) -> FlowMatchingObjective:
+        problems = unsupported(config)
+        if problems:
+            raise UserError(problems)
+        return FlowMatchingObjective.from_config(config)
+
+    def block_swap_plan(self, denoiser: torch.nn.Module, blocks_to_swap: int) -> list[tuple[Any, int]]:
+        """kohya's split: half (rounded down) of the count in double blocks, twice the rest in single blocks, each
+        at most its number of blocks less 2 (FLUX.1-dev: up to 35)."""
+        double, single = denoiser.transformer_blocks, denoiser.single_transformer_blocks
+        swap_double = blocks_to_swap // 2
+        swap_single = (blocks_to_swap - swap_double) * 2
+        if swap_double > len(double) - 2 or swap_single > len(single) - 2:
+            raise UserError(f"blocks_to_swap {blocks_to_swap}: FLUX swaps at most {len(double) - 2} double blocks and "
+                            f"{len(single) - 2} single blocks; this asks for {swap_double} double and {swap_single} "
+                            "single blocks")
+        return [(double, swap_double), (single, swap_single)]
+
+    # --- LoRA files and metadata -------------------------------------------------------------------------------
+    def lora_text_encoders(self, text_encoders: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+        return list(text_encoders) if self.train_t5xxl else [text_encoders[0]]  # T5 only when asked, as kohya
+
+    def denoiser_lora_targets(self, denoiser: torch.nn.Module, rank: int, alpha: float,
+                              net: Any) -> tuple[list[str], dict[str, tuple[int, float]]]:
+        try:
+            return flux_lora.targets(denoiser, rank, alpha, net)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+
+    def export_lora_keys(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return flux_lora.to_kohya(state_dict)
+
+    def import_lora_keys(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return flux_lora.from_kohya(state_dict)
+
+    def metadata_flags(self, v_prediction: bool) -> dict[str, Any]:
+        return {"base_model": "flux1", "architecture": f"flux-1-{'schnell' if self.schnell else 'dev'}/lora",
+                "implementation": "https://github.com/black-forest-labs/flux"}
+
+    def metadata_fields(self, config: Any) -> dict[str, Any]:
+        return kohya_flux_fields(config, "flux")
+
+    # --- sampling ----------------------------------------------------------------------------------------------
+    def pipeline(self, denoiser: Any, vae: Any, text_encoders: Sequence[Any], tokenizers: Sequence[Any],
+                 scheduler: Any) -> Any:
+        from diffusers import FluxPipeline
+
+        return FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoders[0], tokenizer=tokenizers[0],
+                            text_encoder_2=text_encoders[1], tokenizer_2=tokenizers[1], transformer=denoiser)
+
+    def sampling_scheduler(self, scheduler_config: Mapping[str, Any]) -> Any:
+        """Euler on the flow (kohya's FLUX sampler; sample_sampler / --ss do not apply), with the model's
+        resolution-dependent shift, which is kohya's get_schedule."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler.from_config(dict(scheduler_config))
+
+    def sampling_guidance(self, scale: float, guidance: float | None, positive: Mapping[str, torch.Tensor],
+                          width: int, height: int) -> dict[str, Any]:
+        """--g (default 3.5, kohya's) is dev's guidance input. --l above 1 turns on kohya's true CFG, the negative
+        prompt (--n, else the empty one) run beside the positive: neg + (pos - neg) * scale. The pipeline does that
+        for scales above 1 only, so a scale below 1 is reported and treated as 1."""
+        arguments: dict[str, Any] = {"guidance_scale": 3.5 if guidance is None else guidance,
+                                     "true_cfg_scale": scale}
+        if scale < 1:
+            logger.warning("sample prompt --l %g: FLUX's true CFG needs a scale above 1; sampling without it", scale)
+        if self.apply_t5_attn_mask and "t5_attn_mask" in positive:
+            if scale > 1:
+                logger.warning("sample prompt --l %g with apply_t5_attn_mask: the negative prompt is masked like the "
+                               "positive one", scale)
+            # The pipeline places the image at height // 16 x width // 16 tokens after the text.
+            image = torch.ones(1, (height // 16) * (width // 16), dtype=torch.bool)
+            mask = torch.cat([positive["t5_attn_mask"].cpu().bool(), image], dim=1)
+            arguments["joint_attention_kwargs"] = {"attention_mask": mask[:, None, None, :].to(
+                positive["t5_attn_mask"].device)}
+        return arguments
+
+    def vae_latents(self, latents: torch.Tensor, vae_config: Any, width: int, height: int) -> torch.Tensor:
+        # FluxPipeline's latent side: 2 * (side // (2 * VAE factor)); FLUX's VAE is 8x, a tiny one may be 4x.
+        factor = 2 * 2 ** (len(vae_config.block_out_channels) - 1)
+        unpacked = unpack_latents(latents, 2 * (height // factor), 2 * (width // factor))
+        return unpacked / vae_config.scaling_factor + vae_config.shift_factor
+
+    def prompt_embeds(self, positive: Mapping[str, torch.Tensor],
+                      negative: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"prompt_embeds": positive["encoder_hidden_states"], "pooled_prompt_embeds": positive["pooled"],
+                "negative_prompt_embeds": negative["encoder_hidden_states"],
+                "negative_pooled_prompt_embeds": negative["pooled"]}
+
+
+def is_flux_folder(path: Path) -> bool:
+    return transformer_class(path) == TRANSFORMER_CLASS
+
+
+def is_schnell(transformer: torch.nn.Module) -> bool:
+    """Told from the weights, as kohya does: schnell has no guidance embedding."""
+    return not any(name.startswith(GUIDANCE_KEY) for name, _ in transformer.named_parameters())
+
+
+def load_flux_folder(path: Path, weight_dtype: torch.dtype, vae_dtype: torch.dtype) -> Components:
+    """A diffusers FLUX.1 folder, offline."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from transformers import AutoTokenizer, CLIPTextModel, CLIPTokenizer, T5EncoderModel
+
+    parts = read_folder(path, "FLUX", {
+        "transformer": (FluxTransformer2DModel, weight_dtype), "vae": (AutoencoderKL, vae_dtype),
+        "text_encoder": (CLIPTextModel, weight_dtype), "text_encoder_2": (T5EncoderModel, weight_dtype),
+        "tokenizer": (CLIPTokenizer, None), "tokenizer_2": (AutoTokenizer, None),
+        "scheduler": (FlowMatchEulerDiscreteScheduler, None)})
+    transformer = parts["transformer"]
+    return Components(denoiser=transformer, vae=parts["vae"], text_encoders=[parts["text_encoder"],
+                      parts["text_encoder_2"]], tokenizers=[parts["tokenizer"], parts["tokenizer_2"]],
+                      noise_scheduler=parts["scheduler"], v_prediction=False,
+                      family=Flux(schnell=is_schnell(transformer)))

@@ -1,0 +1,1 @@
+"""Qwen-Image: diffusers folders and the separate files musubi-tuner trains from."""

@@ -1,0 +1,122 @@
+"""Qwen-Image from the separate files people keep (ComfyUI's `diffusion_models/`, `text_encoders/`, `vae/`, which
+musubi-tuner trains from): the transformer file is `pretrained_model_name_or_path`, `text_encoder` the Qwen2.5-VL
+file and `ae` the VAE (musubi's --vae).
+
+Widths come from the released model's configs shipped in configs/qwen_image/ (the Qwen2.5-VL-7B config as
+musubi-tuner's load_qwen2_5_vl writes it), or from `model_config`, a diffusers Qwen-Image folder describing the
+files (its weights are not read). The tokenizer is the Qwen vocabulary shipped for Z-Image (Qwen2.5 and Qwen3 share
+it, with the same ids for the template's <|im_start|>, <|im_end|> and <|endoftext|>). The transformer file has
+diffusers' names, with or without ComfyUI's `model.diffusion_model.`; the Qwen2.5-VL file may have ComfyUI's names
+(`model.layers...`, `visual...`, as musubi reads them) or transformers'; the VAE file may be ComfyUI's (the Wan 2.1
+VAE layout, converted by diffusers' own Wan converter) or diffusers'. A split `...-00001-of-0000N.safetensors` is
+read with all its parts. Weights are built on the meta device and assigned from the files, cast to the training
+dtype tensor by tensor.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from library.config import UserError
+from library.families.family import Components
+
+SHIPPED_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "qwen_image"
+SHIPPED_TOKENIZER = Path(__file__).resolve().parents[1] / "configs" / "z_image" / "tokenizer"
+COMFY_PREFIX = "model.diffusion_model."
+MARKER = "transformer_blocks.0.img_mod.1.weight"  # the image-stream modulation: only Qwen-Image's blocks have it
+NOT_MARKER = "txt_in.text_norm.weight"  # Qwen-Image 2.1, another architecture
+
+
+def is_qwen_image_file(path: Path) -> bool:
+    from library.families.shared.separate_files import marked_keys
+
+    keys = marked_keys(path, COMFY_PREFIX)
+    return MARKER in keys and NOT_MARKER not in keys
+
+
+def _read(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from library.families.shared.safetensors_io import read_safetensors
+    from library.families.shared.separate_files import shards
+
+    state: dict[str, torch.Tensor] = {}
+    for part in shards(path):
+        state.update(read_safetensors(part, dtype=dtype))
+    return state
+
+
+def text_encoder_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """ComfyUI's Qwen2.5-VL names (`model.layers...`, `visual...`) -> Qwen2_5_VLForConditionalGeneration's
+    (`model.language_model.layers...`, `model.visual...`); transformers' own names stay."""
+    out = {}
+    for key, value in state.items():
+        if key.startswith("visual."):
+            key = "model." + key
+        elif key.startswith("model.") and not key.startswith(("model.language_model.", "model.visual.")):
+            key = "model.language_model." + key.removeprefix("model.")
+        out[key] = value
+    return out
+
+
+def vae_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """ComfyUI's VAE file (Wan 2.1's layout) or a diffusers VAE file -> diffusers' names."""
+    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+
+    if any(key.startswith("encoder.down_blocks.") for key in state):
+        return state
+    return convert_wan_vae_to_diffusers(state)
+
+
+def load_qwen_image_files(path: Path, text_encoder: str | None, ae: str | None, model_config: str | None,
+                          weight_dtype: torch.dtype, vae_dtype: torch.dtype) -> Components:
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from library.core.memory import return_free_heap
+    from library.families.qwen_image.family import QwenImage, QwenImageVae
+    from library.families.shared.separate_files import assign, load_qwen_tokenizer
+
+    missing = [name for name, value in (("text_encoder", text_encoder), ("ae", ae)) if not value]
+    if missing:
+        raise UserError(f"{path} is a Qwen-Image transformer file: it needs {' and '.join(missing)} (the "
+                        "Qwen2.5-VL text encoder and the VAE files: ComfyUI's text_encoders/ and vae/)")
+    config_dir = Path(model_config) if model_config else SHIPPED_CONFIG
+    local = {"local_files_only": True}
+    family = "Qwen-Image"
+    try:
+        config = QwenImageTransformer2DModel.load_config(config_dir, subfolder="transformer", **local)
+        with init_empty_weights():
+            transformer = QwenImageTransformer2DModel.from_config(config)
+        state = {k.removeprefix(COMFY_PREFIX): v for k, v in _read(path, weight_dtype).items()}
+        scaled = [k for k in state if k == "scaled_fp8" or k.endswith((".scale_weight", ".weight_scale"))]
+        if scaled:  # the weights would load without their scales
+            raise UserError(f"{path}: an fp8 file with per-tensor scales ({scaled[0]}, ...), which cannot be read "
+                            "here (as in musubi-tuner); use the bf16 file")
+        assign(transformer, state, str(path), family=family)
+        return_free_heap()
+
+        with init_empty_weights():
+            vae = AutoencoderKLQwenImage.from_config(
+                AutoencoderKLQwenImage.load_config(config_dir, subfolder="vae", **local))
+        assign(vae, vae_state_dict(_read(Path(ae), vae_dtype)), str(ae), family=family)
+        return_free_heap()
+
+        with init_empty_weights():
+            qwen = Qwen2_5_VLForConditionalGeneration(
+                Qwen2_5_VLConfig.from_pretrained(config_dir, subfolder="text_encoder", **local))
+        qwen_state = text_encoder_state_dict(_read(Path(text_encoder), weight_dtype))
+        # The language-model head is never used for the hidden states; a file without it gets zeros.
+        qwen_state.setdefault("lm_head.weight", torch.zeros(qwen.lm_head.weight.shape, dtype=weight_dtype))
+        assign(qwen, qwen_state, str(text_encoder), family=family)
+
+        tokenizer = load_qwen_tokenizer(config_dir / "tokenizer" if model_config else SHIPPED_TOKENIZER)
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(config_dir, subfolder="scheduler", **local)
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: cannot load the Qwen-Image files: {e}") from None
+    for module in (transformer, vae, qwen):
+        module.eval()
+    return Components(denoiser=transformer, vae=QwenImageVae(vae), text_encoders=[qwen], tokenizers=[tokenizer],
+                      noise_scheduler=scheduler, v_prediction=False,
+                      family=QwenImage(last_block=transformer.config.num_layers - 1))

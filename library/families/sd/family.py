@@ -1,0 +1,105 @@
+"""Stable Diffusion 1.x and 2.x: one CLIP text encoder, a UNet conditioned on its hidden states, DDPM noise."""
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from library.config import UserError
+from library.families.family import Components, Family, Tokenizer
+from library.families.objective import DiffusionObjective
+from library.families.shared.clip_text import apply_weights, encode_prompt, tokenize, tokenize_weighted
+
+
+class StableDiffusion(Family):
+    text_encoder_folders = ("text_encoder",)
+    tokenizer_folders = ("tokenizer",)
+    lora_text_prefixes = ("lora_te",)
+    offers_weighted_captions = True
+
+    def __init__(self, name: str, base_model_version: str, v2: bool):
+        self.name = name
+        self.base_model_version = base_model_version
+        self.v2 = v2
+        self.weighted_captions = False  # kohya's (word:1.2) weights on the text encoder's outputs
+
+    def configured(self, config: Any) -> StableDiffusion:
+        if not config.weighted_captions:
+            return self
+        weighted = copy.copy(self)
+        weighted.weighted_captions = True
+        return weighted
+
+    def tokenizer(self, components: Components, max_token_length: int | None) -> Tokenizer:
+        return functools.partial(_token_dict, components.tokenizer, max_token_length=max_token_length,
+                                 weighted=self.weighted_captions)
+
+    def encode_text(self, text_encoders: Sequence[torch.nn.Module], tokens: Mapping[str, torch.Tensor],
+                    clip_skip: int | None) -> dict[str, torch.Tensor]:
+        states = encode_prompt(text_encoders[0], tokens["input_ids"], clip_skip)
+        if "weights" in tokens:
+            states = apply_weights(states, tokens["weights"])
+        return {"encoder_hidden_states": states}
+
+    def denoise(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
+                text: Mapping[str, torch.Tensor], conditioning: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return denoiser(noisy, timesteps, text["encoder_hidden_states"], return_dict=False)[0]
+
+    def objective(self, components: Components, config: Any, device: torch.device) -> DiffusionObjective:
+        return ddpm_objective(components, config, device)
+
+    def metadata_flags(self, v_prediction: bool) -> dict[str, bool]:
+        return {"v2": self.v2, "v_parameterization": v_prediction, "sdxl": False}
+
+    def pipeline(self, denoiser: Any, vae: Any, text_encoders: Sequence[Any], tokenizers: Sequence[Any],
+                 scheduler: Any) -> Any:
+        from diffusers import StableDiffusionPipeline
+
+        return StableDiffusionPipeline(vae=vae, text_encoder=text_encoders[0], tokenizer=tokenizers[0], unet=denoiser,
+                                       scheduler=scheduler, safety_checker=None, feature_extractor=None,
+                                       requires_safety_checker=False)
+
+    def prompt_embeds(self, positive: Mapping[str, torch.Tensor],
+                      negative: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"prompt_embeds": positive["encoder_hidden_states"],
+                "negative_prompt_embeds": negative["encoder_hidden_states"]}
+
+
+def _token_dict(tokenizer: Any, caption: str, max_token_length: int | None,
+                weighted: bool = False) -> dict[str, torch.Tensor]:
+    if weighted:
+        ids, weights = tokenize_weighted(tokenizer, caption, max_token_length)
+        return {"input_ids": ids, "weights": weights}
+    return {"input_ids": tokenize(tokenizer, caption, max_token_length)}
+
+
+def ddpm_objective(components: Components, config: Any, device: torch.device) -> DiffusionObjective:
+    """Epsilon or v prediction on the model's noise schedule. With zero_terminal_snr the components' schedule is
+    replaced by the rescaled one, so that samplers built from its config rescale too."""
+    scheduler = components.noise_scheduler
+    if config.zero_terminal_snr:
+        scheduler = components.noise_scheduler = zero_terminal_snr(scheduler)
+    objective = DiffusionObjective.from_config(scheduler.alphas_cumprod.to(device), components.v_prediction, config)
+    problems = objective.problems()
+    if problems:
+        raise UserError(problems)
+    return objective
+
+
+def zero_terminal_snr(noise_scheduler: Any) -> Any:
+    """The schedule rescaled so the last timestep is pure noise (Lin et al. 2023, kohya's zero_terminal_snr).
+
+    The config carries `rescale_betas_zero_snr`, so samplers built from it rescale too. For training, the last
+    sqrt(alpha_cumprod) is kept a hair above zero: at exactly zero the SNR is 0 and Min-SNR weights divide by it.
+    """
+    from diffusers import DDPMScheduler
+
+    scheduler = DDPMScheduler.from_config(noise_scheduler.config, rescale_betas_zero_snr=True)
+    scheduler.alphas_cumprod[-1] = 4.8973451890853435e-08 ** 2
+    return scheduler
+
+
+SD1 = StableDiffusion("sd1", "sd_v1", v2=False)
+SD2 = StableDiffusion("sd2", "sd_v2", v2=True)

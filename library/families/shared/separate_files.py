@@ -1,0 +1,96 @@
+"""What the families' separate-file readers share: finding a family's marker keys in a file, the parts of a split
+file, assigning read weights to a model built on the meta device, and the shipped T5 and Qwen tokenizers (stored
+gzipped)."""
+from __future__ import annotations
+
+import gzip
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from library.config import UserError
+
+_SHARD = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.safetensors$")
+
+
+def file_keys(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return list(f.keys())
+
+
+def marked_keys(path: Path, prefix: str) -> set[str]:
+    """The tensor names of a .safetensors file without `prefix`, to look for a family's marker keys in; none when
+    `path` is not a readable .safetensors file (the SD single-file loader reports those)."""
+    if path.suffix != ".safetensors":
+        return set()
+    try:
+        return {key.removeprefix(prefix) for key in file_keys(path)}
+    except Exception:
+        return set()
+
+
+def shards(path: Path) -> list[Path]:
+    """The parts of a split file (`name-00001-of-00003.safetensors` -> all three), or [path]."""
+    match = _SHARD.match(path.name)
+    if match is None:
+        return [path]
+    stem, _, count = match.groups()
+    parts = [path.with_name(f"{stem}-{i:05d}-of-{count}.safetensors") for i in range(1, int(count) + 1)]
+    missing = [part.name for part in parts if not part.is_file()]
+    if missing:
+        raise UserError(f"{path}: the split file misses {', '.join(missing)} beside it")
+    return parts
+
+
+def assign(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str,
+           tied: tuple[str, ...] = (), family: str = "FLUX") -> None:
+    """Load `state` into `model` built on the meta device (its tensors taken, not copied), naming the file and
+    what is missing or misfits; `tied` weights may be absent from the file."""
+    expected = set(model.state_dict())
+    missing = sorted(expected - set(state) - set(tied))
+    if missing:
+        raise UserError(f"{source}: {len(missing)} weights missing, e.g. {', '.join(missing[:3])}; is it the right "
+                        f"file? (a model of other widths needs model_config: a diffusers {family} folder describing "
+                        "it)")
+    try:
+        model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False, assign=True)
+    except RuntimeError as e:
+        raise UserError(f"{source}: the weights do not fit the config's shapes (a model of other widths needs "
+                        f"model_config: a diffusers {family} folder describing it): {str(e)[:300]}") from None
+    if tied:
+        model.tie_weights()
+
+
+def load_t5_tokenizer(folder: Path) -> Any:
+    """A T5 tokenizer from a diffusers tokenizer_2 folder, or from the shipped one, whose tokenizer.json is
+    gzipped."""
+    from transformers import AutoTokenizer
+
+    packed = folder / "tokenizer.json.gz"
+    if not packed.is_file():
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    with tempfile.TemporaryDirectory(prefix="t5-tokenizer-") as tmp:
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy(folder / name, tmp)
+        (Path(tmp) / "tokenizer.json").write_bytes(gzip.decompress(packed.read_bytes()))
+        return AutoTokenizer.from_pretrained(tmp, local_files_only=True)
+
+
+def load_qwen_tokenizer(folder: Path) -> Any:
+    """A Qwen tokenizer from a diffusers tokenizer folder, or from the shipped one (vocab.json and merges.txt
+    gzipped)."""
+    from transformers import AutoTokenizer
+
+    if not (folder / "vocab.json.gz").is_file():
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    with tempfile.TemporaryDirectory(prefix="qwen-tokenizer-") as tmp:
+        shutil.copy(folder / "tokenizer_config.json", tmp)
+        for name in ("vocab.json", "merges.txt"):
+            (Path(tmp) / name).write_bytes(gzip.decompress((folder / f"{name}.gz").read_bytes()))
+        return AutoTokenizer.from_pretrained(tmp, local_files_only=True)

@@ -1,0 +1,125 @@
+"""Z-Image from the separate files people keep (ComfyUI's `diffusion_models/`, `text_encoders/`, `vae/`, or the
+official repository's split files): the transformer file is `pretrained_model_name_or_path`, `text_encoder` the
+Qwen3 file and `ae` the autoencoder (FLUX.1's `ae.safetensors`, which Z-Image uses, or a diffusers VAE file).
+
+Widths come from the released model's configs shipped in configs/z_image/ (or from `model_config`, a diffusers
+Z-Image folder describing the files; its weights are not read); the Qwen tokenizer is shipped too. The
+transformer may be in ComfyUI's layout (fused attention.qkv, attention.out, q_norm / k_norm, x_embedder,
+final_layer; converted by diffusers' own single-file converter) or in diffusers' (the official files). A file
+split as `...-00001-of-0000N.safetensors` is read with all its parts. Weights are built on the meta device and
+assigned from the files, cast to the training dtype tensor by tensor.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from library.config import UserError
+from library.families.family import Components
+from library.families.shared.separate_files import load_qwen_tokenizer, shards
+
+SHIPPED_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "z_image"
+COMFY_PREFIX = "model.diffusion_model."
+MARKER = "cap_embedder.1.weight"  # the caption projection: only Z-Image's transformer has it
+def is_z_image_file(path: Path) -> bool:
+    from library.families.shared.separate_files import marked_keys
+
+    return MARKER in marked_keys(path, COMFY_PREFIX)
+
+
+def _read(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from library.families.shared.safetensors_io import read_safetensors
+
+    state: dict[str, torch.Tensor] = {}
+    for part in shards(path):
+        state.update(read_safetensors(part, dtype=dtype))
+    return state
+
+
+def transformer_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Z-Image transformer file's weights in diffusers' names: ComfyUI's layout through diffusers' converter,
+    diffusers' own layout as it is."""
+    from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
+
+    state = {k.removeprefix(COMFY_PREFIX): v for k, v in state.items()}
+    if any(key.startswith("all_x_embedder.") for key in state):
+        return state
+    return convert_z_image_transformer_checkpoint_to_diffusers(state)
+
+
+def vae_state_dict(state: dict[str, torch.Tensor], vae_config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """FLUX.1's ae.safetensors (LDM names) or a diffusers VAE file -> diffusers' names."""
+    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
+
+    if any(key.startswith("encoder.down_blocks.") for key in state):
+        return state
+    return convert_ldm_vae_checkpoint(state, vae_config)
+
+
+def load_z_image_files(path: Path, text_encoder: str | None, ae: str | None, model_config: str | None,
+                       weight_dtype: torch.dtype, vae_dtype: torch.dtype) -> Components:
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    from library.core.memory import return_free_heap
+    from library.families.shared.separate_files import assign
+    from library.families.z_image.family import ZImage
+
+    missing = [name for name, value in (("text_encoder", text_encoder), ("ae", ae)) if not value]
+    if missing:
+        raise UserError(f"{path} is a Z-Image transformer file: it needs {' and '.join(missing)} (the Qwen3 text "
+                        "encoder and the autoencoder files: ComfyUI's text_encoders/ and vae/)")
+    config_dir = Path(model_config) if model_config else SHIPPED_CONFIG
+    local = {"local_files_only": True}
+    try:
+        config = ZImageTransformer2DModel.load_config(config_dir, subfolder="transformer", **local)
+        with init_empty_weights():
+            transformer = ZImageTransformer2DModel.from_config(config)
+        assign(transformer, transformer_state_dict(_read(path, weight_dtype)), str(path))
+        return_free_heap()
+
+        vae_config = dict(AutoencoderKL.load_config(config_dir, subfolder="vae", **local))
+        with init_empty_weights():
+            vae = AutoencoderKL.from_config(vae_config)
+        assign(vae, vae_state_dict(_read(Path(ae), vae_dtype), vae_config), str(ae))
+        return_free_heap()
+
+        with init_empty_weights():
+            qwen = Qwen3Model(Qwen3Config.from_pretrained(config_dir, subfolder="text_encoder", **local))
+        # ComfyUI's and the official files hold Qwen3ForCausalLM's weights: the model under "model.", and the
+        # language-model head, which the hidden states do not use.
+        qwen_state = {k.removeprefix("model."): v for k, v in _read(Path(text_encoder), weight_dtype).items()
+                      if not k.startswith("lm_head.")}
+        assign(qwen, qwen_state, str(text_encoder))
+
+        tokenizer = load_qwen_tokenizer(config_dir / "tokenizer")
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(config_dir, subfolder="scheduler", **local)
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: cannot load the Z-Image files: {e}") from None
+    for module in (transformer, vae, qwen):
+        module.eval()
+    return Components(denoiser=transformer, vae=vae, text_encoders=[qwen], tokenizers=[tokenizer],
+                      noise_scheduler=scheduler, v_prediction=False, family=ZImage())
+
+
+def comfy_state_dict(transformer: Any) -> dict[str, torch.Tensor]:
+    """A diffusers ZImageTransformer2DModel's weights in ComfyUI's layout (the inverse of diffusers' converter),
+    for writing test files as ComfyUI keeps them."""
+    out: dict[str, torch.Tensor] = {}
+    state = {k: v.detach() for k, v in transformer.state_dict().items()}
+    renames = (("all_final_layer.2-1.", "final_layer."), ("all_x_embedder.2-1.", "x_embedder."),
+               (".attention.to_out.0.", ".attention.out."), (".attention.norm_k.", ".attention.k_norm."),
+               (".attention.norm_q.", ".attention.q_norm."))
+    for key in list(state):
+        if ".attention.to_q." in key:
+            parts = [state.pop(key.replace(".to_q.", f".{p}.")) for p in ("to_q", "to_k", "to_v")]
+            out[key.replace(".to_q.", ".qkv.")] = torch.cat(parts)
+    for key, value in state.items():
+        for old, new in renames:
+            key = key.replace(old, new)
+        out[key] = value
+    return {k: v.contiguous() for k, v in out.items()}

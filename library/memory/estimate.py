@@ -1,0 +1,180 @@
+"""What a run will hold, estimated before anything is loaded: from the model files' headers (every tensor's shape
+and dtype) and the chosen precisions.
+
+The load holds the denoiser, the text encoders and the VAE at once (the encoders leave once their outputs are
+cached); training adds the LoRA with its gradient and AdamW's two moments (fp32; counted as if every matrix of the
+denoiser had a LoRA, an upper bound) and the activations, for which only a rough allowance is made (they depend on
+the resolution, the batch and checkpointing far more than on the weights).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from library.memory.precision import stored_bytes_per_weight
+
+GIB = 1024 ** 3
+_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
+          "I8": 1, "U8": 1, "BOOL": 1}
+# Key prefixes of a single file's components (LDM / ComfyUI layouts); keys under none belong to the file's part.
+_PREFIXES = {"denoiser": ("model.diffusion_model.",), "vae": ("first_stage_model.", "vae."),
+             "text": ("cond_stage_model.", "conditioner.", "text_encoders.")}
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Parameters of one component: in matrices (what a low precision stores low) and the rest, and the LoRA
+    parameters a rank-1 adapter on every matrix would have."""
+    matrices: int = 0
+    other: int = 0
+    lora_per_rank: int = 0
+    stored_fp8: int = 0  # of the matrices, those the file stores in fp8 (read as they are)
+
+    def __add__(self, other: Counts) -> Counts:
+        return Counts(self.matrices + other.matrices, self.other + other.other,
+                      self.lora_per_rank + other.lora_per_rank, self.stored_fp8 + other.stored_fp8)
+
+
+def _header(path: Path) -> dict:
+    with path.open("rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(size))
+
+
+def count_file(path: Path, part: str) -> dict[str, Counts]:
+    """component ("denoiser", "text", "vae") -> Counts of a safetensors file; keys under another component's
+    prefix count there."""
+    out: dict[str, Counts] = {}
+    for key, entry in _header(path).items():
+        if key == "__metadata__" or entry["dtype"] not in _BYTES:
+            continue
+        owner = next((name for name, prefixes in _PREFIXES.items() if key.startswith(prefixes)), part)
+        shape = entry["shape"]
+        numel = 1
+        for side in shape:
+            numel *= side
+        if len(shape) >= 2 and numel >= 4096:
+            counts = Counts(numel, 0, shape[0] + numel // shape[0], numel if entry["dtype"].startswith("F8") else 0)
+        else:
+            counts = Counts(0, numel, 0)
+        out[owner] = out.get(owner, Counts()) + counts
+    return out
+
+
+def model_files(model: str | Path, separate: dict[str, Iterable[str | None]]) -> list[tuple[Path, str]] | None:
+    """(file, component) for the model: a diffusers folder's safetensors by subfolder, or the model file and the
+    separate component files (clip_l, t5xxl, ae, ...). None when a part cannot be read (pickles, .bin)."""
+    model = Path(model)
+    files: list[tuple[Path, str]] = []
+    if model.is_dir():
+        for path in sorted(model.glob("*/*.safetensors")):
+            folder = path.parent.name
+            part = "vae" if folder == "vae" else "text" if folder.startswith("text_encoder") else \
+                "denoiser" if folder in ("unet", "transformer") else None
+            if part:
+                files.append((path, part))
+        if not files:
+            return None
+    elif model.suffix == ".safetensors":
+        files.append((model, "denoiser"))
+    else:
+        return None
+    for part, paths in separate.items():
+        for path in paths:
+            if path:
+                if Path(path).suffix != ".safetensors":
+                    return None
+                files.append((Path(path), part))
+    return files
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the estimate depends on besides the files."""
+    denoiser: str | None  # None (the compute dtype), "fp8", "int8", "nf4"
+    text_encoders: str | None
+    compute_dtype: torch.dtype
+    vae_dtype: torch.dtype
+    rank: int
+    gradient_checkpointing: bool
+    swapped_fraction: float = 0.0  # blocks_to_swap's share of the denoiser's blocks, held in host memory
+    reads_low: bool = True  # safetensors files read tensor by tensor (False: a diffusers folder, read whole)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    parts: dict[str, float]  # name -> bytes
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    def describe(self) -> str:
+        return ", ".join(f"{name} {size / GIB:.1f}" for name, size in self.parts.items()) + \
+            f" GiB; about {self.total / GIB:.1f} GiB in all"
+
+
+def estimate(counts: dict[str, Counts], settings: Settings) -> Estimate:
+    """The peak of the load (every component as read: fp8 for fp8, the file's fp8 or else the compute dtype
+    before int8 / nf4 quantize it, the compute dtype for a diffusers folder) and of training (the base as
+    stored, LoRA, optimizer, activations), whichever is larger, by part."""
+    compute = torch.finfo(settings.compute_dtype).bits / 8
+    denoiser, text, vae = (counts.get(name, Counts()) for name in ("denoiser", "text", "vae"))
+
+    def held(part: Counts, kind: str | None) -> float:
+        return part.matrices * stored_bytes_per_weight(kind, settings.compute_dtype) + part.other * compute
+
+    def read(part: Counts, kind: str | None) -> float:
+        if kind == "fp8" and settings.reads_low:
+            return held(part, "fp8")
+        low = part.stored_fp8 if kind and settings.reads_low else 0
+        return low + (part.matrices - low) * compute + part.other * compute
+
+    vae_bytes = (vae.matrices + vae.other) * torch.finfo(settings.vae_dtype).bits / 8
+    stored = held(denoiser, settings.denoiser) * (1 - settings.swapped_fraction)
+    # fp32 weight, gradient, two AdamW moments; never more than the matrices themselves (a LyCORIS "full matrix"
+    # network_dim such as 100000 is not a rank)
+    lora = min(denoiser.lora_per_rank * settings.rank, denoiser.matrices) * 16
+    # A rough allowance: the checkpointed block inputs and one block's working set, or every block's activations.
+    activations = (0.15 if settings.gradient_checkpointing else 1.0) * denoiser.matrices * compute + 0.5 * GIB
+    loading = {"denoiser as read": read(denoiser, settings.denoiser),
+               "text encoders (until their outputs are cached)": read(text, settings.text_encoders),
+               "VAE": vae_bytes}
+    training = {"denoiser as stored": stored, "text encoders (until their outputs are cached)": held(
+        text, settings.text_encoders), "VAE": vae_bytes, "LoRA and optimizer": lora,
+        "activations (rough)": activations}
+    return Estimate(max(loading, training, key=lambda parts: sum(parts.values())))
+
+
+def alternatives(counts: dict[str, Counts], settings: Settings, available: float,
+                 cuda: bool) -> list[str]:
+    """The option changes (alone) under which the estimate fits `available`."""
+    tries = [("base_model_precision = \"fp8\" (kohya's fp8_base)", replace(settings, denoiser="fp8",
+                                                                          text_encoders="fp8")),
+             ("base_model_precision = \"int8\"", replace(settings, denoiser="int8", text_encoders="fp8")),
+             ("base_model_precision = \"nf4\"", replace(settings, denoiser="nf4", text_encoders="fp8")),
+             ("gradient_checkpointing = true", replace(settings, gradient_checkpointing=True))]
+    if cuda:
+        tries.append(("blocks_to_swap (about half the blocks)", replace(settings, swapped_fraction=0.5)))
+    fits = [name for name, changed in tries if changed != settings and estimate(counts, changed).total <= available]
+    both = replace(settings, denoiser="nf4", text_encoders="fp8", gradient_checkpointing=True)
+    if not fits and both != settings and estimate(counts, both).total <= available:
+        fits.append("base_model_precision = \"nf4\" with gradient_checkpointing = true")
+    return fits
+
+
+def available_memory(device: torch.device) -> float:
+    """Free memory of the CUDA device, or the host's available memory (MemAvailable)."""
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float("inf")
