@@ -1,6 +1,6 @@
 """The one interface the trainer calls for any model family, and the components a family loads.
 
-A family (SD1.x, SD2.x, SDXL, ...) is one module in `library/models/` with one `Family` subclass: how its prompts
+A family (SD1.x, SD2.x, SDXL, ...) is one package in `library/families/` with its `Family` subclass(es): how its prompts
 are tokenized and encoded, how its denoiser is called with its extra conditioning, what it is trained to predict,
 which text encoders carry which kohya LoRA prefix, which pipeline samples it and what the LoRA's metadata says.
 The loop, the model wrapper, the caches and sampling only ever call these methods; none asks which family it is.
@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from library.config import UserError
+from library.families.objective import Objective
 
 Tokenizer = Callable[[str], dict[str, torch.Tensor]]
 
@@ -105,7 +106,7 @@ class Family(ABC):
         """The denoiser's prediction for the noisy latents, from encoded text and the batch's conditioning."""
 
     @abstractmethod
-    def objective(self, components: Components, config: Any, device: torch.device) -> Any:
+    def objective(self, components: Components, config: Any, device: torch.device) -> Objective:
         """The training objective (what is predicted, how timesteps are drawn and losses weighted)."""
 
     def block_swap_plan(self, denoiser: torch.nn.Module, blocks_to_swap: int) -> list[tuple[Any, int]]:

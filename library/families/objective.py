@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -268,6 +268,28 @@ def per_sample_loss(prediction: torch.Tensor, target: torch.Tensor, loss_type: s
         return loss.mean(dim=dims)
     weights = resize_mask(mask, loss.shape[2:]).to(device=loss.device, dtype=loss.dtype).expand_as(loss)
     return (loss * weights).sum(dim=dims) / weights.sum(dim=dims).clamp_min(torch.finfo(loss.dtype).tiny)
+
+
+class Objective(Protocol):
+    """What the loop asks of a training objective: noise, timesteps, the noisy input and the per-sample loss.
+    DDPM's DiffusionObjective and FLUX's FlowMatchingObjective (and the families' variants of it) implement it;
+    timesteps travel as floats in [0, num_train_timesteps)."""
+
+    @property
+    def num_train_timesteps(self) -> int: ...
+
+    def sample_noise(self, latents: torch.Tensor, generator: torch.Generator) -> torch.Tensor: ...
+
+    def sample_timesteps(self, batch_size: int, generator: torch.Generator, device: torch.device | str,
+                         latent_size: tuple[int, int]) -> torch.Tensor: ...
+
+    def input_noise(self, noise: torch.Tensor, generator: torch.Generator) -> torch.Tensor | None: ...
+
+    def noisy_latents(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor: ...
+
+    def per_sample_loss(self, prediction: torch.Tensor, latents: torch.Tensor, noise: torch.Tensor,
+                        timesteps: torch.Tensor, mask: torch.Tensor | None = None,
+                        noisy: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)

@@ -13,21 +13,32 @@ from typing import Any, Callable
 
 import torch
 from accelerate import Accelerator
+from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType, broadcast_object_list, set_seed
+from torch.utils.data import DataLoader
 
 from library.config import Config, UserError
-from library.config.network_args import network_args_of
 from library.core.memory import return_free_heap
 from library.data.dataset import TrainingData, build_training_data
 from library.families.family import Components
+from library.families.objective import Objective
 from library.families.registry import load_components
 from library.families.shared.vae_file import load_vae
-from library.memory import estimate as memory
+from library.memory.check import check_memory
 from library.memory.precision import BasePrecision, reading
 from library.monitoring.sampling import SamplePrompt, load_prompts
 from library.monitoring.tracking import StepMetrics, TimestepLoss, lr_names
 from library.network import kohya_format, lora
-from library.network.metadata import lora_metadata, model_file_hashes
+from library.network.metadata import (
+    DatasetFacts,
+    FamilyFlags,
+    ModelCard,
+    NetworkFacts,
+    RunProgress,
+    TrainingFacts,
+    lora_metadata,
+    model_file_hashes,
+)
 from library.training import adapters as adapter_training
 from library.training.accelerator import gathered, realign_cpu_adam, restore_nvme_optimizer_state, zero3, zero3_refusals
 from library.training.base_weights import merge_base_weights
@@ -100,14 +111,14 @@ class Session:
     prompts: list[SamplePrompt]
     data: TrainingData
     components: Components
-    objective: Any
-    model: Any  # the prepared (wrapped) model
+    objective: Objective
+    model: torch.nn.Module  # the prepared (wrapped) model
     unwrapped: DiffusionModel
     trainable: list[torch.nn.Parameter]
     group_names: list[str]
-    optimizer: Any
-    lr_scheduler: Any
-    dataloader: Any
+    optimizer: torch.optim.Optimizer  # accelerate's wrapper of it
+    lr_scheduler: AcceleratedScheduler
+    dataloader: DataLoader
     plan: Plan
     state: TrainState
     metrics: StepMetrics
@@ -125,25 +136,71 @@ class Session:
 def build_session(config: Config, accelerator: Accelerator, started_at: float) -> Session:
     """Build every part in the order that fixes the run's random draws (LoRA initialisation follows set_seed)."""
     output_dir = Path(config.output_dir)
+    resume_dir, resumed = resume_point(config, accelerator, output_dir)
+    seed = resolve_seed(config, accelerator, resumed)
+    set_seed(seed)  # LoRA initialisation; the training path itself uses step generators
+    weight_dtype = WEIGHT_DTYPES[config.mixed_precision]
+    vae_dtype = torch.float32 if config.no_half_vae else weight_dtype
+    prompts = sample_prompts(config)
+    # The images are checked before the model is loaded, so data problems surface in seconds.
+    data = build_training_data(config, None, seed, accelerator.num_processes)
+    components = load_base(config, accelerator, data, weight_dtype, vae_dtype)
+    family = components.family
+    spec = network_spec(config, family)
+    data.set_tokenizer(family.tokenizer(components, config.max_token_length))
+    objective = family.objective(components, config, accelerator.device)
+    model, groups = build_model(config, components, accelerator.device, spec)
+    trainable = [p for group in groups for p in group["params"]]
+    prepare_inputs(config, accelerator, output_dir, data, components, model, trainable, vae_dtype, bool(prompts))
+    dataloader = data.dataloader(config.max_data_loader_n_workers, config.persistent_data_loader_workers,
+                                 config.gradient_accumulation_steps)
+    optimizer = build_optimizer(config.optimizer_type, groups, config.learning_rate, config.optimizer_args,
+                                use_8bit_adam=config.use_8bit_adam, use_lion_optimizer=config.use_lion_optimizer)
+    state = TrainState(seed=seed, world_size=accelerator.num_processes,
+                       fingerprint=run_fingerprint(config, spec, components, model),
+                       path_settings=path_settings(config, seed, data), versions=library_versions())
+    # Batches are dealt round-robin to the processes.
+    plan = make_plan(config, math.ceil(len(data.sampler) / accelerator.num_processes))
+    data.dataset.total_steps = plan.total_steps  # a token warm-up given as a fraction of the run
+    lr_scheduler = schedule(config, optimizer, plan, state, resumed is None)
+    # prepare wraps the module (DDP, a DeepSpeed engine, torch.compile) but keeps this very object inside; holding
+    # it spares accelerate's unwrap_model, which imports deepspeed (half a second) just to check for an engine.
+    unwrapped = model
+    model, optimizer, dataloader, lr_scheduler = prepare(accelerator, plan, model, optimizer, dataloader,
+                                                         lr_scheduler)
+    ema = (adapter_training.AdapterEMA(lora_modules(unwrapped, config), config.ema_decay,
+                                       rename=unwrapped.family.kohya_module_path)
+           if config.ema_decay is not None else None)
+    checkpointer = make_checkpointer(config, accelerator, unwrapped, spec, trainable, ema)
+    metrics = StepMetrics(TimestepLoss(config.min_timestep, config.max_timestep, config.loss_timestep_bins),
+                          plan.steps_per_epoch)
+    if resumed is not None:
+        restore(config, accelerator, resume_dir, resumed, state, checkpointer, metrics, optimizer)
+    return Session(config, accelerator, output_dir, seed, started_at, weight_dtype, vae_dtype, spec, prompts, data,
+                   components, objective, model, unwrapped, trainable, lr_names(groups), optimizer, lr_scheduler,
+                   dataloader, plan, state, metrics, ema, checkpointer)
+
+
+def resume_point(config: Config, accelerator: Accelerator, output_dir: Path) -> tuple[Path | None, TrainState | None]:
+    """The state folder the run resumes from (a local one, or one downloaded from the Hub) and its train state."""
     if config.resume_from_huggingface and config.resume:  # sd-scripts' owner/repo/path[:revision[:type]]
         local = output_dir / HUB_STATE_FOLDER
         on_main_process(accelerator, lambda: download_state(config, local))
         resume_dir = resolve_resume(str(local / parse_hub_state(config.resume)[1]), output_dir)
     else:
         resume_dir = resolve_resume(config.resume, output_dir)
-    resumed = TrainState.read(resume_dir) if resume_dir else None
-    if resume_dir is not None:
-        on_main_process(accelerator, lambda: check_free_space_for_resume(output_dir, resume_dir))
-    seed = resolve_seed(config, accelerator, resumed)
-    set_seed(seed)  # LoRA initialisation; the training path itself uses step generators
-    weight_dtype = WEIGHT_DTYPES[config.mixed_precision]
-    vae_dtype = torch.float32 if config.no_half_vae else weight_dtype
+    if resume_dir is None:
+        return None, None
+    on_main_process(accelerator, lambda: check_free_space_for_resume(output_dir, resume_dir))
+    return resume_dir, TrainState.read(resume_dir)
 
-    prompts = sample_prompts(config)
-    # The images are checked before the model is loaded, so data problems surface in seconds.
-    data = build_training_data(config, None, seed, accelerator.num_processes)
+
+def load_base(config: Config, accelerator: Accelerator, data: TrainingData, weight_dtype: torch.dtype,
+              vae_dtype: torch.dtype) -> Components:
+    """The frozen base, checked against the memory available first, read in its storage precision and configured
+    for the run (its family's settings, a replacement VAE, merged base weights)."""
     precision = BasePrecision.from_config(config, weight_dtype)
-    check_memory(config, accelerator, precision, vae_dtype)
+    check_memory(config, accelerator.device, accelerator.num_processes, precision, vae_dtype)
     # Separate component files (kohya's FLUX files) are read straight into their storage precision (fp8 files stay
     # fp8). A single SD checkpoint is not: diffusers' from_single_file casts what it is given to the training dtype.
     separate = any((config.clip_l, config.t5xxl, config.ae))
@@ -162,37 +219,33 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
         raise UserError(f"weighted_captions is not offered for {family.name}: sd-scripts weights captions for the "
                         "CLIP text encoders of SD1.x, SD2.x and SDXL only (its SD3 and FLUX tokenizers have no "
                         "weighting: the option fails there at the first step); remove it")
-    spec = network_spec(config, family)
-    data.set_tokenizer(family.tokenizer(components, config.max_token_length))
-    objective = family.objective(components, config, accelerator.device)
+    return components
 
-    model, groups = build_model(config, components, accelerator.device, spec)
+
+def prepare_inputs(config: Config, accelerator: Accelerator, output_dir: Path, data: TrainingData,
+                   components: Components, model: DiffusionModel, trainable: list[torch.nn.Parameter],
+                   vae_dtype: torch.dtype, sampling: bool) -> None:
+    """Before the first step: compile the denoiser's blocks if asked, check the disk has room for what the run
+    saves, cache latents and text-encoder outputs, and free the encoders no longer needed."""
     if config.torch_compile and config.dynamo_backend != "no":
         compile_repeated_blocks(model.denoiser, config.dynamo_backend)
-    trainable = [p for group in groups for p in group["params"]]
     on_main_process(accelerator, lambda: check_free_space(
         output_dir, sum(p.numel() * p.element_size() for p in trainable),
         config.save_state or config.save_state_on_train_end or config.save_state_on_preemption))
-    train_text_encoder = trained_parts(config, family)[1]
+    train_text_encoder = trained_parts(config, components.family)[1]
     caching = plan_caching(config, data, train_text_encoder)
     cache_inputs(config, data, components, accelerator, vae_dtype, caching)
-    release_encoders(components, model, caching, train_text_encoder, bool(prompts), accelerator.device,
+    release_encoders(components, model, caching, train_text_encoder, sampling, accelerator.device,
                      validating=data.validation is not None)
     return_free_heap()  # the encoders' work and what of their weights was freed
     if zero3(accelerator):
-        zero3_refusals(config, bool(prompts), data.validation is not None)
-    dataloader = data.dataloader(config.max_data_loader_n_workers, config.persistent_data_loader_workers,
-                                 config.gradient_accumulation_steps)
-    optimizer = build_optimizer(config.optimizer_type, groups, config.learning_rate, config.optimizer_args,
-                                use_8bit_adam=config.use_8bit_adam, use_lion_optimizer=config.use_lion_optimizer)
-    state = TrainState(seed=seed, world_size=accelerator.num_processes,
-                       fingerprint=run_fingerprint(config, spec, components, model),
-                       path_settings=path_settings(config, seed, data), versions=library_versions())
+        zero3_refusals(config, sampling, data.validation is not None)
 
-    # Batches are dealt round-robin to the processes; the scheduler must exist before prepare so that DeepSpeed
-    # owns and checkpoints it.
-    plan = make_plan(config, math.ceil(len(data.sampler) / accelerator.num_processes))
-    data.dataset.total_steps = plan.total_steps  # a token warm-up given as a fraction of the run
+
+def schedule(config: Config, optimizer: torch.optim.Optimizer, plan: Plan, state: TrainState,
+             fresh: bool) -> Any:
+    """The learning-rate schedule, built before prepare so that DeepSpeed owns and checkpoints it, and put at
+    kohya's initial_step / initial_epoch for a fresh run (a resumed one gets its position from the state)."""
     lr_scheduler = build_lr_scheduler(config.lr_scheduler, optimizer, plan.total_steps, config.lr_warmup_steps,
                                       config.lr_scheduler_num_cycles, config.lr_scheduler_power,
                                       lr_decay_steps=config.lr_decay_steps,
@@ -200,17 +253,20 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
                                       timescale=config.lr_scheduler_timescale,
                                       scheduler_type=config.lr_scheduler_type,
                                       scheduler_args=config.lr_scheduler_args)
-    start = None if resumed is not None else initial_position(config, plan.steps_per_epoch,
-                                                              config.gradient_accumulation_steps, plan.total_steps)
+    start = initial_position(config, plan.steps_per_epoch, config.gradient_accumulation_steps,
+                             plan.total_steps) if fresh else None
     if start is not None:
         fast_forward(lr_scheduler, start[0])  # before prepare, which may hand the schedule to DeepSpeed
         state.global_step, state.epoch, state.batch_in_epoch = start
         logger.info("starting at step %d (epoch %d, batch %d): initial_step / initial_epoch%s", start[0],
                     start[1] + 1, start[2],
                     ", data skipped to that step" if config.skip_until_initial_step else "")
-    # prepare wraps the module (DDP, a DeepSpeed engine, torch.compile) but keeps this very object inside; holding
-    # it spares accelerate's unwrap_model, which imports deepspeed (half a second) just to check for an engine.
-    unwrapped = model
+    return lr_scheduler
+
+
+def prepare(accelerator: Accelerator, plan: Plan, model: DiffusionModel, optimizer: torch.optim.Optimizer,
+            dataloader: Any, lr_scheduler: Any) -> tuple[Any, Any, Any, Any]:
+    """accelerate's prepare (DDP, DeepSpeed, compile), checked against the plan's batch count."""
     model, optimizer, dataloader, lr_scheduler = accelerator.prepare(model, optimizer, dataloader, lr_scheduler)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         # DeepSpeed may swap in its own optimizer (CPU Adam for offload) and replaces its param groups when a state
@@ -218,11 +274,14 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
         lr_scheduler.scheduler.optimizer = optimizer.optimizer
     if len(dataloader) != plan.batches_per_epoch:
         raise RuntimeError(f"planned {plan.batches_per_epoch} batches per process, the loader has {len(dataloader)}")
+    return model, optimizer, dataloader, lr_scheduler
 
-    ema = (adapter_training.AdapterEMA(lora_modules(unwrapped, config), config.ema_decay,
-                                       rename=unwrapped.family.kohya_module_path)
-           if config.ema_decay is not None else None)
-    checkpointer = Checkpointer(
+
+def make_checkpointer(config: Config, accelerator: Accelerator, unwrapped: DiffusionModel, spec: NetworkSpec,
+                      trainable: list[torch.nn.Parameter],
+                      ema: adapter_training.AdapterEMA | None) -> Checkpointer:
+    """Saving and loading the run's state: the adapter file (and its EMA) beside accelerate's own state."""
+    return Checkpointer(
         accelerator,
         write_adapter=lambda path: save_lora(config, unwrapped, spec, path, {}, None),
         read_adapter=lambda path: load_adapter(config, unwrapped, kohya_format.load_kohya_lora(path)[0], strict=True,
@@ -230,19 +289,18 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
         write_ema=adapter_training.ema_writer(ema) if ema else None,
         read_ema=adapter_training.ema_reader(ema) if ema else None,
         gather=lambda modify: gathered(accelerator, trainable, modify))
-    metrics = StepMetrics(TimestepLoss(config.min_timestep, config.max_timestep, config.loss_timestep_bins),
-                          plan.steps_per_epoch)
-    if resumed is not None:
-        note = resume_note(config, resumed.global_step)
-        if note:
-            logger.warning(note)
-        resume(resume_dir, resumed, state, checkpointer, metrics)
-        if accelerator.distributed_type == DistributedType.DEEPSPEED:
-            restore_nvme_optimizer_state(accelerator.deepspeed_engine_wrapped.engine, resume_dir)
-            realign_cpu_adam(optimizer)
-    return Session(config, accelerator, output_dir, seed, started_at, weight_dtype, vae_dtype, spec, prompts, data,
-                   components, objective, model, unwrapped, trainable, lr_names(groups), optimizer, lr_scheduler,
-                   dataloader, plan, state, metrics, ema, checkpointer)
+
+
+def restore(config: Config, accelerator: Accelerator, resume_dir: Path, resumed: TrainState, state: TrainState,
+            checkpointer: Checkpointer, metrics: StepMetrics, optimizer: Any) -> None:
+    """Continue from a saved state: its position, adapter, optimizer, schedule and metrics."""
+    note = resume_note(config, resumed.global_step)
+    if note:
+        logger.warning(note)
+    resume(resume_dir, resumed, state, checkpointer, metrics)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        restore_nvme_optimizer_state(accelerator.deepspeed_engine_wrapped.engine, resume_dir)
+        realign_cpu_adam(optimizer)
 
 
 def claim_output_dir(output_dir: Path, accelerator: Accelerator) -> OutputLock | None:
@@ -365,26 +423,17 @@ def training_metadata(session: Session) -> dict[str, str]:
     model = Path(config.pretrained_model_name_or_path)
     # A folder has no single file to hash; kohya writes "IsADirectory" there, which helps nobody.
     model_hashes = model_file_hashes(str(model.resolve())) if model.is_file() else {}
+    family = session.components.family
     return lora_metadata(
-        network_dim=session.spec.dim, network_alpha=session.spec.alpha,
-        **session.components.family.metadata_flags(session.components.v_prediction),
-        family_fields=session.components.family.metadata_fields(config),
-        network_module=config.network_module, network_dropout=config.network_dropout,
-        network_args=dict(arg.split("=", 1) for arg in config.network_args),
-        learning_rate=config.learning_rate, unet_lr=config.unet_lr, text_encoder_lr=config.text_encoder_lr,
-        max_train_steps=plan.total_steps, steps=state.global_step, epoch=state.epoch, num_epochs=plan.num_epochs,
-        seed=session.seed, resolution=config.resolution, training_started_at=session.started_at,
-        training_finished_at=time.time(), num_train_images=data.num_train_images,
-        num_reg_images=data.num_reg_images, num_batches_per_epoch=plan.batches_per_epoch,
-        batch_size=config.train_batch_size, output_name=config.output_name, sd_model_name=model.name,
-        mixed_precision=config.mixed_precision, full_fp16=config.full_fp16, lr_scheduler=config.lr_scheduler,
-        lr_warmup_steps=warmup_steps(config.lr_warmup_steps, plan.total_steps), optimizer=config.optimizer_type,
-        gradient_accumulation_steps=config.gradient_accumulation_steps,
-        gradient_checkpointing=config.gradient_checkpointing, max_grad_norm=config.max_grad_norm,
-        min_snr_gamma=config.min_snr_gamma, noise_offset=config.noise_offset, clip_skip=config.clip_skip,
-        max_token_length=config.max_token_length,
-        training_comment=config.training_comment, title=config.metadata_title, author=config.metadata_author,
-        description=config.metadata_description, license=config.metadata_license, tags=config.metadata_tags,
+        NetworkFacts.from_config(config, session.spec.dim, session.spec.alpha),
+        training=TrainingFacts.from_config(config, seed=session.seed, sd_model_name=model.name,
+                                           lr_warmup_steps=warmup_steps(config.lr_warmup_steps, plan.total_steps)),
+        progress=RunProgress(steps=state.global_step, epoch=state.epoch, num_epochs=plan.num_epochs,
+                             max_train_steps=plan.total_steps, started_at=session.started_at, finished_at=time.time()),
+        dataset=DatasetFacts(data.num_train_images, data.num_reg_images, plan.batches_per_epoch,
+                             config.train_batch_size, config.resolution),
+        family=FamilyFlags(**family.metadata_flags(session.components.v_prediction)),
+        card=ModelCard.from_config(config), family_fields=family.metadata_fields(config),
         extra={**data.kohya_metadata(), **model_hashes, **precision_metadata(config)},
     )
 
@@ -395,41 +444,3 @@ def precision_metadata(config: Config) -> dict[str, str]:
         return {}
     return {"ss_fp8_base": str(config.fp8_base), "ss_fp8_base_unet": str(config.fp8_base_unet),
             "ss_base_model_precision": config.base_model_precision}
-
-
-def check_memory(config: Config, accelerator: Accelerator, precision: BasePrecision, vae_dtype: torch.dtype,
-                 available: float | None = None) -> None:
-    """Estimate what the run will hold from the model files' headers and stop before loading (UserError) where it
-    exceeds the memory available (the CUDA device's, or the host's shared by this machine's processes), naming the
-    options that would fit. `available` stands in for the measured memory in tests."""
-    files = memory.model_files(config.pretrained_model_name_or_path,
-                               {"text": [config.clip_l, config.t5xxl, config.text_encoder], "vae": [config.ae]})
-    if files is None:
-        return
-    counts: dict[str, memory.Counts] = {}
-    try:
-        for path, part in files:
-            for name, found in memory.count_file(path, part).items():
-                counts[name] = counts.get(name, memory.Counts()) + found
-    except (OSError, ValueError, KeyError, TypeError):
-        return  # the loader names what is wrong with the file
-    device = accelerator.device
-    # IA3 trains one scale per channel whatever network_dim says (the GUI's iA3 presets write 64 or 1024)
-    rank = 1 if network_args_of(config).algo == "ia3" else config.network_dim
-    settings = memory.Settings(precision.denoiser, precision.text_encoders, precision.compute_dtype, vae_dtype,
-                               rank, config.gradient_checkpointing or config.cpu_offload_checkpointing,
-                               reads_low=any((config.clip_l, config.t5xxl, config.ae)))  # as build_session reads
-    sharing = 1 if device.type == "cuda" else accelerator.num_processes
-    need = memory.estimate(counts, settings)
-    if available is None:
-        available = memory.available_memory(device) / sharing
-    where = "on the GPU" if device.type == "cuda" else "in host memory"
-    logger.info("memory estimate %s: %s (%.1f GiB available)", where, need.describe(), available / memory.GIB)
-    if need.total <= available:
-        return
-    fits = memory.alternatives(counts, settings, available, device.type == "cuda")
-    raise UserError([f"this run needs about {need.total / memory.GIB:.1f} GiB {where} ({need.describe()}) and "
-                     f"{available / memory.GIB:.1f} GiB is available: it would run out of memory; stopped before "
-                     "loading",
-                     f"options that would fit: {'; '.join(fits)}" if fits else
-                     "none of base_model_precision fp8 / int8 / nf4 or gradient_checkpointing alone would fit"])

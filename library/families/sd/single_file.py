@@ -259,9 +259,7 @@ def load_single_file(path: str | os.PathLike[str], *, v2: bool = False, v_parame
     before any weight is read. `model_config` replaces the shipped config folder (for checkpoints whose widths
     differ from the standard models).
     """
-    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-    from diffusers.loaders.single_file_utils import create_diffusers_clip_model_from_ldm
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+    from diffusers import DDPMScheduler
 
     path = Path(path)
     problem = checkpoint_file_problem(path, allow_pickle)
@@ -273,6 +271,29 @@ def load_single_file(path: str | os.PathLike[str], *, v2: bool = False, v_parame
         checkpoint = read_checkpoint(path, allow_pickle)
         shapes = {k: tuple(v.shape) for k, v in checkpoint.items()}
     architecture = detect_architecture(shapes, str(path))
+    _check_architecture(path, architecture, architectures, v2, v_parameterization)
+    config_dir = Path(model_config) if model_config is not None else shipped_config_dir(architecture)
+    if not config_dir.is_dir():
+        raise UserError(f"model_config: {config_dir} is not a folder")
+    check_config_dir(config_dir, architecture)
+    if checkpoint is not None:
+        _with_text_model_level(checkpoint, CLIP_PREFIX)
+    started = time.perf_counter()
+    parts = _load_models(path, checkpoint, architecture, config_dir, weight_dtype, vae_dtype)
+    checkpoint = None  # the whole file (pickle checkpoints) is not needed any more
+    for name in _component_names(architecture)[1]:
+        parts[name] = load_tokenizer(config_dir, name)
+    try:
+        parts["scheduler"] = DDPMScheduler.from_pretrained(config_dir, subfolder="scheduler", local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{config_dir}: cannot load the scheduler config: {e}") from None
+    logger.info("loaded %s single-file checkpoint %s in %.1f s (configs from %s)", architecture.title, path,
+                time.perf_counter() - started, config_dir)
+    return SingleFileModel(architecture, parts, config_dir)
+
+
+def _check_architecture(path: Path, architecture: Architecture, architectures: Collection[str], v2: bool,
+                        v_parameterization: bool) -> None:
     if architecture.name not in architectures:
         supported = ", ".join(ARCHITECTURES[a].title for a in architectures)
         raise UserError(f"{path} is a {architecture.title} checkpoint; single files of {supported} can be trained")
@@ -285,12 +306,13 @@ def load_single_file(path: str | os.PathLike[str], *, v2: bool = False, v_parame
         logger.warning("SD2.x checkpoints do not say whether they are 512 base (epsilon) or 768-v (v-prediction) "
                        "models; training with epsilon. For a 768-v model set v_parameterization = true (with v2)")
 
-    config_dir = Path(model_config) if model_config is not None else shipped_config_dir(architecture)
-    if not config_dir.is_dir():
-        raise UserError(f"model_config: {config_dir} is not a folder")
-    check_config_dir(config_dir, architecture)
-    if checkpoint is not None:
-        _with_text_model_level(checkpoint, CLIP_PREFIX)
+
+def _load_models(path: Path, checkpoint: dict[str, torch.Tensor] | None, architecture: Architecture,
+                 config_dir: Path, weight_dtype: torch.dtype, vae_dtype: torch.dtype) -> dict[str, Any]:
+    """The UNet, VAE and text encoders through diffusers' single-file code, one component at a time."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from diffusers.loaders.single_file_utils import create_diffusers_clip_model_from_ldm
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
     def weights(prefix: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         # A safetensors file is read one component at a time, each tensor cast to the component's dtype as it is
@@ -303,7 +325,7 @@ def load_single_file(path: str | os.PathLike[str], *, v2: bool = False, v_parame
         _with_text_model_level(state, CLIP_PREFIX)
         return state
 
-    encoders, tokenizers = _component_names(architecture)
+    encoders = _component_names(architecture)[0]
     encoder_classes = [CLIPTextModel, CLIPTextModelWithProjection][:len(encoders)]
     # Each encoder gets only its own keys: diffusers picks the conversion by which keys it sees and by width, which
     # cannot tell SDXL's two encoders apart when they are equally wide.
@@ -316,7 +338,6 @@ def load_single_file(path: str | os.PathLike[str], *, v2: bool = False, v_parame
                                                  architecture.text_encoder_prefixes, strict=True)]
     common = {"config": str(config_dir), "local_files_only": True}
     parts: dict[str, Any] = {}
-    started = time.perf_counter()
     for name, load, prefix, dtype in components:
         try:
             with _quiet_dtype_cast_warning():
@@ -333,16 +354,7 @@ def load_single_file(path: str | os.PathLike[str], *, v2: bool = False, v_parame
             raise UserError(f"{path}: the {name} weights do not fit the {architecture.title} config in "
                             f"{config_dir}: {_mismatch(e)}. For a checkpoint of other widths, set model_config to a "
                             "diffusers folder whose configs match it") from None
-    checkpoint = None  # the whole file (pickle checkpoints) is not needed any more
-    for name in tokenizers:
-        parts[name] = load_tokenizer(config_dir, name)
-    try:
-        parts["scheduler"] = DDPMScheduler.from_pretrained(config_dir, subfolder="scheduler", local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise UserError(f"{config_dir}: cannot load the scheduler config: {e}") from None
-    logger.info("loaded %s single-file checkpoint %s in %.1f s (configs from %s)", architecture.title, path,
-                time.perf_counter() - started, config_dir)
-    return SingleFileModel(architecture, parts, config_dir)
+    return parts
 
 
 # --- writing safetensors files (the pickle converter; tests and tools with ldm_export.ldm_state_dict) -----------------
