@@ -264,12 +264,11 @@ def test_kohyas_dylora_trains_one_unit_of_every_rank(tiny):
 
 def test_ia3s_network_dim_is_not_a_rank_in_the_memory_estimate(tiny_sd1_dir, tmp_path):
     # the GUI's iA3-Prodigy preset writes network_dim 1024: IA3 trains one scale per channel
-    from types import SimpleNamespace
 
     from library.config import UserError
     from library.memory import estimate as memory
+    from library.memory.check import check_memory
     from library.memory.precision import BasePrecision
-    from library.training.setup import check_memory
 
     def config(*network: str):
         return parse_config([f"--pretrained_model_name_or_path={tiny_sd1_dir}", f"--train_data_dir={tmp_path}",
@@ -281,8 +280,8 @@ def test_ia3s_network_dim_is_not_a_rank_in_the_memory_estimate(tiny_sd1_dir, tmp
         for name, found in memory.count_file(path, part).items():
             counts[name] = counts.get(name, memory.Counts()) + found
     rank_one = memory.estimate(counts, memory.Settings(None, None, torch.float32, torch.float32, 1, False)).total
-    accelerator = SimpleNamespace(device=torch.device("cpu"), num_processes=1)
+    where = (torch.device("cpu"), 1)  # the device and the processes sharing it
     precision = BasePrecision.from_config(ia3, torch.float32)
-    check_memory(ia3, accelerator, precision, torch.float32, available=rank_one + 1)
+    check_memory(ia3, *where, precision, torch.float32, available=rank_one + 1)
     with pytest.raises(UserError):
-        check_memory(config(), accelerator, precision, torch.float32, available=rank_one + 1)
+        check_memory(config(), *where, precision, torch.float32, available=rank_one + 1)

@@ -2,15 +2,13 @@
 that cannot fit (a simulated limit) refused before loading, naming the options that would fit."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from library.config import UserError, parse_config
 from library.memory import estimate as memory
+from library.memory.check import check_memory
 from library.memory.precision import BasePrecision
-from library.training.setup import check_memory
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +42,7 @@ def test_a_run_that_cannot_fit_stops_before_loading_naming_what_fits(files, tiny
                               f"--model_config={tiny_flux_dir}", f"--train_data_dir={tmp_path}",
                               f"--output_dir={tmp_path / 'out'}", "--mixed_precision=bf16",
                               "--gradient_checkpointing"])
-    accelerator = SimpleNamespace(device=torch.device("cpu"), num_processes=1)
+    where = (torch.device("cpu"), 1)  # the device and the processes sharing it
     precision = BasePrecision.from_config(config, torch.bfloat16)
 
     def need(kind):
@@ -56,15 +54,15 @@ def test_a_run_that_cannot_fit_stops_before_loading_naming_what_fits(files, tiny
         return memory.estimate(counts, memory.Settings(kind, kind and "fp8", torch.bfloat16, torch.bfloat16,
                                                        config.network_dim, True)).total
 
-    check_memory(config, accelerator, precision, torch.bfloat16, available=need(None) + 1)  # fits: no error
+    check_memory(config, *where, precision, torch.bfloat16, available=need(None) + 1)  # fits: no error
     limit = (need(None) + need("fp8")) / 2
     with pytest.raises(UserError) as refused:
-        check_memory(config, accelerator, precision, torch.bfloat16, available=limit)
+        check_memory(config, *where, precision, torch.bfloat16, available=limit)
     text = "\n".join(refused.value.problems)
     assert "stopped before loading" in text
     assert 'base_model_precision = "fp8"' in text and 'base_model_precision = "nf4"' in text
     with pytest.raises(UserError, match="none of base_model_precision"):
-        check_memory(config, accelerator, precision, torch.bfloat16, available=1.0)
+        check_memory(config, *where, precision, torch.bfloat16, available=1.0)
 
 
 def test_a_full_matrix_network_dim_counts_no_more_than_the_matrices(files):
