@@ -13,7 +13,14 @@ import torch
 from torch import nn
 
 from library.network import kohya_format, lora
-from library.network.metadata import lora_metadata
+from library.network.metadata import (
+    DatasetFacts,
+    FamilyFlags,
+    NetworkFacts,
+    RunProgress,
+    TrainingFacts,
+    lora_metadata,
+)
 
 RANK = 4
 
@@ -280,7 +287,7 @@ def test_diffusers_kohya_loader_reproduces_our_outputs(tiny, tmp_path, alpha):
     # the adapter must matter, or the comparison proves nothing
     assert (ours_u - base_u).abs().max() > 1e-3 and (ours_t - base_t).abs().max() > 1e-3
 
-    path, _ = save(tmp_path, unet, te, alpha, metadata=lora_metadata(network_dim=RANK, network_alpha=alpha))
+    path, _ = save(tmp_path, unet, te, alpha, metadata=lora_metadata(NetworkFacts(RANK, alpha)))
     d_unet, d_te = diffusers_load(tiny, str(path))
     theirs_u, theirs_t = outputs(d_unet, d_te, x)
     torch.testing.assert_close(theirs_u, ours_u, atol=1e-5, rtol=0)
@@ -311,7 +318,8 @@ def test_diffusers_comparison_catches_a_wrong_alpha(tiny):
 def test_round_trip_through_file(tiny, tmp_path):
     alpha = 1.5
     unet, te = attached(tiny, alpha)
-    meta = lora_metadata(network_dim=RANK, network_alpha=alpha, output_name="sks", resolution=512)
+    meta = lora_metadata(NetworkFacts(RANK, alpha), training=TrainingFacts(output_name="sks"),
+                         dataset=DatasetFacts(resolution=512))
     path, sd = save(tmp_path, unet, te, alpha, metadata=meta)
 
     loaded, metadata = kohya_format.load_kohya_lora(path)
@@ -395,32 +403,26 @@ def test_dims_from_state_dict_rejects_mixed_dims():
 
 def test_metadata_names_and_formats():
     meta = lora_metadata(
-        network_dim=8,
-        network_alpha=4.0,
-        network_args={"conv_dim": 4},
-        network_dropout=0.1,
-        learning_rate=1e-4,
-        unet_lr=1e-4,
-        text_encoder_lr=5e-5,
-        max_train_steps=100,
-        steps=50,
-        epoch=2,
-        num_epochs=4,
-        seed=42,
-        resolution=(512, 512),
-        training_started_at=1700000000.5,
-        training_finished_at=1700000100.25,
-        num_train_images=20,
-        output_name="sks_dog",
-        sd_model_name="runwayml/stable-diffusion-v1-5",
-        mixed_precision="bf16",
-        lr_scheduler="cosine",
-        optimizer="torch.optim.adamw.AdamW(weight_decay=0.01)",
-        gradient_accumulation_steps=1,
-        max_grad_norm=1.0,
-        min_snr_gamma=5.0,
-        noise_offset=None,
-        training_comment="hello",
+        NetworkFacts(8, 4.0, args={"conv_dim": 4}, dropout=0.1),
+        training=TrainingFacts(
+            learning_rate=1e-4,
+            unet_lr=1e-4,
+            text_encoder_lr=5e-5,
+            seed=42,
+            output_name="sks_dog",
+            sd_model_name="runwayml/stable-diffusion-v1-5",
+            mixed_precision="bf16",
+            lr_scheduler="cosine",
+            optimizer="torch.optim.adamw.AdamW(weight_decay=0.01)",
+            gradient_accumulation_steps=1,
+            max_grad_norm=1.0,
+            min_snr_gamma=5.0,
+            noise_offset=None,
+            training_comment="hello",
+        ),
+        progress=RunProgress(steps=50, epoch=2, num_epochs=4, max_train_steps=100, started_at=1700000000.5,
+                             finished_at=1700000100.25),
+        dataset=DatasetFacts(num_train_images=20, resolution=(512, 512)),
         extra={"ss_tag_frequency": json.dumps({"a": {"dog": 1}})},
     )
     assert all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())
@@ -444,10 +446,11 @@ def test_metadata_names_and_formats():
     assert meta["modelspec.date"].startswith("2023-11-1")  # ISO date of training_finished_at
     assert meta["ss_tag_frequency"] == '{"a": {"dog": 1}}'
 
-    v2 = lora_metadata(network_dim=4, network_alpha=1, v2=True, v_parameterization=True, resolution=768)
+    v2 = lora_metadata(NetworkFacts(4, 1), family=FamilyFlags(v2=True, v_parameterization=True),
+                       dataset=DatasetFacts(resolution=768))
     assert v2["ss_base_model_version"] == "sd_v2_v" and v2["ss_v2"] == "True"
     assert v2["modelspec.architecture"] == "stable-diffusion-v2-768-v/lora" and v2["modelspec.prediction_type"] == "v"
-    xl = lora_metadata(network_dim=4, network_alpha=1, sdxl=True)
+    xl = lora_metadata(NetworkFacts(4, 1), family=FamilyFlags(sdxl=True))
     assert xl["ss_base_model_version"] == "sdxl_base_v1-0" and xl["modelspec.resolution"] == "1024x1024"
     assert xl["modelspec.architecture"] == "stable-diffusion-xl-v1-base/lora"
 

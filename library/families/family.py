@@ -154,8 +154,8 @@ class Family(ABC):
 
     @abstractmethod
     def metadata_flags(self, v_prediction: bool) -> dict[str, Any]:
-        """The keyword arguments of lora_metadata that name this family (v2, v_parameterization, sdxl, or
-        base_model / architecture)."""
+        """The fields of the LoRA metadata's FamilyFlags that name this family (v2, v_parameterization, sdxl, or
+        base_model / architecture / implementation)."""
 
     def metadata_fields(self, config: Any) -> dict[str, Any]:
         """Family-specific ss_* fields of the LoRA's metadata."""
