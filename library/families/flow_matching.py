@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -18,9 +18,6 @@ from library.families.objective import LossOptions, NoiseOptions, per_sample_los
 
 logger = logging.getLogger(__name__)
 NUM_TRAIN_TIMESTEPS = 1000
-TIMESTEP_SAMPLINGS = ("sigma", "uniform", "sigmoid", "shift", "flux_shift")
-PREDICTION_TYPES = ("raw", "additive", "sigma_scaled")
-WEIGHTING_SCHEMES = ("none", "uniform", "sigma_sqrt", "logit_normal", "mode", "cosmap")
 
 
 @dataclass(frozen=True)
@@ -121,28 +118,37 @@ _IGNORED_AS_KOHYA = (
 )
 
 
-def ignored_notes(config: Any, family: str = "FLUX") -> list[str]:
-    """Notes for the DDPM-objective options that are set and, as in kohya's FLUX trainer, do nothing here."""
+def user_settings(config: Any) -> dict[str, Any]:
+    """The options the user set (in the TOML or on the command line), with their values."""
+    return {name: value for name, value in config.as_dict().items() if config.is_set(name)}
+
+
+def ignored_notes(settings: Mapping[str, Any], family: str = "FLUX") -> list[str]:
+    """Notes for the DDPM-objective options among the user's `settings` that, as in kohya's FLUX trainer, do
+    nothing here."""
     notes = [f"{name} has no effect for {family}, as in kohya's FLUX trainer: {why}; {family} is trained with flow "
-             "matching" for name, why in _IGNORED_AS_KOHYA if getattr(config, name)]
-    if (config.min_timestep, config.max_timestep) != (0, NUM_TRAIN_TIMESTEPS):
+             "matching" for name, why in _IGNORED_AS_KOHYA if settings.get(name)]
+    if (settings.get("min_timestep", 0), settings.get("max_timestep", NUM_TRAIN_TIMESTEPS)) != (0, NUM_TRAIN_TIMESTEPS):
         notes.append(f"min_timestep / max_timestep have no effect for {family}, as in kohya's FLUX trainer: sigmas "
                      "are drawn by timestep_sampling")
     return notes
 
 
-def unsupported(config: Any, family: str = "FLUX") -> list[str]:
-    """The options of the DDPM objective that flow matching cannot take. Those kohya's FLUX trainer accepts and
-    ignores are logged (ignored_notes) and ignored; `family` names the model in the messages."""
-    for note in ignored_notes(config, family):
+def unsupported(settings: Mapping[str, Any], family: str = "FLUX") -> list[str]:
+    """The options of the DDPM objective among the user's `settings` (user_settings) that flow matching cannot
+    take. Those kohya's FLUX trainer accepts and ignores are logged (ignored_notes) and ignored; `family` names the
+    model in the messages."""
+    for note in ignored_notes(settings, family):
         logger.warning(note)
     problems = []
-    if config.loss_type in ("huber", "smooth_l1") and config.huber_schedule == "snr":
+    loss_type = settings.get("loss_type")
+    if loss_type in ("huber", "smooth_l1") and settings.get("huber_schedule") == "snr":
         # kohya's snr schedule reads the DDPM scheduler's alphas_cumprod, which FLUX's scheduler has not.
-        problems.append(f"loss_type {config.loss_type} with huber_schedule snr: not for {family} (the schedule "
+        problems.append(f"loss_type {loss_type} with huber_schedule snr: not for {family} (the schedule "
                         "follows a DDPM SNR); set huber_schedule to constant or exponential")
-    if config.timestep_sampling in ("qwen_shift", "logsnr"):
-        problems.append(f"timestep_sampling {config.timestep_sampling}: not for {family} (musubi-tuner's sampling, "
+    sampling = settings.get("timestep_sampling")
+    if sampling in ("qwen_shift", "logsnr"):
+        problems.append(f"timestep_sampling {sampling}: not for {family} (musubi-tuner's sampling, "
                         "offered for Z-Image and Qwen-Image; kohya's FLUX trainer has no such choice)")
     return problems
 

@@ -21,7 +21,7 @@ import torch
 from library.config import UserError
 from library.config.network_args import network_args_of
 from library.families.family import Components, Family, Tokenizer
-from library.families.flow_matching import FlowMatchingObjective, unsupported
+from library.families.flow_matching import FlowMatchingObjective, unsupported, user_settings
 from library.families.flux import lora as flux_lora
 from library.families.flux.family import image_ids, kohya_flux_fields, pack_latents, unpack_latents
 from library.families.shared import checks as transformer_checks
@@ -153,7 +153,7 @@ class Chroma(Family):
         return unpack_latents(out, height, width)
 
     def objective(self, components: Components, config: Any, device: torch.device) -> FlowMatchingObjective:
-        problems = unsupported(config, "Chroma")
+        problems = unsupported(user_settings(config), "Chroma")
         if problems:
             raise UserError(problems)
         return FlowMatchingObjective.from_config(config)

@@ -18,7 +18,7 @@ import torch
 from library.config import UserError
 from library.config.network_args import network_args_of
 from library.families.family import Components, Family, Tokenizer
-from library.families.flow_matching import FlowMatchingObjective, unsupported
+from library.families.flow_matching import FlowMatchingObjective, unsupported, user_settings
 from library.families.flux import lora as flux_lora
 from library.families.shared import checks as transformer_checks
 from library.families.shared.clip_text import tokenize
@@ -155,7 +155,7 @@ class Flux(Family):
         return unpack_latents(out, height, width)
 
     def objective(self, components: Components, config: Any, device: torch.device) -> FlowMatchingObjective:
-        problems = unsupported(config)
+        problems = unsupported(user_settings(config))
         if problems:
             raise UserError(problems)
         return FlowMatchingObjective.from_config(config)

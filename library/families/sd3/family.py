@@ -22,6 +22,7 @@ from library.families.flow_matching import (
     loss_weighting,
     sigmas_of,
     unsupported,
+    user_settings,
 )
 from library.families.objective import per_sample_loss
 from library.families.sd3 import lora as sd3_lora
@@ -226,11 +227,9 @@ class SD3(Family):
                 embedding.crop = None
 
     def objective(self, components: Components, config: Any, device: torch.device) -> SD3Objective:
-        class WithoutTimestepRange:  # min/max_timestep are SD3's own (see SD3Objective), not ignored
-            def __getattr__(self, name: str) -> Any:
-                return {"min_timestep": 0, "max_timestep": NUM_TRAIN_TIMESTEPS}.get(name, getattr(config, name))
-
-        problems = unsupported(WithoutTimestepRange(), "SD3")
+        # min/max_timestep are SD3's own (see SD3Objective), not ignored as for FLUX
+        settings = {k: v for k, v in user_settings(config).items() if k not in ("min_timestep", "max_timestep")}
+        problems = unsupported(settings, "SD3")
         if problems:
             raise UserError(problems)
         base = FlowMatchingObjective.from_config(config)
