@@ -134,6 +134,11 @@ def _to_resolution(value: Any) -> tuple[int, int]:
     return width, height
 
 
+# The registry's family names (library.families.registry.ENTRIES), in its order: what an Option's `families` names.
+# sd covers SD1.x, SD2.x and SDXL.
+FAMILIES: tuple[str, ...] = ("sd", "flux", "chroma", "sd3", "z_image", "qwen_image")
+
+
 @dataclass(frozen=True)
 class Option:
     name: str
@@ -146,6 +151,12 @@ class Option:
     secret: bool = False  # never sent to trackers, metadata or the resolved-config dump
     is_path: bool = False  # trackers get the base name only
     metavar: str | None = None
+    families: tuple[str, ...] = ()  # the families that read it (FAMILIES' names); empty: every family
+
+    def __post_init__(self) -> None:
+        unknown = [f for f in self.families if f not in FAMILIES]
+        if unknown:
+            raise ValueError(f"option {self.name}: unknown families {unknown}; the families are {FAMILIES}")
 
     @property
     def is_flag(self) -> bool:
@@ -158,6 +169,11 @@ class Option:
     @property
     def is_size(self) -> bool:
         return self.convert is _to_resolution
+
+    @property
+    def is_text(self) -> bool:
+        """Free text, taken as given (spaces kept); every other value is read stripped."""
+        return self.convert is _to_str
 
 
 # kohya's optimizer_type names, matched case-insensitively; library/optim.py builds each one.

@@ -8,7 +8,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from library.config.family_options import FAMILY_MODEL_OPTIONS
+import library.config.choices as choices
+from library.config.distributed_options import DISTRIBUTED_OPTIONS
+from library.config.family_options import FAMILY_MODEL_OPTIONS, FLOW, FLUX_LIKE, MUSUBI, SD
 from library.config.option_types import (
     OPTIMIZER_TYPES,
     Option,
@@ -54,9 +56,9 @@ _MODEL = [
     _opt("pretrained_model_name_or_path", _to_str, None,
          "local diffusers model folder (StableDiffusionPipeline layout) or single-file .safetensors checkpoint "
          "(original SD layout, as shared on model sites)", is_path=True, metavar="PATH"),
-    _opt("v2", _to_bool, False, "the base model is Stable Diffusion 2.x"),
+    _opt("v2", _to_bool, False, "the base model is Stable Diffusion 2.x", families=SD),
     _opt("v_parameterization", _to_bool, False,
-         "train with v-prediction (SD2.x 768-v); read from the scheduler config when not set"),
+         "train with v-prediction (SD2.x 768-v); read from the scheduler config when not set", families=SD),
     _opt("no_half_vae", _to_bool, False, "keep the VAE in float32 under fp16/bf16 mixed precision"),
     _opt("model_config", _to_str, None,
          "for a single-file checkpoint: a diffusers folder whose unet/vae/text_encoder/scheduler configs and "
@@ -65,13 +67,16 @@ _MODEL = [
     _opt("allow_pickle_checkpoints", _to_bool, False,
          "read .ckpt / .pt / .pth / .bin pickle checkpoints; unpickling can run arbitrary code hidden in the file: "
          "only for files you trust (python -m library.families.sd.single_file IN.ckpt OUT.safetensors converts one "
-         "safely)"),
-    _opt("clip_skip", _to_int, None, "use the text encoder's n-th layer from the end (2: the penultimate)"),
-    _opt("max_token_length", _to_int, None, "caption length in tokens: 75 (default), 150 or 225 (kohya's chunking)"),
+         "safely)", families=SD),
+    _opt("clip_skip", _to_int, None, "use the text encoder's n-th layer from the end (2: the penultimate)",
+         families=SD),
+    _opt("max_token_length", _to_int, None, "caption length in tokens: 75 (default), 150 or 225 (kohya's chunking)",
+         families=SD),
     _opt("weighted_captions", _to_bool, False,
          "kohya's: read (word:1.2), (word) and [word] in captions (and sample prompts) as weights that scale the "
-         "text encoder's output for those tokens; SD1.x, SD2.x and SDXL only, as in sd-scripts"),
-    _opt("zero_terminal_snr", _to_bool, False, "rescale the noise schedule so the last timestep is pure noise"),
+         "text encoder's output for those tokens; SD1.x, SD2.x and SDXL only, as in sd-scripts", families=SD),
+    _opt("zero_terminal_snr", _to_bool, False, "rescale the noise schedule so the last timestep is pure noise",
+         families=SD),
     *FAMILY_MODEL_OPTIONS,
 ]
 _DATASET = [
@@ -101,7 +106,7 @@ _DATASET = [
          "leave out unusable images (listed in the log) instead of stopping with status 2"),
     _opt("resize_interpolation", _to_str, None,
          "kohya's: the filter images are resized with (default: Lanczos); area averages the covered pixels",
-         choices=("lanczos", "nearest", "bilinear", "linear", "bicubic", "cubic", "area")),
+         choices=choices.RESIZE_INTERPOLATIONS),
     _opt("color_aug", _to_bool, False,
          "kohya's: a random hue shift (up to 8 of 180 steps) or gamma (0.95-1.05) on a third of the uses of an image; "
          "latents are then not cached"),
@@ -169,7 +174,8 @@ _NETWORK = [
          "block_alphas, conv_block_dims, conv_block_alphas, down/mid/up_lr_weight, block_lr_zero_threshold",
          metavar="KEY=VALUE"),
     _opt("network_train_unet_only", _to_bool, False, "train LoRA on the UNet only"),
-    _opt("network_train_text_encoder_only", _to_bool, False, "train LoRA on the text encoder only"),
+    _opt("network_train_text_encoder_only", _to_bool, False, "train LoRA on the text encoder only",
+         families=(*SD, *FLUX_LIKE, "sd3")),  # musubi-tuner's families train the transformer only
     _opt("unet_lr", _to_float, None, "learning rate of the UNet LoRA (default: learning_rate)"),
     _opt("text_encoder_lr", _to_lr, None, "learning rate of the text encoder LoRA (default: learning_rate)"),
     _opt("loraplus_lr_ratio", _to_float, None,
@@ -210,12 +216,13 @@ _TRAINING = [
          "kohya's: the denoiser (UNet / transformer) stored as float8_e4m3fn, the text encoders as they are"),
     _opt("blocks_to_swap", _to_int, None,
          "CUDA: keep this many of the denoiser's blocks in CPU memory and swap them in as they run (kohya's "
-         "limits per family; FLUX: up to 35); without CUDA it has no effect"),
+         "limits per family; FLUX: up to 35); without CUDA it has no effect", families=("flux", "qwen_image")),
     _opt("cpu_offload_checkpointing", _to_bool, False,
          "CUDA: keep the activations gradient checkpointing saves in CPU memory (turns on gradient_checkpointing; "
          "not with blocks_to_swap); without CUDA it has no effect"),
     _opt("split_mode", _to_bool, False,
-         "FLUX: deprecated in sd-scripts, where it means blocks_to_swap 18 unless blocks_to_swap is set; so here"),
+         "FLUX: deprecated in sd-scripts, where it means blocks_to_swap 18 unless blocks_to_swap is set; so here",
+         families=("flux",)),
     _opt("seed", _to_int, None, "random seed (a random one is drawn and recorded when unset)"),
     _opt("initial_step", _to_int, None,
          "kohya's: start counting at this optimizer step (e.g. to continue from a LoRA given as network_weights): "
@@ -237,8 +244,7 @@ _OPTIMIZER = [
          metavar="KEY=VALUE"),
     _opt("learning_rate", _to_float, 2e-6, "base learning rate"),
     _opt("lr_scheduler", _to_str, "constant", "learning-rate schedule (unused when lr_scheduler_type is set)",
-         choices=("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial",
-                  "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay", "piecewise_constant", "adafactor")),
+         choices=choices.LR_SCHEDULERS),
     _opt("lr_warmup_steps", _to_float, 0,
          "warm-up steps, or a fraction of the total steps when below 1"),
     _opt("lr_decay_steps", _to_float, 0,
@@ -258,60 +264,64 @@ _OPTIMIZER = [
          "keyword arguments of lr_scheduler_type or lr_scheduler, e.g. step_size=100 gamma=0.5", metavar="KEY=VALUE"),
 ]
 _OBJECTIVE = [
-    _opt("min_snr_gamma", _to_float, None, "Min-SNR loss weighting gamma (5 is the paper's value)"),
-    _opt("noise_offset", _to_float, None, "add this much per-channel offset noise"),
+    _opt("min_snr_gamma", _to_float, None, "Min-SNR loss weighting gamma (5 is the paper's value)", families=SD),
+    _opt("noise_offset", _to_float, None, "add this much per-channel offset noise", families=SD),
     _opt("noise_offset_random_strength", _to_bool, False,
-         "scale the offset noise by a uniform draw in [0, noise_offset) per batch"),
+         "scale the offset noise by a uniform draw in [0, noise_offset) per batch", families=SD),
     _opt("adaptive_noise_scale", _to_float, None,
-         "add this times the latents' absolute channel mean to noise_offset (needs noise_offset)"),
+         "add this times the latents' absolute channel mean to noise_offset (needs noise_offset)", families=SD),
     _opt("multires_noise_iterations", _to_int, None,
-         "multi-resolution (pyramid) noise with this many levels (6-10 is usual)"),
+         "multi-resolution (pyramid) noise with this many levels (6-10 is usual)", families=SD),
     _opt("multires_noise_discount", _to_float, 0.3,
-         "weight ratio between pyramid levels (with multires_noise_iterations)"),
+         "weight ratio between pyramid levels (with multires_noise_iterations)", families=SD),
     _opt("ip_noise_gamma", _to_float, None,
          "input perturbation: extra noise of this scale on the noisy latents only (0.1 is usual)"),
     _opt("ip_noise_gamma_random_strength", _to_bool, False,
          "scale the input perturbation by a uniform draw in [0, ip_noise_gamma) per batch"),
-    _opt("min_timestep", _to_int, 0, "lowest timestep to train (inclusive)"),
-    _opt("max_timestep", _to_int, 1000, "highest timestep to train (exclusive)"),
-    _opt("loss_type", _to_str, "l2", "loss function", choices=("l1", "l2", "huber", "smooth_l1")),
+    # kohya's FLUX trainer draws sigmas by timestep_sampling and leaves the timestep range alone.
+    _opt("min_timestep", _to_int, 0, "lowest timestep to train (inclusive)", families=(*SD, "sd3", *MUSUBI)),
+    _opt("max_timestep", _to_int, 1000, "highest timestep to train (exclusive)", families=(*SD, "sd3", *MUSUBI)),
+    _opt("loss_type", _to_str, "l2", "loss function", choices=choices.LOSS_TYPES),
     _opt("huber_schedule", _to_str, "snr",
-         "how huber_c changes with the timestep for loss_type huber / smooth_l1",
-         choices=("constant", "exponential", "snr")),
+         "how huber_c changes with the timestep for loss_type huber / smooth_l1", choices=choices.HUBER_SCHEDULES),
     _opt("huber_c", _to_float, 0.1, "Huber threshold (loss_type huber / smooth_l1); the schedules' low end"),
     _opt("huber_scale", _to_float, 1.0,
          "multiplies huber_c in the constant and exponential schedules (kohya leaves it out of snr)"),
     _opt("debiased_estimation_loss", _to_bool, False,
-         "weight the loss by 1/sqrt(SNR) (1/(SNR+1) with v-prediction), SNR capped at 1000"),
+         "weight the loss by 1/sqrt(SNR) (1/(SNR+1) with v-prediction), SNR capped at 1000", families=SD),
     _opt("scale_v_pred_loss_like_noise_pred", _to_bool, False,
-         "weight a v-prediction loss by SNR/(SNR+1), the size of a noise-prediction loss"),
+         "weight a v-prediction loss by SNR/(SNR+1), the size of a noise-prediction loss", families=SD),
     _opt("v_pred_like_loss", _to_float, None,
-         "add this times a v-prediction-like loss, loss*(SNR+1)/SNR, to a noise-prediction loss"),
+         "add this times a v-prediction-like loss, loss*(SNR+1)/SNR, to a noise-prediction loss", families=SD),
+    # SD3 draws by weighting_scheme and training_shift; the other flow-matching families by timestep_sampling.
     _opt("timestep_sampling", _to_str, "sigma",
          "FLUX: how sigmas are drawn: sigma (the discrete_flow_shift schedule, shaped by weighting_scheme), uniform, "
          "sigmoid (sigmoid of sigmoid_scale * normal), shift (sigmoid, then shifted by discrete_flow_shift), "
          "flux_shift (sigmoid, then shifted by the image size as FLUX's sampler does); Z-Image / Qwen-Image "
          "(musubi-tuner's) also qwen_shift (Qwen-Image's image-size shift) and logsnr (logit_mean, logit_std)",
-         choices=("sigma", "uniform", "sigmoid", "shift", "flux_shift", "qwen_shift", "logsnr")),
-    _opt("sigmoid_scale", _to_float, 1.0, "FLUX: scale of the normal draw in sigmoid / shift / flux_shift sampling"),
+         choices=choices.MUSUBI_TIMESTEP_SAMPLINGS, families=(*FLUX_LIKE, *MUSUBI)),
+    _opt("sigmoid_scale", _to_float, 1.0, "FLUX: scale of the normal draw in sigmoid / shift / flux_shift sampling",
+         families=(*FLUX_LIKE, *MUSUBI)),
     _opt("discrete_flow_shift", _to_float, 3.0,
          "FLUX: shift of the sigma schedule (sigma and shift sampling); Z-Image / Qwen-Image: of shift sampling "
-         "only, default 1.0 there (musubi-tuner's)"),
+         "only, default 1.0 there (musubi-tuner's)", families=(*FLUX_LIKE, *MUSUBI)),
     _opt("model_prediction_type", _to_str, "sigma_scaled",
          "FLUX: how the output is read: raw (velocity), additive (output + noisy input), sigma_scaled "
-         "(noisy input - sigma * output, weighted by weighting_scheme)",
-         choices=("raw", "additive", "sigma_scaled")),
+         "(noisy input - sigma * output, weighted by weighting_scheme)", choices=choices.PREDICTION_TYPES,
+         families=FLUX_LIKE),
     _opt("weighting_scheme", _to_str, "uniform",
          "FLUX: logit_normal / mode shape the sigma draw (timestep_sampling sigma); sigma_sqrt / cosmap weight the "
          "loss (model_prediction_type sigma_scaled); none and kohya's uniform do neither",
-         choices=("none", "uniform", "sigma_sqrt", "logit_normal", "mode", "cosmap")),
-    _opt("logit_mean", _to_float, 0.0, "FLUX: mean of the logit-normal draw (weighting_scheme logit_normal)"),
-    _opt("logit_std", _to_float, 1.0, "FLUX: standard deviation of the logit-normal draw"),
-    _opt("mode_scale", _to_float, 1.29, "FLUX: scale of the mode draw (weighting_scheme mode)"),
+         choices=choices.WEIGHTING_SCHEMES, families=FLOW),
+    _opt("logit_mean", _to_float, 0.0, "FLUX: mean of the logit-normal draw (weighting_scheme logit_normal)",
+         families=FLOW),
+    _opt("logit_std", _to_float, 1.0, "FLUX: standard deviation of the logit-normal draw", families=FLOW),
+    _opt("mode_scale", _to_float, 1.29, "FLUX: scale of the mode draw (weighting_scheme mode)", families=FLOW),
     _opt("masked_loss", _to_bool, False,
          "weight the loss by masks: alpha_mask, or conditioning_data_dir in the dataset_config subsets (a mask "
          "image per image, same file name, red channel)"),
 ]
+
 _OUTPUT = [
     _opt("output_dir", _to_str, None, "where the LoRA file is written", is_path=True, metavar="PATH"),
     _opt("output_name", _to_str, "last", "base name of the LoRA file"),
@@ -407,37 +417,9 @@ _SAMPLING = [
     _opt("sample_at_first", _to_bool, False, "sample before the first step"),
     _opt("sample_sampler", _to_str, "ddim",
          "sampler: ddim, euler, euler_a, dpm++ 2m, dpm++ 2m karras, pndm, lms, heun, dpm_2, dpm_2_a, dpmsolver, "
-         "dpmsolver++, dpmsingle, ddpm (k_* aliases too)"),
+         "dpmsolver++, dpmsingle, ddpm (k_* aliases too)", families=SD),
 ]
-_DISTRIBUTED = [
-    _opt("ddp_timeout", _to_int, None, "process-group timeout in minutes"),
-    _opt("ddp_gradient_as_bucket_view", _to_bool, False, "DDP gradient_as_bucket_view"),
-    _opt("ddp_static_graph", _to_bool, False, "DDP static_graph"),
-    _opt("torch_compile", _to_bool, False,
-         "compile the UNet's / transformer's repeated blocks with torch.compile (dynamo_backend)"),
-    _opt("dynamo_backend", _to_str, "inductor", "torch.compile backend",
-         choices=("no", "inductor", "eager", "aot_eager", "cudagraphs", "aot_ts_nvfuser", "nvprims_nvfuser", "ofi",
-                  "fx2trt", "onnxrt", "tensorrt", "aot_torchxla_trace_once", "torchxla_trace_once", "ipex", "tvm")),
-    _opt("deepspeed", _to_bool, False, "train with DeepSpeed"),
-    _opt("zero_stage", _to_int, 2, "DeepSpeed ZeRO stage", metavar="{0,1,2,3}"),
-    _opt("offload_optimizer_device", _to_str, None, "DeepSpeed optimizer offload", choices=("cpu", "nvme")),
-    _opt("offload_param_device", _to_str, None, "DeepSpeed parameter offload", choices=("cpu", "nvme")),
-    _opt("offload_optimizer_nvme_path", _to_str, None,
-         "DeepSpeed: folder on an NVMe drive for the offloaded optimizer state (offload_optimizer_device nvme; "
-         "needs DeepSpeed's async_io op, libaio)", is_path=True, metavar="PATH"),
-    _opt("offload_param_nvme_path", _to_str, None,
-         "DeepSpeed ZeRO-3: folder on an NVMe drive for the offloaded parameters (offload_param_device nvme; "
-         "needs DeepSpeed's async_io op, libaio)", is_path=True, metavar="PATH"),
-    _opt("zero3_init_flag", _to_bool, False,
-         "DeepSpeed ZeRO-3: kohya's flag for building models sharded; here the base is always read whole in each "
-         "process and sharded when training starts (noted in the log)"),
-    _opt("zero3_save_16bit_model", _to_bool, False,
-         "DeepSpeed ZeRO-3: gather 16-bit weights when a whole model is saved; the LoRA file is always gathered "
-         "from every process"),
-    _opt("fp16_master_weights_and_gradients", _to_bool, False,
-         "DeepSpeed: fp16 master weights and gradients, optimizer states in fp32 (ZeRO-2 with "
-         "offload_optimizer_device cpu, mixed_precision fp16)"),
-]
+_DISTRIBUTED = DISTRIBUTED_OPTIONS
 _CONFIG = [
     _opt("config_file", _to_str, None, "TOML file of options (command-line flags override it)",
          aliases=("config",), is_path=True, metavar="PATH"),
