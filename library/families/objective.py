@@ -13,9 +13,9 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-# The schema (library/options.py, which loads without torch) spells these out; a test keeps the two in step.
-LOSS_TYPES = ("l1", "l2", "huber", "smooth_l1")
-HUBER_SCHEDULES = ("constant", "exponential", "snr")
+from library.config.choices import HUBER_SCHEDULES as HUBER_SCHEDULES  # spelled once, with the schema's choices
+from library.config.choices import LOSS_TYPES as LOSS_TYPES
+
 # kohya caps the SNR at this in its debiased and v-prediction-scale weights (SD's SNR at t = 0 is about 1175).
 SNR_CAP = 1000.0
 

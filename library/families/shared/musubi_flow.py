@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from library.config import UserError
+from library.config.choices import MUSUBI_TIMESTEP_SAMPLINGS
 from library.families.family import Components, Family
 from library.families.flow_matching import (
     NUM_TRAIN_TIMESTEPS,
@@ -29,7 +30,7 @@ from library.families.flow_matching import (
 )
 from library.families.objective import per_sample_loss
 
-SAMPLINGS = ("sigma", "uniform", "sigmoid", "shift", "flux_shift", "qwen_shift", "logsnr")
+SAMPLINGS = MUSUBI_TIMESTEP_SAMPLINGS  # what musubi_sigmas draws by
 DEFAULT_FLOW_SHIFT = 1.0  # musubi's --discrete_flow_shift default
 
 
