@@ -8,13 +8,13 @@ the resolution, the batch and checkpointing far more than on the weights).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable
 
 import torch
 
+from library.core.safetensors_header import read_safetensors_header
 from library.memory.precision import stored_bytes_per_weight
 
 GIB = 1024 ** 3
@@ -39,18 +39,12 @@ class Counts:
                       self.lora_per_rank + other.lora_per_rank, self.stored_fp8 + other.stored_fp8)
 
 
-def _header(path: Path) -> dict:
-    with path.open("rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        return json.loads(f.read(size))
-
-
 def count_file(path: Path, part: str) -> dict[str, Counts]:
     """component ("denoiser", "text", "vae") -> Counts of a safetensors file; keys under another component's
     prefix count there."""
     out: dict[str, Counts] = {}
-    for key, entry in _header(path).items():
-        if key == "__metadata__" or entry["dtype"] not in _BYTES:
+    for key, entry in read_safetensors_header(path)[1].items():
+        if entry["dtype"] not in _BYTES:
             continue
         owner = next((name for name, prefixes in _PREFIXES.items() if key.startswith(prefixes)), part)
         shape = entry["shape"]

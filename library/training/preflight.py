@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from library.config import UserError
+from library.core.run_files import LOCK_FILE
 
 try:
     import fcntl
@@ -21,8 +22,6 @@ except ImportError:  # Windows: no flock; runs there are not protected from each
     fcntl = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
-
-LOCK_FILE = "train.lock"
 
 
 class OutputLock:
