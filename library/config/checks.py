@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import tomllib
 
+from library.config.dataset_checks import command_line_dataset_problems, dataset_option_problems, unmet
 from library.config.errors import UserError
 from library.config.network_args import network_option_problems
 from library.config.samplers import canonical_sampler
@@ -34,257 +34,259 @@ def checkpoint_file_problem(path: Path, allow_pickle: bool) -> str | None:
             "allow_pickle_checkpoints)")
 
 
-def bucket_steps_problem(resolution: tuple[int, int], steps: int) -> str | None:
-    """Why no bucket fits, or None: bucket sides are multiples of bucket_reso_steps within the resolution's area, so
-    a square bucket needs sqrt(width x height) >= bucket_reso_steps (kohya divides by a zero-sized bucket there)."""
-    width, height = resolution
-    if steps <= 0 or math.isqrt(width * height) >= steps:
-        return None
-    fitting = math.isqrt(width * height) // 8 * 8
-    lower = f"lower bucket_reso_steps to {fitting} or less, " if fitting >= 8 else ""
-    return (f"resolution {width}x{height} is smaller than bucket_reso_steps {steps}: bucket sides are multiples of "
-            f"bucket_reso_steps within the resolution's area, so no bucket fits; {lower}raise resolution, or turn "
-            "off enable_bucket")
-
-
-def check_values(v: dict[str, Any]) -> list[str]:
-    """Cross-option and range checks on converted values."""
+def check_values(v: Mapping[str, Any]) -> list[str]:
+    """Cross-option and range checks on converted values; every problem, in this order of subjects."""
     problems: list[str] = []
+    for check in (_file_problems, _output_name_problems, _count_problems, dataset_option_problems,
+                  command_line_dataset_problems, _network_range_problems, _learning_rate_problems,
+                  _objective_problems, _training_mode_problems, _base_precision_problems, _logging_problems,
+                  _sampling_problems, _text_encoder_problems, _distributed_problems, _optional_count_problems,
+                  _saving_problems, _hub_problems, _weights_problems, _optimizer_args_problems,
+                  network_option_problems, _optimizer_and_schedule_problems):
+        problems += check(v)
+    return problems
 
-    def need(condition: bool, message: str) -> None:
-        if not condition:
-            problems.append(message)
 
-    writing_config_only = v["output_config"] is not None
-    if not writing_config_only:
-        model = v["pretrained_model_name_or_path"]
-        if model is None:
-            problems.append("pretrained_model_name_or_path is required: a local diffusers model folder or "
-                            ".safetensors checkpoint")
-        elif not Path(model).exists():
-            problems.append(f"pretrained_model_name_or_path: {model} does not exist "
-                            "(models are read from local files only)")
-        elif Path(model).is_file():
-            problem = checkpoint_file_problem(Path(model), v["allow_pickle_checkpoints"])
-            if problem:
-                problems.append(f"pretrained_model_name_or_path: {problem}")
-        elif v["model_config"] is not None:
-            problems.append("model_config describes a single-file checkpoint; pretrained_model_name_or_path is a "
-                            "folder, which has its own configs: remove model_config")
-        if v["model_config"] is not None and not Path(v["model_config"]).is_dir():
-            problems.append(f"model_config: {v['model_config']} is not a folder")
-        if v["vae"] is not None and not Path(v["vae"]).exists():
-            problems.append(f"vae: {v['vae']} does not exist (a VAE folder or .safetensors file)")
-        for name in ("clip_l", "t5xxl", "ae"):  # FLUX.1's separate files
-            if v[name] is not None and not Path(v[name]).is_file():
-                problems.append(f"{name}: {v[name]} is not a file")
-        data, dataset_config = v["train_data_dir"], v["dataset_config"]
-        if v["in_json"] is not None:
-            need(Path(v["in_json"]).is_file(), f"in_json: {v['in_json']} is not a file")
-            need(dataset_config is None, "in_json cannot be combined with dataset_config (a subset there takes "
-                                         "metadata_file); remove one of them")
-            need(v["reg_data_dir"] is None, "in_json is a fine-tuning dataset without regularisation images "
-                                            "(sd-scripts ignores reg_data_dir with it); remove reg_data_dir")
-        if dataset_config is not None:
-            if not Path(dataset_config).is_file():
-                problems.append(f"dataset_config: {dataset_config} is not a file")
-            for name in ("train_data_dir", "reg_data_dir"):
-                need(v[name] is None, f"{name} cannot be combined with dataset_config, whose subsets name the image "
-                                      "folders (kohya ignores it there); remove one of them")
-        elif data is None:
-            problems.append("train_data_dir is required: a folder of kohya-style image folders "
-                            "(or give dataset_config)")
-        elif not Path(data).is_dir():
-            problems.append(f"train_data_dir: {data} is not a folder")
-        if dataset_config is None and v["reg_data_dir"] is not None and not Path(v["reg_data_dir"]).is_dir():
-            problems.append(f"reg_data_dir: {v['reg_data_dir']} is not a folder")
-        if v["output_dir"] is None:
-            problems.append("output_dir is required: where the LoRA file is written")
-        elif Path(v["output_dir"]).exists() and not Path(v["output_dir"]).is_dir():
-            problems.append(f"output_dir: {v['output_dir']} exists and is not a folder")
-    name = v["output_name"]
+def _file_problems(v: Mapping[str, Any]) -> list[str]:
+    """The files and folders a run reads and writes; none is needed to only write the resolved config."""
+    if v["output_config"] is not None:
+        return []
+    return _model_problems(v) + _data_location_problems(v) + _output_dir_problems(v)
+
+
+def _model_problems(v: Mapping[str, Any]) -> list[str]:
+    """The base model: a folder or a readable single-file checkpoint, and the separate files given with it."""
+    problems: list[str] = []
+    model = v["pretrained_model_name_or_path"]
+    if model is None:
+        problems.append("pretrained_model_name_or_path is required: a local diffusers model folder or "
+                        ".safetensors checkpoint")
+    elif not Path(model).exists():
+        problems.append(f"pretrained_model_name_or_path: {model} does not exist "
+                        "(models are read from local files only)")
+    elif Path(model).is_file():
+        problem = checkpoint_file_problem(Path(model), v["allow_pickle_checkpoints"])
+        if problem:
+            problems.append(f"pretrained_model_name_or_path: {problem}")
+    elif v["model_config"] is not None:
+        problems.append("model_config describes a single-file checkpoint; pretrained_model_name_or_path is a "
+                        "folder, which has its own configs: remove model_config")
+    if v["model_config"] is not None and not Path(v["model_config"]).is_dir():
+        problems.append(f"model_config: {v['model_config']} is not a folder")
+    if v["vae"] is not None and not Path(v["vae"]).exists():
+        problems.append(f"vae: {v['vae']} does not exist (a VAE folder or .safetensors file)")
+    for name in ("clip_l", "t5xxl", "ae"):  # FLUX.1's separate files
+        if v[name] is not None and not Path(v[name]).is_file():
+            problems.append(f"{name}: {v[name]} is not a file")
+    return problems
+
+
+def _data_location_problems(v: Mapping[str, Any]) -> list[str]:
+    """Where the images are: train_data_dir (+ reg_data_dir), dataset_config or in_json, one of them."""
+    problems: list[str] = []
+    data, dataset_config = v["train_data_dir"], v["dataset_config"]
+    if v["in_json"] is not None:
+        problems += unmet(
+            (Path(v["in_json"]).is_file(), f"in_json: {v['in_json']} is not a file"),
+            (dataset_config is None, "in_json cannot be combined with dataset_config (a subset there takes "
+                                     "metadata_file); remove one of them"),
+            (v["reg_data_dir"] is None, "in_json is a fine-tuning dataset without regularisation images "
+                                        "(sd-scripts ignores reg_data_dir with it); remove reg_data_dir"))
+    if dataset_config is not None:
+        if not Path(dataset_config).is_file():
+            problems.append(f"dataset_config: {dataset_config} is not a file")
+        problems += unmet(*((v[name] is None, f"{name} cannot be combined with dataset_config, whose subsets name "
+                                               "the image folders (kohya ignores it there); remove one of them")
+                             for name in ("train_data_dir", "reg_data_dir")))
+    elif data is None:
+        problems.append("train_data_dir is required: a folder of kohya-style image folders "
+                        "(or give dataset_config)")
+    elif not Path(data).is_dir():
+        problems.append(f"train_data_dir: {data} is not a folder")
+    if dataset_config is None and v["reg_data_dir"] is not None and not Path(v["reg_data_dir"]).is_dir():
+        problems.append(f"reg_data_dir: {v['reg_data_dir']} is not a folder")
+    return problems
+
+
+def _output_dir_problems(v: Mapping[str, Any]) -> list[str]:
+    if v["output_dir"] is None:
+        return ["output_dir is required: where the LoRA file is written"]
+    if Path(v["output_dir"]).exists() and not Path(v["output_dir"]).is_dir():
+        return [f"output_dir: {v['output_dir']} exists and is not a folder"]
+    return []
+
+
+def _output_name_problems(v: Mapping[str, Any]) -> list[str]:
     # The name becomes file and state-dir names beside each other in output_dir; a path here fails only at the
     # first save, after the training it would have kept.
-    need(bool(name) and "/" not in name and os.sep not in name and (os.altsep is None or os.altsep not in name)
-         and name not in (".", "..") and not name.startswith("."),
-         f"output_name = {name!r}: must be a plain file name without folders (put folders in output_dir) and "
-         "not starting with '.'")
+    name = v["output_name"]
+    return unmet((bool(name) and "/" not in name and os.sep not in name
+                   and (os.altsep is None or os.altsep not in name) and name not in (".", "..")
+                   and not name.startswith("."),
+                   f"output_name = {name!r}: must be a plain file name without folders (put folders in output_dir) "
+                   "and not starting with '.'"))
 
-    for name in ("network_dim", "train_batch_size", "gradient_accumulation_steps", "max_train_steps",
-                 "lr_scheduler_num_cycles"):
-        need(v[name] >= 1, f"{name} must be at least 1 (got {v[name]})")
-    need(v["initial_step"] is None or v["initial_step"] >= 0,
-         f"initial_step must not be negative (got {v['initial_step']})")
-    need(v["initial_epoch"] is None or v["initial_epoch"] >= 1,
-         f"initial_epoch must be at least 1, the first epoch (got {v['initial_epoch']})")
-    need(v["max_train_epochs"] is None or v["max_train_epochs"] >= 1,
-         f"max_train_epochs must be at least 1 (got {v['max_train_epochs']})")
-    need(v["max_data_loader_n_workers"] >= 0, "max_data_loader_n_workers must be 0 or more")
-    need(v["dataset_repeats"] >= 1, f"dataset_repeats must be at least 1 (got {v['dataset_repeats']})")
-    # Dataset options. With dataset_config they are only fallbacks; library.data.dataset_config checks each
-    # dataset's resolved values the same way.
-    need(v["prior_loss_weight"] >= 0, f"prior_loss_weight must not be negative (got {v['prior_loss_weight']})")
-    need(v["vae_batch_size"] >= 1, f"vae_batch_size must be at least 1 (got {v['vae_batch_size']})")
-    need(v["bucket_reso_steps"] >= 8 and v["bucket_reso_steps"] % 8 == 0,
-         f"bucket_reso_steps must be a positive multiple of 8 (got {v['bucket_reso_steps']})")
-    need(1 <= v["min_bucket_reso"] <= v["max_bucket_reso"],
-         f"need 1 <= min_bucket_reso <= max_bucket_reso (got {v['min_bucket_reso']}, {v['max_bucket_reso']})")
-    need(v["keep_tokens"] >= 0, f"keep_tokens must not be negative (got {v['keep_tokens']})")
-    need(v["caption_dropout_every_n_epochs"] >= 0,
-         f"caption_dropout_every_n_epochs must not be negative (got {v['caption_dropout_every_n_epochs']})")
-    for name in ("caption_dropout_rate", "caption_tag_dropout_rate"):
-        need(0 <= v[name] <= 1, f"{name} must be in [0, 1] (got {v[name]})")
-    need(v["caption_separator"] != "", "caption_separator must not be empty")
-    face = v["face_crop_aug_range"]
-    need(not face or (len(face) == 2 and 0 < face[0] <= face[1]),
-         f"face_crop_aug_range must be two positive numbers \"low,high\" with low <= high (got {face})")
-    need(v["token_warmup_min"] >= 0, f"token_warmup_min must not be negative (got {v['token_warmup_min']})")
-    need(v["token_warmup_step"] >= 0, f"token_warmup_step must not be negative (got {v['token_warmup_step']})")
-    for name in ("cache_text_encoder_outputs", "cache_text_encoder_outputs_to_disk"):
-        need(not v[name] or v["network_train_unet_only"],
-             f"{name} needs a frozen text encoder: set network_train_unet_only")
-    if v["dataset_config"] is None:
-        width, height = v["resolution"]
-        if v["enable_bucket"]:
-            problems += [p for p in [bucket_steps_problem((width, height), v["bucket_reso_steps"])] if p]
-            need(v["min_bucket_reso"] <= min(width, height),
-                 f"min_bucket_reso {v['min_bucket_reso']} is larger than the resolution's shorter side "
-                 f"{min(width, height)}")
-            need(v["max_bucket_reso"] >= max(width, height),
-                 f"max_bucket_reso {v['max_bucket_reso']} is smaller than the resolution's longer side "
-                 f"{max(width, height)}")
-        else:
-            need(width % 8 == 0 and height % 8 == 0,
-                 f"resolution {width}x{height}: sides must be multiples of 8 (the VAE downsamples 8x)")
-        need(not (v["color_aug"] and (v["cache_latents"] or v["cache_latents_to_disk"])),
-             "color_aug changes the pixels each time and cannot use cached latents; turn off color_aug or "
-             "cache_latents / cache_latents_to_disk")
-        need(not (v["face_crop_aug_range"] and not v["enable_bucket"]
-                  and (v["cache_latents"] or v["cache_latents_to_disk"])),
-             "face_crop_aug_range crops around the face anew each time and cannot use cached latents; turn off one")
-        need(not (v["random_crop"] and (v["cache_latents"] or v["cache_latents_to_disk"])),
-             "random_crop draws a new crop each time and cannot use cached latents; turn off random_crop or "
-             "cache_latents / cache_latents_to_disk")
-        need(not ((v["cache_text_encoder_outputs"] or v["cache_text_encoder_outputs_to_disk"])
-                  and (v["shuffle_caption"] or v["caption_tag_dropout_rate"] > 0 or v["token_warmup_step"] > 0)),
-             "shuffle_caption, caption_tag_dropout_rate and token_warmup_step change the caption each time and "
-             "cannot use cache_text_encoder_outputs; turn off one")
-    need(v["network_alpha"] > 0, f"network_alpha must be positive (got {v['network_alpha']})")
-    need(0 <= v["network_dropout"] < 1, f"network_dropout must be in [0, 1) (got {v['network_dropout']})")
-    for name in ("learning_rate", "unet_lr", "text_encoder_lr"):
-        need(v[name] is None or v[name] >= 0, f"{name} must not be negative (got {v[name]})")
-    need(v["max_grad_norm"] >= 0, f"max_grad_norm must not be negative (got {v['max_grad_norm']})")
-    need(v["lr_warmup_steps"] >= 0, f"lr_warmup_steps must not be negative (got {v['lr_warmup_steps']})")
-    need(v["lr_warmup_steps"] < 1 or float(v["lr_warmup_steps"]).is_integer(),
-         f"lr_warmup_steps must be a whole number of steps or a fraction below 1 (got {v['lr_warmup_steps']})")
-    need(v["min_snr_gamma"] is None or v["min_snr_gamma"] > 0, "min_snr_gamma must be positive")
-    need(v["noise_offset"] is None or v["noise_offset"] >= 0, "noise_offset must not be negative")
-    need(0 <= v["min_timestep"] < v["max_timestep"] <= 1000,
-         f"need 0 <= min_timestep < max_timestep <= 1000 (got {v['min_timestep']}, {v['max_timestep']})")
-    problems += _check_objective(v)
-    need(not (v["network_train_unet_only"] and v["network_train_text_encoder_only"]),
-         "network_train_unet_only and network_train_text_encoder_only cannot both be set")
-    need(not v["full_fp16"] or v["mixed_precision"] == "fp16",
-         f"full_fp16 needs mixed_precision = \"fp16\" (got {v['mixed_precision']!r})")
-    need(not v["full_bf16"] or v["mixed_precision"] == "bf16",
-         f"full_bf16 needs mixed_precision = \"bf16\" (got {v['mixed_precision']!r})")
-    need(not v["fp16_master_weights_and_gradients"] or v["mixed_precision"] == "fp16",
-         "fp16_master_weights_and_gradients needs mixed_precision = \"fp16\" "
-         f"(got {v['mixed_precision']!r})")
-    problems += _check_base_precision(v)
-    problems += _check_logging(v)
-    problems += _check_sampling(v)
-    need(v["clip_skip"] is None or v["clip_skip"] >= 1, f"clip_skip must be at least 1 (got {v['clip_skip']})")
-    need(v["max_token_length"] in (None, 75, 150, 225),
-         f"max_token_length must be 75, 150 or 225 (got {v['max_token_length']})")
-    need(v["zero_stage"] in (0, 1, 2, 3), f"zero_stage must be 0, 1, 2 or 3 (got {v['zero_stage']})")
-    problems += _check_deepspeed(v)
-    need(v["ddp_timeout"] is None or v["ddp_timeout"] > 0, "ddp_timeout must be a positive number of minutes")
-    for name in ("save_n_epoch_ratio", "max_validation_steps", "text_encoder_batch_size"):
-        need(v[name] is None or v[name] >= 1, f"{name} must be at least 1 (got {v[name]})")
-    for name in ("save_every_n_steps", "save_every_n_epochs", "save_last_n_steps", "save_last_n_epochs",
-                 "save_last_n_steps_state", "save_last_n_epochs_state"):
-        need(v[name] is None or v[name] >= 1, f"{name} must be at least 1 (got {v[name]})")
-    need(not v["resume_from_huggingface"] or (v["resume"] is not None and v["resume"] != "latest"),
-         "resume_from_huggingface needs resume = \"owner/repository/path of the state dir[:revision[:repo_type]]\"")
-    for name in ("huggingface_repo_type", "huggingface_path_in_repo", "huggingface_token",
-                 "huggingface_repo_visibility", "save_state_to_huggingface", "async_upload"):
-        need(not v[name] or v["huggingface_repo_id"] is not None
-             or (name == "huggingface_token" and v["resume_from_huggingface"]),
-             f"{name} is about uploads to the Hugging Face Hub, which need huggingface_repo_id")
-    for path in v["base_weights"]:
-        need(Path(path).is_file(), f"base_weights: {path} is not a file")
-    need(len(v["base_weights_multiplier"]) <= len(v["base_weights"]),
+
+def _count_problems(v: Mapping[str, Any]) -> list[str]:
+    """The network's rank, the batches, the run's length and the loader's workers."""
+    return unmet(
+        *((v[name] >= 1, f"{name} must be at least 1 (got {v[name]})")
+          for name in ("network_dim", "train_batch_size", "gradient_accumulation_steps", "max_train_steps",
+                       "lr_scheduler_num_cycles")),
+        (v["initial_step"] is None or v["initial_step"] >= 0,
+         f"initial_step must not be negative (got {v['initial_step']})"),
+        (v["initial_epoch"] is None or v["initial_epoch"] >= 1,
+         f"initial_epoch must be at least 1, the first epoch (got {v['initial_epoch']})"),
+        (v["max_train_epochs"] is None or v["max_train_epochs"] >= 1,
+         f"max_train_epochs must be at least 1 (got {v['max_train_epochs']})"),
+        (v["max_data_loader_n_workers"] >= 0, "max_data_loader_n_workers must be 0 or more"),
+        (v["dataset_repeats"] >= 1, f"dataset_repeats must be at least 1 (got {v['dataset_repeats']})"))
+
+
+def _network_range_problems(v: Mapping[str, Any]) -> list[str]:
+    return unmet((v["network_alpha"] > 0, f"network_alpha must be positive (got {v['network_alpha']})"),
+                  (0 <= v["network_dropout"] < 1, f"network_dropout must be in [0, 1) (got {v['network_dropout']})"))
+
+
+def _learning_rate_problems(v: Mapping[str, Any]) -> list[str]:
+    return unmet(
+        *((v[name] is None or v[name] >= 0, f"{name} must not be negative (got {v[name]})")
+          for name in ("learning_rate", "unet_lr", "text_encoder_lr")),
+        (v["max_grad_norm"] >= 0, f"max_grad_norm must not be negative (got {v['max_grad_norm']})"),
+        (v["lr_warmup_steps"] >= 0, f"lr_warmup_steps must not be negative (got {v['lr_warmup_steps']})"),
+        (v["lr_warmup_steps"] < 1 or float(v["lr_warmup_steps"]).is_integer(),
+         f"lr_warmup_steps must be a whole number of steps or a fraction below 1 (got {v['lr_warmup_steps']})"))
+
+
+def _training_mode_problems(v: Mapping[str, Any]) -> list[str]:
+    """Which parts train, and the full-precision modes, each of which needs its mixed precision."""
+    precision = v["mixed_precision"]
+    return unmet(
+        (not (v["network_train_unet_only"] and v["network_train_text_encoder_only"]),
+         "network_train_unet_only and network_train_text_encoder_only cannot both be set"),
+        (not v["full_fp16"] or precision == "fp16", f"full_fp16 needs mixed_precision = \"fp16\" (got {precision!r})"),
+        (not v["full_bf16"] or precision == "bf16", f"full_bf16 needs mixed_precision = \"bf16\" (got {precision!r})"),
+        (not v["fp16_master_weights_and_gradients"] or precision == "fp16",
+         f"fp16_master_weights_and_gradients needs mixed_precision = \"fp16\" (got {precision!r})"))
+
+
+def _text_encoder_problems(v: Mapping[str, Any]) -> list[str]:
+    return unmet(
+        (v["clip_skip"] is None or v["clip_skip"] >= 1, f"clip_skip must be at least 1 (got {v['clip_skip']})"),
+        (v["max_token_length"] in (None, 75, 150, 225),
+         f"max_token_length must be 75, 150 or 225 (got {v['max_token_length']})"))
+
+
+def _distributed_problems(v: Mapping[str, Any]) -> list[str]:
+    """DeepSpeed's ZeRO stage and NVMe offload, and the process group's timeout."""
+    return (unmet((v["zero_stage"] in (0, 1, 2, 3), f"zero_stage must be 0, 1, 2 or 3 (got {v['zero_stage']})"))
+            + _nvme_offload_problems(v)
+            + unmet((v["ddp_timeout"] is None or v["ddp_timeout"] > 0,
+                      "ddp_timeout must be a positive number of minutes")))
+
+
+def _optional_count_problems(v: Mapping[str, Any]) -> list[str]:
+    return unmet(*((v[name] is None or v[name] >= 1, f"{name} must be at least 1 (got {v[name]})")
+                    for name in ("save_n_epoch_ratio", "max_validation_steps", "text_encoder_batch_size")))
+
+
+def _saving_problems(v: Mapping[str, Any]) -> list[str]:
+    return unmet(*((v[name] is None or v[name] >= 1, f"{name} must be at least 1 (got {v[name]})")
+                    for name in ("save_every_n_steps", "save_every_n_epochs", "save_last_n_steps",
+                                 "save_last_n_epochs", "save_last_n_steps_state", "save_last_n_epochs_state")))
+
+
+def _hub_problems(v: Mapping[str, Any]) -> list[str]:
+    """Resuming from and uploading to the Hugging Face Hub."""
+    return unmet(
+        (not v["resume_from_huggingface"] or (v["resume"] is not None and v["resume"] != "latest"),
+         "resume_from_huggingface needs resume = \"owner/repository/path of the state dir[:revision[:repo_type]]\""),
+        *((not v[name] or v["huggingface_repo_id"] is not None
+           or (name == "huggingface_token" and v["resume_from_huggingface"]),
+           f"{name} is about uploads to the Hugging Face Hub, which need huggingface_repo_id")
+          for name in ("huggingface_repo_type", "huggingface_path_in_repo", "huggingface_token",
+                       "huggingface_repo_visibility", "save_state_to_huggingface", "async_upload")))
+
+
+def _weights_problems(v: Mapping[str, Any]) -> list[str]:
+    """Weights read at start: base_weights merged into the base, network_weights to continue from."""
+    return unmet(
+        *((Path(path).is_file(), f"base_weights: {path} is not a file") for path in v["base_weights"]),
+        (len(v["base_weights_multiplier"]) <= len(v["base_weights"]),
          f"base_weights_multiplier gives {len(v['base_weights_multiplier'])} strengths for "
-         f"{len(v['base_weights'])} base_weights files")
-    need(not v["base_weights"] or v["base_model_precision"] not in ("int8", "nf4"),
+         f"{len(v['base_weights'])} base_weights files"),
+        (not v["base_weights"] or v["base_model_precision"] not in ("int8", "nf4"),
          f"base_weights are merged into the base's weights, which base_model_precision "
-         f"\"{v['base_model_precision']}\" quantizes; use fp8 or no_change with base_weights")
-    need(not v["dim_from_weights"] or v["network_weights"] is not None,
-         "dim_from_weights needs network_weights (the LoRA file to read dim and alpha from)")
-    need(v["network_weights"] is None or Path(v["network_weights"]).is_file(),
-         f"network_weights: {v['network_weights']} is not a file")
-    for arg in v["optimizer_args"]:
-        need("=" in arg, f"{arg!r}: optimizer_args entries must look like key=value")
-    problems += network_option_problems(v)
-    # Optimizer and schedule; checks that need the optimizer class or the step count run in library.training.optim.
-    for arg in v["lr_scheduler_args"]:
-        need("=" in arg, f"{arg!r}: lr_scheduler_args entries must look like key=value")
-    need(not (v["use_8bit_adam"] and v["use_lion_optimizer"]),
-         "use_8bit_adam and use_lion_optimizer cannot both be set")
-    for flag, meant in (("use_8bit_adam", "AdamW8bit"), ("use_lion_optimizer", "Lion")):
-        need(not v[flag] or v["optimizer_type"] in ("AdamW", meant),
-             f"{flag} means optimizer_type {meant} and cannot be combined with optimizer_type {v['optimizer_type']}")
-    need(v["lr_decay_steps"] >= 0 and (v["lr_decay_steps"] < 1 or float(v["lr_decay_steps"]).is_integer()),
-         f"lr_decay_steps must be a whole number of steps or a fraction below 1 (got {v['lr_decay_steps']})")
-    need(v["lr_scheduler_min_lr_ratio"] is None or 0 <= v["lr_scheduler_min_lr_ratio"] <= 1,
-         f"lr_scheduler_min_lr_ratio must be in [0, 1] (got {v['lr_scheduler_min_lr_ratio']})")
-    need(v["lr_scheduler_timescale"] is None or v["lr_scheduler_timescale"] >= 1,
-         f"lr_scheduler_timescale must be at least 1 (got {v['lr_scheduler_timescale']})")
-    need(not v["lr_scheduler_type"] or v["lr_warmup_steps"] == 0,
+         f"\"{v['base_model_precision']}\" quantizes; use fp8 or no_change with base_weights"),
+        (not v["dim_from_weights"] or v["network_weights"] is not None,
+         "dim_from_weights needs network_weights (the LoRA file to read dim and alpha from)"),
+        (v["network_weights"] is None or Path(v["network_weights"]).is_file(),
+         f"network_weights: {v['network_weights']} is not a file"))
+
+
+def _optimizer_args_problems(v: Mapping[str, Any]) -> list[str]:
+    return unmet(*(("=" in arg, f"{arg!r}: optimizer_args entries must look like key=value")
+                    for arg in v["optimizer_args"]))
+
+
+def _optimizer_and_schedule_problems(v: Mapping[str, Any]) -> list[str]:
+    """Optimizer and schedule; checks that need the optimizer class or the step count run in
+    library.training.optim."""
+    return unmet(
+        *(("=" in arg, f"{arg!r}: lr_scheduler_args entries must look like key=value")
+          for arg in v["lr_scheduler_args"]),
+        (not (v["use_8bit_adam"] and v["use_lion_optimizer"]),
+         "use_8bit_adam and use_lion_optimizer cannot both be set"),
+        *((not v[flag] or v["optimizer_type"] in ("AdamW", meant),
+           f"{flag} means optimizer_type {meant} and cannot be combined with optimizer_type {v['optimizer_type']}")
+          for flag, meant in (("use_8bit_adam", "AdamW8bit"), ("use_lion_optimizer", "Lion"))),
+        (v["lr_decay_steps"] >= 0 and (v["lr_decay_steps"] < 1 or float(v["lr_decay_steps"]).is_integer()),
+         f"lr_decay_steps must be a whole number of steps or a fraction below 1 (got {v['lr_decay_steps']})"),
+        (v["lr_scheduler_min_lr_ratio"] is None or 0 <= v["lr_scheduler_min_lr_ratio"] <= 1,
+         f"lr_scheduler_min_lr_ratio must be in [0, 1] (got {v['lr_scheduler_min_lr_ratio']})"),
+        (v["lr_scheduler_timescale"] is None or v["lr_scheduler_timescale"] >= 1,
+         f"lr_scheduler_timescale must be at least 1 (got {v['lr_scheduler_timescale']})"),
+        (not v["lr_scheduler_type"] or v["lr_warmup_steps"] == 0,
          f"lr_warmup_steps applies to lr_scheduler, not to lr_scheduler_type {v['lr_scheduler_type']}; remove it "
-         "(give the class its own arguments in lr_scheduler_args)")
-    need(v["lr_scheduler"] != "cosine_with_min_lr" or bool(v["lr_scheduler_type"])
+         "(give the class its own arguments in lr_scheduler_args)"),
+        (v["lr_scheduler"] != "cosine_with_min_lr" or bool(v["lr_scheduler_type"])
          or v["lr_scheduler_min_lr_ratio"] is not None
          or any(arg.partition("=")[0].strip() == "min_lr" for arg in v["lr_scheduler_args"]),
          "lr_scheduler cosine_with_min_lr needs lr_scheduler_min_lr_ratio (the final learning rate as a fraction "
-         "of the initial one) or min_lr=... in lr_scheduler_args")
-    return problems
+         "of the initial one) or min_lr=... in lr_scheduler_args"))
 
 
-def _check_objective(v: dict[str, Any]) -> list[str]:
-    """kohya's noise and loss options: ranges, and the combinations kohya refuses or that would do nothing. Whether
-    the model predicts v is known only once it is loaded; model.Objective checks what depends on that."""
-    problems: list[str] = []
-
-    def need(condition: bool, message: str) -> None:
-        if not condition:
-            problems.append(message)
-
-    need(v["adaptive_noise_scale"] is None or v["noise_offset"] is not None,
-         "adaptive_noise_scale needs noise_offset (it is added to noise_offset, as in kohya)")
-    need(not v["noise_offset_random_strength"] or bool(v["noise_offset"]),
-         "noise_offset_random_strength needs noise_offset (the upper end of the random strength)")
-    need(v["multires_noise_iterations"] is None or v["multires_noise_iterations"] >= 1,
-         f"multires_noise_iterations must be at least 1 (got {v['multires_noise_iterations']})")
-    need(v["multires_noise_discount"] > 0,
-         f"multires_noise_discount must be positive (got {v['multires_noise_discount']})")
-    need(v["ip_noise_gamma"] is None or v["ip_noise_gamma"] >= 0,
-         f"ip_noise_gamma must not be negative (got {v['ip_noise_gamma']})")
-    need(not v["ip_noise_gamma_random_strength"] or bool(v["ip_noise_gamma"]),
-         "ip_noise_gamma_random_strength needs ip_noise_gamma (the upper end of the random strength)")
-    if v["loss_type"] in ("huber", "smooth_l1"):
-        for name in ("huber_c", "huber_scale"):
-            need(v[name] > 0, f"{name} must be positive with loss_type {v['loss_type']} (got {v[name]})")
-    need(v["v_pred_like_loss"] is None or v["v_pred_like_loss"] >= 0,
-         f"v_pred_like_loss must not be negative (got {v['v_pred_like_loss']})")
-    need(not (v["v_pred_like_loss"] and v["v_parameterization"]),
+def _objective_problems(v: Mapping[str, Any]) -> list[str]:
+    """kohya's timestep, noise and loss options: ranges, and the combinations kohya refuses or that would do
+    nothing. Whether the model predicts v is known only once it is loaded; model.Objective checks what depends on
+    that."""
+    huber = ("huber_c", "huber_scale") if v["loss_type"] in ("huber", "smooth_l1") else ()
+    return unmet(
+        (v["min_snr_gamma"] is None or v["min_snr_gamma"] > 0, "min_snr_gamma must be positive"),
+        (v["noise_offset"] is None or v["noise_offset"] >= 0, "noise_offset must not be negative"),
+        (0 <= v["min_timestep"] < v["max_timestep"] <= 1000,
+         f"need 0 <= min_timestep < max_timestep <= 1000 (got {v['min_timestep']}, {v['max_timestep']})"),
+        (v["adaptive_noise_scale"] is None or v["noise_offset"] is not None,
+         "adaptive_noise_scale needs noise_offset (it is added to noise_offset, as in kohya)"),
+        (not v["noise_offset_random_strength"] or bool(v["noise_offset"]),
+         "noise_offset_random_strength needs noise_offset (the upper end of the random strength)"),
+        (v["multires_noise_iterations"] is None or v["multires_noise_iterations"] >= 1,
+         f"multires_noise_iterations must be at least 1 (got {v['multires_noise_iterations']})"),
+        (v["multires_noise_discount"] > 0,
+         f"multires_noise_discount must be positive (got {v['multires_noise_discount']})"),
+        (v["ip_noise_gamma"] is None or v["ip_noise_gamma"] >= 0,
+         f"ip_noise_gamma must not be negative (got {v['ip_noise_gamma']})"),
+        (not v["ip_noise_gamma_random_strength"] or bool(v["ip_noise_gamma"]),
+         "ip_noise_gamma_random_strength needs ip_noise_gamma (the upper end of the random strength)"),
+        *((v[name] > 0, f"{name} must be positive with loss_type {v['loss_type']} (got {v[name]})") for name in huber),
+        (v["v_pred_like_loss"] is None or v["v_pred_like_loss"] >= 0,
+         f"v_pred_like_loss must not be negative (got {v['v_pred_like_loss']})"),
+        (not (v["v_pred_like_loss"] and v["v_parameterization"]),
          "v_pred_like_loss cannot be combined with v_parameterization: it adds a v-prediction-like loss to a "
-         "noise-prediction model (kohya refuses it too); remove one of them")
-    need(not v["masked_loss"] or v["alpha_mask"] or v["dataset_config"] is not None,
+         "noise-prediction model (kohya refuses it too); remove one of them"),
+        (not v["masked_loss"] or v["alpha_mask"] or v["dataset_config"] is not None,
          "masked_loss needs masks: alpha_mask = true (the images' alpha channel), or a dataset_config whose "
-         "subsets set conditioning_data_dir or alpha_mask")
-    return problems
+         "subsets set conditioning_data_dir or alpha_mask"))
 
 
 def read_toml(path: str | os.PathLike) -> dict[str, Any]:
@@ -292,7 +294,7 @@ def read_toml(path: str | os.PathLike) -> dict[str, Any]:
         return tomllib.load(f)
 
 
-def _check_logging(v: dict[str, Any]) -> list[str]:
+def _logging_problems(v: Mapping[str, Any]) -> list[str]:
     problems: list[str] = []
     trackers = {"all": ("tensorboard", "wandb")}.get(v["log_with"], (v["log_with"],))
     if "wandb" in trackers and importlib.util.find_spec("wandb") is None:
@@ -324,7 +326,7 @@ def _check_logging(v: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _check_sampling(v: dict[str, Any]) -> list[str]:
+def _sampling_problems(v: Mapping[str, Any]) -> list[str]:
     problems: list[str] = []
     try:
         canonical_sampler(v["sample_sampler"])
@@ -338,7 +340,7 @@ def _check_sampling(v: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _check_base_precision(v: dict[str, Any]) -> list[str]:
+def _base_precision_problems(v: Mapping[str, Any]) -> list[str]:
     """kohya's rules for fp8_base / fp8_base_unet, blocks_to_swap and cpu_offload_checkpointing, and the same
     mixed-precision rule for the other low base precisions."""
     problems = []
@@ -362,8 +364,7 @@ def _check_base_precision(v: dict[str, Any]) -> list[str]:
     return problems
 
 
-
-def _check_deepspeed(v: dict[str, Any]) -> list[str]:
+def _nvme_offload_problems(v: Mapping[str, Any]) -> list[str]:
     """NVMe offload needs its folder, and a folder needs the nvme device (kohya passes both to accelerate)."""
     problems = []
     for part in ("optimizer", "param"):

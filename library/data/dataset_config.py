@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 import tomllib
 
 from library.config import Config, ConfigError
-from library.config.checks import bucket_steps_problem
+from library.config.dataset_checks import bucket_steps_problem
 
 logger = logging.getLogger(__name__)
 # kohya's resize_interpolation choices (library.data.images maps them to PIL's filters)
