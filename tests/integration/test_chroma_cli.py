@@ -9,7 +9,7 @@ import pytest
 from safetensors.torch import load_file
 
 from library.network.kohya_format import load_kohya_lora
-from tests.integration.family_cli import (
+from tests.helpers.family_cli import (
     assert_resumes_bit_exactly,
     assert_same_lora,
     ddp_ranks_agree,

@@ -119,4 +119,4 @@ def test_trains_on_mixed_aspect_images_with_regularisation_and_a_disk_latent_cac
     metadata = read_metadata(tmp_path / "out" / "last.safetensors")
     assert metadata["ss_num_reg_images"] == "3" and metadata["ss_num_train_images"] == "8"
     assert json.loads(metadata["ss_bucket_info"])["buckets"]
-    # Reuse without the VAE on an unchanged second run is covered in tests/test_cache.py.
+    # Reuse without the VAE on an unchanged second run is covered in tests/data/test_cache.py.

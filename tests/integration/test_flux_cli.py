@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from library.network.kohya_format import load_kohya_lora
-from tests.integration.family_cli import assert_resumes_bit_exactly, assert_same_lora, family_toml, train_reference
+from tests.helpers.family_cli import assert_resumes_bit_exactly, assert_same_lora, family_toml, train_reference
 from tests.integration.test_cli import run_cli, write
 
 IMAGES = ("00_red_circle", "01_yellow_square", "02_white_triangle", "03_orange_diamond")

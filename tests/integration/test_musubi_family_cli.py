@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from library.network.kohya_format import load_kohya_lora
-from tests.integration.family_cli import ddp_ranks_agree
+from tests.helpers.family_cli import ddp_ranks_agree
 from tests.integration.test_cli import REPO, run_cli
 from tests.integration.test_multiprocess import copy_images
 

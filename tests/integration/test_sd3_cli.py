@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from library.network.kohya_format import load_kohya_lora
-from tests.integration.family_cli import assert_resumes_bit_exactly, ddp_ranks_agree, family_toml, train_reference
+from tests.helpers.family_cli import assert_resumes_bit_exactly, ddp_ranks_agree, family_toml, train_reference
 from tests.integration.test_flux_cli import sample_images
 from tests.integration.test_multiprocess import copy_images
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load_file
 
-from integration.test_multiprocess import common, data, launch  # noqa: F401  (data is a fixture)
+from tests.integration.test_multiprocess import common, data, launch  # noqa: F401  (data is a fixture)
 
 DORA = ["--network_args", "dora_wd=true", "conv_dim=2", "--network_dropout", "0.1"]
 

@@ -13,7 +13,7 @@ from library.config.network_args import NetworkArgs, parse_network_args
 from library.network import kohya_format, lora, presets
 from library.network import targets as network_setup
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def lycoris(*args: str) -> NetworkArgs:

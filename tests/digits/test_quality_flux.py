@@ -1,5 +1,5 @@
 """The FLUX digits base (models/digits-flux), judged as digits-base is, and a FLUX LoRA that learns the held-out
-digit under the trigger (tests/test_quality.py holds the SD side and the judge itself)."""
+digit under the trigger (tests/digits/test_quality.py holds the SD side and the judge itself)."""
 from __future__ import annotations
 
 import os
@@ -10,10 +10,10 @@ from pathlib import Path
 from library import digits
 from library.config import parse_config
 from library.digits import judge
-from tests import family_checks
+from tests.helpers import family_checks
 from tools import pretrain_flux_base
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BASE = REPO / "models" / "digits-flux"
 CONFIG = REPO / "configs" / "digits_flux_lora.toml"
 

@@ -9,7 +9,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from tests.test_flux_lora import deltas, file_delta
+from tests.families.test_flux_lora import deltas, file_delta
 
 # --- sampling -----------------------------------------------------------------------------------------------------
 

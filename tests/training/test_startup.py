@@ -13,7 +13,7 @@ import pytest
 from library.config import parse_config
 from library.training.optim import optimizer_package
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 CHILD = """
 import json, sys

@@ -1,4 +1,4 @@
-"""Configs as kohya_ss's GUI writes them for its shipped LoRA presets (tests/kohya_gui_presets/) train unchanged but
+"""Configs as kohya_ss's GUI writes them for its shipped LoRA presets (tests/kohya/gui_presets/) train unchanged but
 for their paths, sizes scaled to the tiny models and 2 steps."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from library.config import parse_config
 from library.network.kohya_format import load_kohya_lora
 
-PRESETS = Path(__file__).resolve().parent / "kohya_gui_presets"
+PRESETS = Path(__file__).resolve().parent / "gui_presets"
 # The test images are 64 px: the presets' sizes (and the bucket steps kohya's own SD trainer would refuse,
 # bucket_reso_steps = 1) are scaled to them; the data loader stays in the main process.
 TINY = ["--max_train_steps", "2", "--max_train_epochs", "0", "--resolution", "64", "--min_bucket_reso", "64",

@@ -11,9 +11,9 @@ import torch
 from library.config import UserError, parse_config
 from library.families.qwen_image import lora as qwen_image_lora
 from library.families.shared import musubi_flow
-from tests import musubi_lora
-from tests.family_checks import assert_same_image, pipeline_scheduler, sample, sampling_models
-from tests.test_flux_lora import file_delta
+from tests.families.test_flux_lora import file_delta
+from tests.helpers import musubi_lora
+from tests.helpers.family_checks import assert_same_image, pipeline_scheduler, sample, sampling_models
 
 TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
             "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
@@ -318,13 +318,13 @@ def test_fp8_base_stores_the_transformer_in_fp8_and_trains_the_lora(tiny_qwen_im
 
 def _train_lora(components, swap: int):
     """Two LoRA steps on a 4-block transformer of the tiny model's widths, `swap` blocks swapped to a stand-in
-    host (tests.test_offload's Recorder) or none."""
+    host (tests.memory.test_offload's Recorder) or none."""
     from diffusers import QwenImageTransformer2DModel
 
     from library.config.network_args import NetworkArgs
     from library.memory.offload import install_offloading
     from library.network import lora
-    from tests.test_offload import DEVICE, HOST, Recorder
+    from tests.memory.test_offload import DEVICE, HOST, Recorder
 
     torch.manual_seed(0)
     denoiser = QwenImageTransformer2DModel.from_config({**components.denoiser.config, "num_layers": 4})

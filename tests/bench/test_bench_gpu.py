@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "gpu.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu.py"
 
 
 @pytest.fixture(scope="module")

@@ -9,17 +9,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from library.config import UserError
+from library.config import Config, UserError
 from library.families.sd3 import lora as sd3_lora
 from library.families.sd3.family import SD3
-from tests.family_checks import (
+from tests.families.test_flux_lora import attached, deltas, file_delta
+from tests.helpers.family_checks import (
     assert_comfyui_key_rule_patches_our_change,
     assert_same_image,
     pipeline_scheduler,
     sample,
     sampling_models,
 )
-from tests.test_flux_lora import attached, deltas, file_delta
 
 RANK, ALPHA = 4, 2.0
 
@@ -34,7 +34,7 @@ def components(tiny_sd3_dir):
 def settings(**changes):
     from library.config.options import OPTIONS
 
-    return SimpleNamespace(**{**{name: o.default for name, o in OPTIONS.items()}, **changes})
+    return Config({**{name: o.default for name, o in OPTIONS.items()}, **changes}, explicit=changes)
 
 
 def encode(family, components, captions):

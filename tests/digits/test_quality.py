@@ -11,10 +11,10 @@ import numpy as np
 from library import digits
 from library.config import parse_config
 from library.digits import judge
-from tests import family_checks
+from tests.helpers import family_checks
 from tools import make_digit_dataset, pretrain_base
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BASE = REPO / "models" / "digits-base"
 
 

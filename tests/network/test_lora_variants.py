@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate.state import AcceleratorState
-from test_trainer import make_config
 from torch import nn
 
 from library.config import ConfigError, parse_config
 from library.config.network_args import NetworkArgs, parse_network_args
 from library.network import kohya_format, lora
 from library.network import targets as network_setup
+from tests.training.test_trainer import make_config
 
 RANK = 4
 

@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from library.families.registry import load_components
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 @pytest.fixture(scope="module")

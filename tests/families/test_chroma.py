@@ -3,14 +3,13 @@ kohya's lora_flux keys on Chroma's blocks, diffusers' ChromaPipeline reading the
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from library.config import UserError
+from library.config import Config, UserError
 from library.families.chroma.family import Chroma, text_mask
-from tests.family_checks import (
+from tests.helpers.family_checks import (
     assert_comfyui_key_rule_patches_our_change,
     assert_same_image,
     pipeline_scheduler,
@@ -32,7 +31,8 @@ def settings(**changes):
     from library.config.options import OPTIONS
 
     chroma = {"apply_t5_attn_mask": True, "guidance_scale": 0.0}  # kohya's required Chroma settings
-    return SimpleNamespace(**{**{name: o.default for name, o in OPTIONS.items()}, **chroma, **changes})
+    given = {**chroma, **changes}
+    return Config({**{name: o.default for name, o in OPTIONS.items()}, **given}, explicit=given)
 
 
 def test_the_bfl_files_load_to_the_folders_weights(components, tiny_chroma_dir, tmp_path):

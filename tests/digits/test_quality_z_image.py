@@ -10,10 +10,10 @@ from library import digits
 from library.config import parse_config
 from library.digits import judge
 from library.families.z_image import family as z_image
-from tests import family_checks
+from tests.helpers import family_checks
 from tools import pretrain_z_image_base
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BASE = REPO / "models" / "digits-z-image"
 CONFIG = REPO / "configs" / "digits_z_image_lora.toml"
 

@@ -1,0 +1,1 @@
+"""Tests that run the benchmarks in bench/ on the tiny models."""

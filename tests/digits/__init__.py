@@ -1,0 +1,1 @@
+"""Tests of the digits base models and their judge (library/digits, models/digits-*)."""

@@ -1,0 +1,1 @@
+"""Tests of sd-scripts behaviour kept for kohya users: options, file names, captions, presets."""
