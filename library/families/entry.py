@@ -60,6 +60,16 @@ class FamilyEntry:
     tiny: tuple[TinyModel, ...]
     network_modules: tuple[str, ...]  # kohya / musubi-tuner network_module names that train this family
     file_options: tuple[str, ...] = ()  # the FILE_OPTIONS its single file is loaded with
-    configs: tuple[str, ...] = ()  # example configs in configs/ that train it
-    docs: str = ""  # its page under docs/
+    more_configs: tuple[str, ...] = ()  # example configs under configs/ besides <name>_lora.toml
     reads_unrecognised: bool = False
+    main_config: str = ""  # its example config under configs/, when not named <name>_lora.toml
+
+    @property
+    def configs(self) -> tuple[str, ...]:
+        """The example configs under configs/ that train this family."""
+        return (self.main_config or f"{self.name}_lora.toml", *self.more_configs)
+
+    @property
+    def docs(self) -> str:
+        """Its page, relative to the repository root."""
+        return f"docs/families/{self.name}.md"

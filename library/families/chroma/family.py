@@ -20,6 +20,7 @@ import torch
 
 from library.config import UserError
 from library.config.network_args import network_args_of
+from library.families.entry import LoadRequest
 from library.families.family import Components, Family, Tokenizer
 from library.families.flow_matching import FlowMatchingObjective, unsupported, user_settings
 from library.families.flux import lora as flux_lora
@@ -236,10 +237,12 @@ def is_chroma_folder(path: Path) -> bool:
     return transformer_class(path) == TRANSFORMER_CLASS
 
 
-def load_chroma_folder(path: Path, weight_dtype: torch.dtype, vae_dtype: torch.dtype) -> Components:
+def load_chroma_folder(request: LoadRequest) -> Components:
     """A diffusers Chroma folder (ChromaPipeline layout), offline."""
     from diffusers import AutoencoderKL, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
     from transformers import AutoTokenizer, T5EncoderModel
+
+    path, weight_dtype, vae_dtype = request.path, request.weight_dtype, request.vae_dtype
 
     parts = read_folder(path, "Chroma", {
         "transformer": (ChromaTransformer2DModel, weight_dtype), "vae": (AutoencoderKL, vae_dtype),
@@ -250,8 +253,7 @@ def load_chroma_folder(path: Path, weight_dtype: torch.dtype, vae_dtype: torch.d
                       family=Chroma())
 
 
-def load_chroma_files(path: Path, t5xxl: str | None, ae: str | None, model_config: str | None,
-                      weight_dtype: torch.dtype, vae_dtype: torch.dtype) -> Components:
+def load_chroma_files(request: LoadRequest) -> Components:
     """Chroma's BFL-layout transformer file (`Chroma1-HD.safetensors`, optionally behind `model.diffusion_model.`)
     with FLUX.1's `t5xxl` and `ae` files (a `clip_l` is not read: `configured` notes it), against the shipped
     configs or `model_config` (a diffusers Chroma folder describing them; its weights are not read). Weights are
@@ -265,6 +267,10 @@ def load_chroma_files(path: Path, t5xxl: str | None, ae: str | None, model_confi
     from library.families.flux.files import BFL_PREFIX, diffusers_state_dict
     from library.families.shared.safetensors_io import read_safetensors
     from library.families.shared.separate_files import assign, load_t5_tokenizer
+
+    path, model_config = request.path, request.model_config
+    weight_dtype, vae_dtype = request.weight_dtype, request.vae_dtype
+    t5xxl, ae = (request.file(name) for name in ("t5xxl", "ae"))
 
     problems = [f"{path} is a Chroma transformer file: it needs {name} (the {what} file)"
                 for name, value, what in (("t5xxl", t5xxl, "T5-XXL text encoder"), ("ae", ae, "autoencoder"))

@@ -3,15 +3,6 @@ from library.families.entry import FamilyEntry, TinyModel
 from library.families.flux import family, files, tiny
 
 ENTRY = FamilyEntry(
-    name="flux", title="FLUX.1",
-    is_folder=family.is_flux_folder,
-    load_folder=lambda r: family.load_flux_folder(r.path, r.weight_dtype, r.vae_dtype),
-    is_file=files.is_bfl_flux,
-    load_file=lambda r: files.load_flux_files(r.path, r.file("clip_l"), r.file("t5xxl"), r.file("ae"),
-                                              r.model_config, r.weight_dtype, r.vae_dtype),
-    file_options=("clip_l", "t5xxl", "ae"),
-    tiny=(TinyModel("flux", tiny.save_tiny_flux, tiny.save_tiny_flux_files),),
-    network_modules=("networks.lora_flux",),
-    configs=("flux_lora.toml", "digits_flux_lora.toml"),
-    docs="docs/families/flux.md",
-)
+    "flux", "FLUX.1", family.is_flux_folder, family.load_flux_folder, files.is_bfl_flux, files.load_flux_files,
+    file_options=("clip_l", "t5xxl", "ae"), network_modules=("networks.lora_flux",),
+    tiny=(TinyModel("flux", tiny.save_tiny_flux, tiny.save_tiny_flux_files),), more_configs=("digits_flux_lora.toml",))

@@ -17,6 +17,7 @@ import torch
 
 from library.config import UserError
 from library.config.network_args import network_args_of
+from library.families.entry import LoadRequest
 from library.families.family import Components, Family, Tokenizer
 from library.families.flow_matching import FlowMatchingObjective, unsupported, user_settings
 from library.families.flux import lora as flux_lora
@@ -253,10 +254,12 @@ def is_schnell(transformer: torch.nn.Module) -> bool:
     return not any(name.startswith(GUIDANCE_KEY) for name, _ in transformer.named_parameters())
 
 
-def load_flux_folder(path: Path, weight_dtype: torch.dtype, vae_dtype: torch.dtype) -> Components:
+def load_flux_folder(request: LoadRequest) -> Components:
     """A diffusers FLUX.1 folder, offline."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import AutoTokenizer, CLIPTextModel, CLIPTokenizer, T5EncoderModel
+
+    path, weight_dtype, vae_dtype = request.path, request.weight_dtype, request.vae_dtype
 
     parts = read_folder(path, "FLUX", {
         "transformer": (FluxTransformer2DModel, weight_dtype), "vae": (AutoencoderKL, vae_dtype),

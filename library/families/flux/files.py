@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from library.config import UserError
+from library.families.entry import LoadRequest
 from library.families.family import Components
 from library.families.shared.separate_files import assign, load_t5_tokenizer, marked_keys
 
@@ -33,8 +34,7 @@ def is_bfl_flux(path: Path) -> bool:
     return BFL_MARKER in keys and BFL_MODULATION in keys
 
 
-def load_flux_files(path: Path, clip_l: str | None, t5xxl: str | None, ae: str | None,
-                    model_config: str | None, weight_dtype: torch.dtype, vae_dtype: torch.dtype) -> Components:
+def load_flux_files(request: LoadRequest) -> Components:
     from accelerate import init_empty_weights
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
@@ -44,6 +44,10 @@ def load_flux_files(path: Path, clip_l: str | None, t5xxl: str | None, ae: str |
     from library.families.flux.family import Flux
     from library.families.shared.clip_tokenizer import load_tokenizer
     from library.families.shared.safetensors_io import read_safetensors
+
+    path, model_config = request.path, request.model_config
+    weight_dtype, vae_dtype = request.weight_dtype, request.vae_dtype
+    clip_l, t5xxl, ae = (request.file(name) for name in ("clip_l", "t5xxl", "ae"))
 
     missing = [name for name, value in (("clip_l", clip_l), ("t5xxl", t5xxl), ("ae", ae)) if not value]
     if missing:

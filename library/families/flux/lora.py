@@ -41,7 +41,6 @@ FUSED_PARTS = {"img_attn_qkv": 3, "txt_attn_qkv": 3, "linear1": 4}
 PART_DIMS = (("img_attn_dim", ("img_attn",)), ("txt_attn_dim", ("txt_attn",)), ("img_mlp_dim", ("img_mlp",)),
              ("txt_mlp_dim", ("txt_mlp",)), ("img_mod_dim", ("img_mod",)), ("txt_mod_dim", ("txt_mod",)),
              ("single_dim", ("single_blocks", "linear")), ("single_mod_dim", ("modulation",)))
-TRAIN_BLOCKS = ("all", "single", "double")
 _DIFFUSERS_NAME = re.compile(r"^(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)$")
 _KOHYA_NAME = re.compile(rf"^{PREFIX}_(transformer_blocks|single_transformer_blocks)_(\d+)_(.+)$")
 _FUSED_NAME = re.compile(rf"^{PREFIX}_(double_blocks|single_blocks)_(\d+)_(img_attn_qkv|txt_attn_qkv|linear1)$")

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from library.config import UserError
+from library.families.entry import LoadRequest
 from library.families.family import Components, Tokenizer
 from library.families.qwen_image import lora as qwen_image_lora
 from library.families.shared import checks as transformer_checks
@@ -219,10 +220,12 @@ def is_qwen_image_folder(path: Path) -> bool:
     return transformer_class(path) == TRANSFORMER_CLASS
 
 
-def load_qwen_image_folder(path: Path, weight_dtype: torch.dtype, vae_dtype: torch.dtype) -> Components:
+def load_qwen_image_folder(request: LoadRequest) -> Components:
     """A diffusers Qwen-Image folder (Qwen/Qwen-Image layout), offline."""
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+    path, weight_dtype, vae_dtype = request.path, request.weight_dtype, request.vae_dtype
 
     parts = read_folder(path, "Qwen-Image", {
         "transformer": (QwenImageTransformer2DModel, weight_dtype), "vae": (AutoencoderKLQwenImage, vae_dtype),

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from library.config import UserError
+from library.families.entry import LoadRequest
 from library.families.family import Components
 
 SHIPPED_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "qwen_image"
@@ -68,8 +69,7 @@ def vae_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return convert_wan_vae_to_diffusers(state)
 
 
-def load_qwen_image_files(path: Path, text_encoder: str | None, ae: str | None, model_config: str | None,
-                          weight_dtype: torch.dtype, vae_dtype: torch.dtype) -> Components:
+def load_qwen_image_files(request: LoadRequest) -> Components:
     from accelerate import init_empty_weights
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -77,6 +77,10 @@ def load_qwen_image_files(path: Path, text_encoder: str | None, ae: str | None, 
     from library.core.memory import return_free_heap
     from library.families.qwen_image.family import QwenImage, QwenImageVae
     from library.families.shared.separate_files import assign, load_qwen_tokenizer
+
+    path, model_config = request.path, request.model_config
+    weight_dtype, vae_dtype = request.weight_dtype, request.vae_dtype
+    text_encoder, ae = (request.file(name) for name in ("text_encoder", "ae"))
 
     missing = [name for name, value in (("text_encoder", text_encoder), ("ae", ae)) if not value]
     if missing:

@@ -2,14 +2,12 @@
 from library.families.entry import FamilyEntry, TinyModel
 from library.families.sd import loading, tiny
 
+SHAPES = {"size": tiny.SIZES, "prediction_type": tiny.PREDICTION_TYPES}
 ENTRY = FamilyEntry(
-    name="sd", title="Stable Diffusion 1.x / 2.x / XL",
-    is_folder=loading.is_sd_folder, load_folder=loading.load_sd_folder,
-    is_file=loading.is_sd_file, load_file=loading.load_sd_file, reads_unrecognised=True,
-    tiny=(TinyModel("sd1", tiny.save_sd1, shape={"size": tiny.SIZES, "prediction_type": tiny.PREDICTION_TYPES}),
-          TinyModel("sd2", tiny.save_sd2, shape={"size": tiny.SIZES, "prediction_type": tiny.PREDICTION_TYPES}),
+    "sd", "Stable Diffusion 1.x / 2.x / XL", loading.is_sd_folder, loading.load_sd_folder, loading.is_sd_file,
+    loading.load_sd_file, reads_unrecognised=True,  # its single-file reader names what any other file is
+    tiny=(TinyModel("sd1", tiny.save_sd1, shape=SHAPES), TinyModel("sd2", tiny.save_sd2, shape=SHAPES),
           TinyModel("sdxl", tiny.save_tiny_sdxl)),
     network_modules=(),  # networks.lora, lycoris.kohya and networks.dylora: kohya's own, for every family
-    configs=("sd15_lora.toml", "sd2_v_lora.toml", "sdxl_lora.toml", "quickstart.toml"),
-    docs="docs/families/sd.md",
-)
+    main_config="sd15_lora.toml",
+    more_configs=("sd2_v_lora.toml", "sdxl_lora.toml", "quickstart.toml", "digits_lora.toml"))

@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from library.config import UserError
+from library.families.entry import LoadRequest
 from library.families.family import Components, Family, Tokenizer
 from library.families.flow_matching import (
     NUM_TRAIN_TIMESTEPS,
@@ -301,10 +302,12 @@ def family_of(transformer: Any, text_encoders: Sequence[Any]) -> SD3:
     return SD3(last_block=layers - 1, large=layers >= 38, clip_widths=widths)
 
 
-def load_sd3_folder(path: Path, weight_dtype: torch.dtype, vae_dtype: torch.dtype) -> Components:
+def load_sd3_folder(request: LoadRequest) -> Components:
     """A diffusers SD3 / SD3.5 folder (StableDiffusion3Pipeline layout, all three text encoders), offline."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from transformers import AutoTokenizer, CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel
+
+    path, weight_dtype, vae_dtype = request.path, request.weight_dtype, request.vae_dtype
 
     parts = read_folder(path, "SD3 (with its three text encoders)", {
         "transformer": (SD3Transformer2DModel, weight_dtype), "vae": (AutoencoderKL, vae_dtype),

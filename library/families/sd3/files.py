@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from library.config import UserError
+from library.families.entry import LoadRequest
 from library.families.family import Components
 
 PREFIX = "model.diffusion_model."
@@ -101,8 +102,7 @@ def sai_state_dict(transformer: Any) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def load_sd3_files(path: Path, clip_l: str | None, clip_g: str | None, t5xxl: str | None,
-                   model_config: str | None, weight_dtype: torch.dtype, vae_dtype: torch.dtype) -> Components:
+def load_sd3_files(request: LoadRequest) -> Components:
     """An SD3 / SD3.5 single-file checkpoint, its text encoders from the file or from kohya's separate files."""
     from accelerate import init_empty_weights
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
@@ -118,6 +118,9 @@ def load_sd3_files(path: Path, clip_l: str | None, clip_g: str | None, t5xxl: st
     from library.families.shared.safetensors_io import read_safetensors
     from library.families.shared.separate_files import assign, load_t5_tokenizer
 
+    path, model_config = request.path, request.model_config
+    weight_dtype, vae_dtype = request.weight_dtype, request.vae_dtype
+    clip_l, clip_g, t5xxl = (request.file(name) for name in ("clip_l", "clip_g", "t5xxl"))
     where = ({name: (Path(model_config), name) for name in SHIPPED} if model_config else SHIPPED)
     state = read_safetensors(path, dtype=weight_dtype)
     sources: dict[str, tuple[dict[str, torch.Tensor] | None, str]] = {}

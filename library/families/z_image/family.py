@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from library.config import UserError
+from library.families.entry import LoadRequest
 from library.families.family import Components, Tokenizer
 from library.families.shared import checks as transformer_checks
 from library.families.shared import musubi_flow
@@ -142,10 +143,12 @@ def is_z_image_folder(path: Path) -> bool:
     return transformer_class(path) == TRANSFORMER_CLASS
 
 
-def load_z_image_folder(path: Path, weight_dtype: torch.dtype, vae_dtype: torch.dtype) -> Components:
+def load_z_image_folder(request: LoadRequest) -> Components:
     """A diffusers Z-Image folder (Tongyi-MAI/Z-Image or Z-Image-Turbo layout), offline."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
     from transformers import AutoTokenizer, Qwen3Model
+
+    path, weight_dtype, vae_dtype = request.path, request.weight_dtype, request.vae_dtype
 
     parts = read_folder(path, "Z-Image", {
         "transformer": (ZImageTransformer2DModel, weight_dtype), "vae": (AutoencoderKL, vae_dtype),

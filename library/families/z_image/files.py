@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from library.config import UserError
+from library.families.entry import LoadRequest
 from library.families.family import Components
 from library.families.shared.separate_files import load_qwen_tokenizer, shards
 
@@ -59,8 +60,7 @@ def vae_state_dict(state: dict[str, torch.Tensor], vae_config: dict[str, Any]) -
     return convert_ldm_vae_checkpoint(state, vae_config)
 
 
-def load_z_image_files(path: Path, text_encoder: str | None, ae: str | None, model_config: str | None,
-                       weight_dtype: torch.dtype, vae_dtype: torch.dtype) -> Components:
+def load_z_image_files(request: LoadRequest) -> Components:
     from accelerate import init_empty_weights
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
@@ -68,6 +68,10 @@ def load_z_image_files(path: Path, text_encoder: str | None, ae: str | None, mod
     from library.core.memory import return_free_heap
     from library.families.shared.separate_files import assign
     from library.families.z_image.family import ZImage
+
+    path, model_config = request.path, request.model_config
+    weight_dtype, vae_dtype = request.weight_dtype, request.vae_dtype
+    text_encoder, ae = (request.file(name) for name in ("text_encoder", "ae"))
 
     missing = [name for name, value in (("text_encoder", text_encoder), ("ae", ae)) if not value]
     if missing:
