@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIGS = REPO / "library" / "models" / "configs"
+CONFIGS = REPO / "library" / "families" / "configs"
 DEFAULT_RESOLUTION = {"sd15": 512, "sdxl": 1024, "flux": 1024}  # each model's training resolution
 SD_ARCHITECTURES = {"sd15": "sd1", "sdxl": "sdxl"}  # model -> its configs under CONFIGS
 
