@@ -30,7 +30,11 @@ import numpy as np
 import torch
 
 from library import digits
+from library.config import UserError
+from library.families.flux.family import Flux, pack_latents
+from library.families.flux.lora import to_peft
 from library.families.registry import entry_for
+from library.monitoring.sampling import build_scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -166,8 +170,6 @@ def load_pipeline(model: str | Path = DEFAULT_MODEL, lora: str | Path | None = N
                 # diffusers reads kohya's FLUX single-block keys only at FLUX.1's own widths: hand it peft keys.
                 from safetensors.torch import load_file
 
-                from library.families.flux.lora import to_peft
-
                 pipe.load_lora_weights(to_peft(load_file(str(lora)), {"transformer": pipe.transformer,
                                                                       "text_encoder": pipe.text_encoder}))
             else:
@@ -187,7 +189,6 @@ def render(pipe: Any, prompt: str, settings: Settings = Settings()) -> np.ndarra
         return _render_flux(pipe, prompt, settings)
     if is_z_image(pipe):
         return _render_z_image(pipe, prompt, settings)
-    from library.monitoring.sampling import build_scheduler
 
     pipe.scheduler = build_scheduler(settings.sampler, pipe.scheduler.config)
     vae = pipe.vae
@@ -214,7 +215,6 @@ def _grey(pixels: torch.Tensor) -> np.ndarray:
 def _render_flux(pipe: Any, prompt: str, settings: Settings) -> np.ndarray:
     """FluxPipeline with the embedded guidance, T5 read to its tokenizer's model_max_length; the noise is drawn
     unpacked ([n, 16, h, w]) and packed 2x2 as the pipeline packs its own."""
-    from library.families.flux.family import Flux, pack_latents
 
     vae = pipe.vae
     side = 2 * (digits.SIZE // (pipe.vae_scale_factor * 2))
@@ -315,8 +315,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--grids", type=Path, help="write base.png (and lora.png) sample grids into this folder")
     args = parser.parse_args(argv)
     args.model = find_model(args.model)
-    from library.config import UserError
-    from library.monitoring.sampling import build_scheduler
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     problems = [f"{what} {path} does not exist" for path, what in ((args.model, "model folder"),

@@ -20,13 +20,17 @@ import torch
 
 from library.config import UserError
 from library.config.network_args import network_args_of
+from library.core.memory import return_free_heap
 from library.families.entry import LoadRequest
 from library.families.family import Components, Family, Tokenizer
 from library.families.flow_matching import FlowMatchingObjective, unsupported, user_settings
 from library.families.flux import lora as flux_lora
 from library.families.flux.family import image_ids, kohya_flux_fields, pack_latents, unpack_latents
+from library.families.flux.files import BFL_PREFIX, diffusers_state_dict
 from library.families.shared import checks as transformer_checks
 from library.families.shared.diffusers_folder import read_folder, transformer_class
+from library.families.shared.safetensors_io import read_safetensors
+from library.families.shared.separate_files import assign, load_t5_tokenizer, marked_keys
 
 logger = logging.getLogger(__name__)
 
@@ -227,8 +231,6 @@ class Chroma(Family):
 # --- loading ---------------------------------------------------------------------------------------------------
 def is_bfl_chroma(path: Path) -> bool:
     """A BFL-layout transformer file with Chroma's approximator (it also has FLUX.1's block keys)."""
-    from library.families.flux.files import BFL_PREFIX
-    from library.families.shared.separate_files import marked_keys
 
     return BFL_MARKER in marked_keys(path, BFL_PREFIX)
 
@@ -263,10 +265,6 @@ def load_chroma_files(request: LoadRequest) -> Components:
     from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
     from transformers import T5Config, T5EncoderModel
 
-    from library.core.memory import return_free_heap
-    from library.families.flux.files import BFL_PREFIX, diffusers_state_dict
-    from library.families.shared.safetensors_io import read_safetensors
-    from library.families.shared.separate_files import assign, load_t5_tokenizer
 
     path, model_config = request.path, request.model_config
     weight_dtype, vae_dtype = request.weight_dtype, request.vae_dtype

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from library.families.flux.files import BFL_PREFIX, bfl_state_dict
 from library.families.flux.tiny import VAE_SCALING_FACTOR, VAE_SHIFT_FACTOR, WIDTH, build_t5_tokenizer
 from library.families.shared.tiny_parts import ae_state_dict, save_files, save_pipeline, seeded
 
@@ -67,7 +68,6 @@ def save_tiny_chroma_files(folder: str | os.PathLike[str], target: str | os.Path
     from diffusers import AutoencoderKL, ChromaTransformer2DModel
     from transformers import T5EncoderModel
 
-    from library.families.flux.files import BFL_PREFIX, bfl_state_dict
 
     folder, target = Path(folder), Path(target)
     local = {"local_files_only": True}

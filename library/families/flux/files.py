@@ -16,8 +16,12 @@ from typing import Any
 import torch
 
 from library.config import UserError
+from library.core.memory import return_free_heap
 from library.families.entry import LoadRequest
 from library.families.family import Components
+from library.families.flux.family import Flux
+from library.families.shared.clip_tokenizer import load_tokenizer
+from library.families.shared.safetensors_io import read_safetensors
 from library.families.shared.separate_files import assign, load_t5_tokenizer, marked_keys
 
 BFL_PREFIX = "model.diffusion_model."
@@ -40,10 +44,6 @@ def load_flux_files(request: LoadRequest) -> Components:
     from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    from library.core.memory import return_free_heap
-    from library.families.flux.family import Flux
-    from library.families.shared.clip_tokenizer import load_tokenizer
-    from library.families.shared.safetensors_io import read_safetensors
 
     path, model_config = request.path, request.model_config
     weight_dtype, vae_dtype = request.weight_dtype, request.vae_dtype

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
+from library.families.flux.files import BFL_PREFIX, bfl_state_dict
 from library.families.shared.tiny_parts import (
     MODEL_MAX_LENGTH,
     ae_state_dict,
@@ -111,7 +112,6 @@ def save_tiny_flux_files(folder: str | os.PathLike[str], target: str | os.PathLi
     from diffusers import AutoencoderKL, FluxTransformer2DModel
     from transformers import CLIPTextModel, T5EncoderModel
 
-    from library.families.flux.files import BFL_PREFIX, bfl_state_dict
 
     folder, target = Path(folder), Path(target)
     local = {"local_files_only": True}

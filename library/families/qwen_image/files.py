@@ -20,8 +20,12 @@ from pathlib import Path
 import torch
 
 from library.config import UserError
+from library.core.memory import return_free_heap
 from library.families.entry import LoadRequest
 from library.families.family import Components
+from library.families.qwen_image.family import QwenImage, QwenImageVae
+from library.families.shared.safetensors_io import read_safetensors
+from library.families.shared.separate_files import assign, load_qwen_tokenizer, marked_keys, shards
 
 SHIPPED_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "qwen_image"
 SHIPPED_TOKENIZER = Path(__file__).resolve().parents[1] / "configs" / "z_image" / "tokenizer"
@@ -31,15 +35,12 @@ NOT_MARKER = "txt_in.text_norm.weight"  # Qwen-Image 2.1, another architecture
 
 
 def is_qwen_image_file(path: Path) -> bool:
-    from library.families.shared.separate_files import marked_keys
 
     keys = marked_keys(path, COMFY_PREFIX)
     return MARKER in keys and NOT_MARKER not in keys
 
 
 def _read(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    from library.families.shared.safetensors_io import read_safetensors
-    from library.families.shared.separate_files import shards
 
     state: dict[str, torch.Tensor] = {}
     for part in shards(path):
@@ -74,9 +75,6 @@ def load_qwen_image_files(request: LoadRequest) -> Components:
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from library.core.memory import return_free_heap
-    from library.families.qwen_image.family import QwenImage, QwenImageVae
-    from library.families.shared.separate_files import assign, load_qwen_tokenizer
 
     path, model_config = request.path, request.model_config
     weight_dtype, vae_dtype = request.weight_dtype, request.vae_dtype

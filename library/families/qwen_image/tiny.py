@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from library.families.qwen_image.files import COMFY_PREFIX
 from library.families.shared.tiny_parts import save_files, save_pipeline, seeded
 
 logger = logging.getLogger(__name__)
@@ -138,7 +139,6 @@ def save_tiny_qwen_image_files(folder: str | os.PathLike[str], target: str | os.
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from library.families.qwen_image.files import COMFY_PREFIX
 
     folder, target = Path(folder), Path(target)
     local = {"local_files_only": True}

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from library.families.sd.single_file import save_checkpoint
+from library.families.shared.ldm_export import ldm_state_dict
 from library.families.shared.tiny_parts import (  # noqa: F401 - re-exported for the tools and tests
     BOS_TOKEN,
     BPE_CORPUS,
@@ -186,8 +188,6 @@ def save_tiny_sd1_single_file(path: str | os.PathLike[str], size: str = "tiny", 
     so loading it needs that folder as `model_config`. `open_clip` writes the text encoder in SD2's OpenCLIP
     layout (cond_stage_model.model.), which makes the file read as an SD2.x checkpoint.
     """
-    from library.families.sd.single_file import save_checkpoint
-    from library.families.shared.ldm_export import ldm_state_dict
 
     _check_args(size, "epsilon")
     parts = build_tiny_sd1(size=size, seed=seed)

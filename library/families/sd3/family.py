@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from library.config import UserError
+from library.config.network_args import network_args_of
 from library.families.entry import LoadRequest
 from library.families.family import Components, Family, Tokenizer
 from library.families.flow_matching import (
@@ -96,7 +97,6 @@ class SD3(Family):
         return "sd3-large" if self.large else "sd3-medium"
 
     def configured(self, config: Any) -> SD3:
-        from library.config.network_args import network_args_of
 
         for name, why in (("clip_skip", "kohya's SD3 trainer uses the CLIPs' penultimate layer"),
                           ("max_token_length", "the CLIPs read 77 tokens; the T5 length is t5xxl_max_token_length"),

@@ -17,8 +17,13 @@ from typing import Any
 import torch
 
 from library.config import UserError
+from library.core.memory import return_free_heap
 from library.families.entry import LoadRequest
 from library.families.family import Components
+from library.families.sd3.family import family_of
+from library.families.shared.clip_tokenizer import load_tokenizer
+from library.families.shared.safetensors_io import read_safetensors
+from library.families.shared.separate_files import assign, load_t5_tokenizer, marked_keys
 
 PREFIX = "model.diffusion_model."
 MARKER = "joint_blocks.0.x_block.attn.qkv.weight"
@@ -32,7 +37,6 @@ ENCODERS = (("clip_l", "text_encoder"), ("clip_g", "text_encoder_2"), ("t5xxl", 
 
 
 def is_sd3_file(path: Path) -> bool:
-    from library.families.shared.separate_files import marked_keys
 
     return MARKER in marked_keys(path, PREFIX)
 
@@ -112,11 +116,6 @@ def load_sd3_files(request: LoadRequest) -> Components:
     )
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-    from library.core.memory import return_free_heap
-    from library.families.sd3.family import family_of
-    from library.families.shared.clip_tokenizer import load_tokenizer
-    from library.families.shared.safetensors_io import read_safetensors
-    from library.families.shared.separate_files import assign, load_t5_tokenizer
 
     path, model_config = request.path, request.model_config
     weight_dtype, vae_dtype = request.weight_dtype, request.vae_dtype

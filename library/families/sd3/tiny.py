@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from library.families.flux.tiny import build_t5_tokenizer
+from library.families.sd3.files import ENCODER_PREFIX, PREFIX, sai_state_dict
 from library.families.shared.tiny_parts import (
     MODEL_MAX_LENGTH,
     ae_state_dict,
@@ -87,7 +88,6 @@ def save_tiny_sd3_files(folder: str | os.PathLike[str], target: str | os.PathLik
     from diffusers import AutoencoderKL, SD3Transformer2DModel
     from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
-    from library.families.sd3.files import ENCODER_PREFIX, PREFIX, sai_state_dict
 
     folder, target = Path(folder), Path(target)
     local = {"local_files_only": True}

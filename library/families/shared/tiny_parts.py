@@ -17,7 +17,9 @@ from typing import Any, Callable
 
 import torch
 
+from library.core.atomic import replace_dir
 from library.families.shared.clip_tokenizer import bytes_to_unicode
+from library.families.shared.ldm_export import vae_key_to_ldm
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +123,6 @@ def seeded(seed: int, offset: int) -> None:
 
 def write_pipeline(pipe: Any, target: Path, tokenizers: tuple[str, ...], corpus: str = BPE_CORPUS) -> None:
     """The folder is written beside `target` and renamed over it, so a crash leaves the old folder or the new one."""
-    from library.core.atomic import replace_dir
 
     target.parent.mkdir(parents=True, exist_ok=True)
     # os.mkdir rather than mkdtemp: mkdtemp's 0700 mode would survive the rename.
@@ -161,7 +162,6 @@ def save_pipeline(path: str | os.PathLike[str], overwrite: bool, pipeline: str, 
 def ae_state_dict(vae: Any) -> dict[str, torch.Tensor]:
     """A diffusers AutoencoderKL's weights in the original (ldm) layout of FLUX.1's ae.safetensors, whose mid-block
     attention projections are 1x1 convolutions."""
-    from library.families.shared.ldm_export import vae_key_to_ldm
 
     levels = len(vae.config.block_out_channels)
     ae = {}

@@ -18,21 +18,22 @@ from typing import Any
 import torch
 
 from library.config import UserError
+from library.core.memory import return_free_heap
 from library.families.entry import LoadRequest
 from library.families.family import Components
-from library.families.shared.separate_files import load_qwen_tokenizer, shards
+from library.families.shared.safetensors_io import read_safetensors
+from library.families.shared.separate_files import assign, load_qwen_tokenizer, marked_keys, shards
+from library.families.z_image.family import ZImage
 
 SHIPPED_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "z_image"
 COMFY_PREFIX = "model.diffusion_model."
 MARKER = "cap_embedder.1.weight"  # the caption projection: only Z-Image's transformer has it
 def is_z_image_file(path: Path) -> bool:
-    from library.families.shared.separate_files import marked_keys
 
     return MARKER in marked_keys(path, COMFY_PREFIX)
 
 
 def _read(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    from library.families.shared.safetensors_io import read_safetensors
 
     state: dict[str, torch.Tensor] = {}
     for part in shards(path):
@@ -65,9 +66,6 @@ def load_z_image_files(request: LoadRequest) -> Components:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
 
-    from library.core.memory import return_free_heap
-    from library.families.shared.separate_files import assign
-    from library.families.z_image.family import ZImage
 
     path, model_config = request.path, request.model_config
     weight_dtype, vae_dtype = request.weight_dtype, request.vae_dtype

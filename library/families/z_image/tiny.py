@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from library.families.shared.tiny_parts import ae_state_dict, save_files, save_pipeline, seeded
+from library.families.z_image.files import COMFY_PREFIX, comfy_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,6 @@ def save_tiny_z_image_files(folder: str | os.PathLike[str], target: str | os.Pat
     from diffusers import AutoencoderKL, ZImageTransformer2DModel
     from transformers import Qwen3Model
 
-    from library.families.z_image.files import COMFY_PREFIX, comfy_state_dict
 
     folder, target = Path(folder), Path(target)
     local = {"local_files_only": True}
