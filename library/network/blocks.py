@@ -15,7 +15,6 @@ SD_BLOCKS = 12  # kohya's NUM_OF_BLOCKS: per side
 SD_MID = 1
 SDXL_BLOCKS = 9
 SDXL_MID = 3
-LR_PRESETS = ("cosine", "sine", "linear", "reverse_linear", "zeros")
 
 _UPDOWN = re.compile(r"^(up|down)_blocks\.(\d+)\.(resnets|attentions|upsamplers|downsamplers)\.(\d+)\.")
 _MID = re.compile(r"^mid_block\.(resnets|attentions)\.(\d+)\.")

@@ -44,10 +44,7 @@ from library.network.lora import (
     lora_layers,
 )
 
-PREFIX_UNET = "lora_unet"
-PREFIX_TE = "lora_te"  # SD1.x / SD2.x text encoder
-PREFIX_TE1 = "lora_te1"  # SDXL text encoders
-PREFIX_TE2 = "lora_te2"
+PREFIX_TE = "lora_te"  # SD1.x / SD2.x's text encoder; SDXL's are lora_te1 / lora_te2
 
 _ALPHA = "alpha"
 
