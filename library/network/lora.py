@@ -200,22 +200,9 @@ def attach_lora(
     adds kohya's. `use_dora` puts the DoRA magnitude on the input axis (library.network.dora), or with
     `dora_on_output` per output channel (peft's DoRA, LyCORIS wd_on_output).
     """
-    from peft import LoraConfig, inject_adapter_in_model
-
     targets = list(dict.fromkeys(target_modules))
     norm_targets = list(dict.fromkeys(norm_targets))
-    if not targets:
-        raise ValueError("attach_lora: no target modules given")
-    if rank <= 0:
-        raise ValueError(f"attach_lora: rank must be positive, got {rank}")
-    existing = {name for name, _ in model.named_modules()}
-    unknown = [t for t in targets + norm_targets if t not in existing]
-    if unknown:
-        raise ValueError(f"attach_lora: {len(unknown)} target modules not in the model, e.g. {unknown[:_MAX_LISTED]}")
-    overrides = {name: (int(r), float(a)) for name, (r, a) in (overrides or {}).items()}
-    if any(r <= 0 for r, _ in overrides.values()):
-        raise ValueError("attach_lora: every rank must be positive")
-
+    overrides = _checked_request(model, targets, norm_targets, rank, overrides)
     if algo == "lora" and (rank_dropout or module_dropout):
         raise ValueError("attach_lora: kohya's rank/module dropout for LoRA is network_setup.add_kohya_dropout")
     if algo in lycoris_layers.ALGOS:
@@ -225,39 +212,70 @@ def attach_lora(
         lycoris.attach_lycoris(model, algo, targets, rank, alpha, overrides, rank_dropout, module_dropout, factor,
                                decompose_both, adapter_name, lycoris_shapes, use_tucker)
     elif algo == "lora":
-        extra: dict[str, object] = {}
-        if overrides:
-            # peft reads these as regular expressions matched against the end of each module name.
-            extra["rank_pattern"] = {re.escape(name): r for name, (r, _) in overrides.items()}
-            extra["alpha_pattern"] = {re.escape(name): a for name, (_, a) in overrides.items()}
-        if use_dora and dora_on_output:
-            extra["use_dora"] = True
-        config = LoraConfig(
-            r=rank,
-            lora_alpha=alpha,
-            lora_dropout=dropout,
-            target_modules=targets,
-            init_lora_weights=True,
-            bias="none",
-            **extra,
-        )
-        inject_adapter_in_model(config, model, adapter_name=adapter_name)
-        if use_dora and not dora_on_output:
-            for _, layer in lora_layers(model, adapter_name):
-                dora.add_input_dora(layer, adapter_name)
+        _inject_lora(model, targets, rank, alpha, dropout, adapter_name, overrides, use_dora, dora_on_output)
     else:
         raise ValueError(f"attach_lora: unknown algo {algo!r}")
     if norm_targets:
         lycoris_layers.attach(model, "norm", norm_targets, rank, alpha, {}, adapter_name,
                               module_dropout=module_dropout)
-
     wrapped = lora_layers(model, adapter_name)
+    _check_attached(wrapped, targets + norm_targets, rank, alpha, overrides, adapter_name)
+    _keep_lora_in_fp32(wrapped, adapter_name)
+    return _train_only(model, adapter_name)
+
+
+def _checked_request(model: nn.Module, targets: list[str], norm_targets: list[str], rank: int,
+                     overrides: Mapping[str, tuple[int, float]] | None) -> dict[str, tuple[int, float]]:
+    """attach_lora's request checked against the model: the overrides as (int rank, float alpha)."""
+    if not targets:
+        raise ValueError("attach_lora: no target modules given")
+    if rank <= 0:
+        raise ValueError(f"attach_lora: rank must be positive, got {rank}")
+    existing = {name for name, _ in model.named_modules()}
+    unknown = [t for t in targets + norm_targets if t not in existing]
+    if unknown:
+        raise ValueError(f"attach_lora: {len(unknown)} target modules not in the model, e.g. {unknown[:_MAX_LISTED]}")
+    checked = {name: (int(r), float(a)) for name, (r, a) in (overrides or {}).items()}
+    if any(r <= 0 for r, _ in checked.values()):
+        raise ValueError("attach_lora: every rank must be positive")
+    return checked
+
+
+def _inject_lora(model: nn.Module, targets: list[str], rank: int, alpha: float, dropout: float, adapter_name: str,
+                 overrides: Mapping[str, tuple[int, float]], use_dora: bool, dora_on_output: bool) -> None:
+    """peft's LoRA on the targets, with DoRA on the output axis (peft's) or on the input axis (ours)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    extra: dict[str, object] = {}
+    if overrides:
+        # peft reads these as regular expressions matched against the end of each module name.
+        extra["rank_pattern"] = {re.escape(name): r for name, (r, _) in overrides.items()}
+        extra["alpha_pattern"] = {re.escape(name): a for name, (_, a) in overrides.items()}
+    if use_dora and dora_on_output:
+        extra["use_dora"] = True
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=targets,
+        init_lora_weights=True,
+        bias="none",
+        **extra,
+    )
+    inject_adapter_in_model(config, model, adapter_name=adapter_name)
+    if use_dora and not dora_on_output:
+        for _, layer in lora_layers(model, adapter_name):
+            dora.add_input_dora(layer, adapter_name)
+
+
+def _check_attached(wrapped: list[tuple[str, nn.Module]], requested: list[str], rank: int, alpha: float,
+                    overrides: Mapping[str, tuple[int, float]], adapter_name: str) -> None:
+    """The layers came out exactly on the requested modules, each with its requested rank and alpha."""
     # peft matches list entries as name suffixes too; with full names the set must come out exact.
     got = {name for name, _ in wrapped}
-    if got != set(targets + norm_targets):
+    if got != set(requested):
         raise RuntimeError(
-            f"peft attached LoRA to {sorted(got ^ set(targets + norm_targets))[:_MAX_LISTED]} unlike the requested "
-            "targets"
+            f"peft attached LoRA to {sorted(got ^ set(requested))[:_MAX_LISTED]} unlike the requested targets"
         )
     for name, layer in wrapped:
         if isinstance(layer, lycoris_layers.AdapterLayer):
@@ -270,16 +288,21 @@ def attach_lora(
             raise RuntimeError(f"peft built {name} with rank {layer.r[adapter_name]}, alpha {got_alpha}; "
                                f"asked for {want_rank}, {want_alpha}")
 
+
+def _keep_lora_in_fp32(wrapped: list[tuple[str, nn.Module]], adapter_name: str) -> None:
+    # inject_adapter_in_model casts the adapter to the base dtype (bf16/fp16); the optimizer needs fp32.
+    # peft's forward casts the input to the LoRA dtype and the sum back to the base dtype.
     for _, layer in wrapped:
         if not _is_lora(layer):
             continue  # attach_lycoris keeps its factors in fp32
-        # inject_adapter_in_model casts the adapter to the base dtype (bf16/fp16); the optimizer needs fp32.
-        # peft's forward casts the input to the LoRA dtype and the sum back to the base dtype.
         layer.lora_A[adapter_name].to(torch.float32)
         layer.lora_B[adapter_name].to(torch.float32)
         if _has_output_dora(layer, adapter_name):
             layer.lora_magnitude_vector[adapter_name].to(torch.float32)
 
+
+def _train_only(model: nn.Module, adapter_name: str) -> list[nn.Parameter]:
+    """Only the adapter's weights require grad; returns them."""
     params = lora_parameters(model, adapter_name)
     trainable = {id(p) for p in params}
     for p in model.parameters():
