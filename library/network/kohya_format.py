@@ -21,9 +21,10 @@ import hashlib
 import math
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import safetensors
 import safetensors.torch
@@ -272,91 +273,126 @@ def apply_kohya_state_dict(
     found under the family's kohya name or under its diffusers path (files written before, or by other tools).
     """
     expected = kohya_layer_names(modules, adapter_name, rename)
-    aliases = {}
-    if rename is not None:
-        plain = kohya_layer_names(modules, adapter_name)
-        by_layer = {id(layer): name for name, (_, layer) in expected.items()}
-        aliases = {alias: by_layer[id(layer)] for alias, (_, layer) in plain.items() if alias not in expected}
-    report = LoadReport()
-    problems: list[str] = []
-    alpha_mismatch: list[str] = []
-    pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-
     params_of = {name: layer_parameters(layer, adapter_name) for name, (_, layer) in expected.items()}
     # IA3 / Diag-OFT / DyLoRA / norm layers: the file's keys are not always their trainable tensors
     file_roles = {name: layer.file_roles() for name, (_, layer) in expected.items()
                   if isinstance(layer, lycoris_layers.AdapterLayer)}
+    loading = _Loading()
+    in_file = _by_layer(state_dict, _aliases(modules, adapter_name, rename, expected), params_of, file_roles,
+                        loading.report.unexpected)
+    for name, (_, layer) in expected.items():
+        found = in_file.get(name, {})
+        if name in file_roles:
+            loading.adapter_layer(name, layer, file_roles[name], found)
+        else:
+            loading.lora_layer(name, layer, params_of[name], found, adapter_name)
+    loading.check(strict)
+    loading.write()
+    return loading.report
+
+
+def _aliases(modules: Mapping[str, nn.Module], adapter_name: str, rename: Rename | None,
+             expected: Mapping[str, tuple[str, nn.Module]]) -> dict[str, str]:
+    """The diffusers-path kohya names of the layers that `rename` names otherwise -> their family's names."""
+    if rename is None:
+        return {}
+    plain = kohya_layer_names(modules, adapter_name)
+    by_layer = {id(layer): name for name, (_, layer) in expected.items()}
+    return {alias: by_layer[id(layer)] for alias, (_, layer) in plain.items() if alias not in expected}
+
+
+def _by_layer(state_dict: Mapping[str, torch.Tensor], aliases: Mapping[str, str],
+              params_of: Mapping[str, Mapping[str, nn.Parameter]], file_roles: Mapping[str, Any],
+              unexpected: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """The file's tensors by kohya module name and role; keys that no layer takes go to `unexpected`."""
     in_file: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in state_dict.items():
         name, role = _split_key(key)
         name = aliases.get(name, name)
         if name in file_roles and role in file_roles[name]:
             in_file.setdefault(name, {})[role] = tensor
-        elif name in expected and name not in file_roles and (role == _ALPHA or role in params_of[name]):
+        elif name in params_of and name not in file_roles and (role == _ALPHA or role in params_of[name]):
             in_file.setdefault(name, {})[role] = tensor
         else:
-            report.unexpected.append(key)
+            unexpected.append(key)
+    return in_file
 
-    for name, (_, layer) in expected.items():
-        found = in_file.get(name, {})
-        if name in file_roles:
-            absent = [f"{name}.{role}" for role in file_roles[name] if role not in found]
-            if absent:
-                report.missing.extend(absent)
-                continue
-            pairs, layer_problems = layer.import_tensors(found)
-            problems.extend(f"{name}.{problem}" for problem in layer_problems)
-            if not layer_problems:
-                pending.extend(pairs)
-                report.loaded.append(name)
-            continue
-        params = params_of[name]
-        absent = [f"{name}.{role}" for role in params if role not in found]
-        if absent:
-            report.missing.extend(absent)
-            continue
+
+@dataclass
+class _Loading:
+    """What apply_kohya_state_dict has found so far: the report, the problems, and the tensors to copy once every
+    check has passed."""
+
+    report: LoadReport = field(default_factory=LoadReport)
+    problems: list[str] = field(default_factory=list)
+    alpha_mismatch: list[str] = field(default_factory=list)
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def _absent(self, name: str, roles: Iterable[str], found: Mapping[str, torch.Tensor]) -> bool:
+        absent = [f"{name}.{role}" for role in roles if role not in found]
+        self.report.missing.extend(absent)
+        return bool(absent)
+
+    def adapter_layer(self, name: str, layer: Any, roles: Iterable[str], found: Mapping[str, torch.Tensor]) -> None:
+        """An IA3 / Diag-OFT / DyLoRA / norm layer, which reads its file tensors itself."""
+        if self._absent(name, roles, found):
+            return
+        pairs, layer_problems = layer.import_tensors(found)
+        self.problems.extend(f"{name}.{problem}" for problem in layer_problems)
+        if not layer_problems:
+            self.pending.extend(pairs)
+            self.report.loaded.append(name)
+
+    def lora_layer(self, name: str, layer: nn.Module, params: Mapping[str, nn.Parameter],
+                   found: Mapping[str, torch.Tensor], adapter_name: str) -> None:
+        """A peft LoRA / LoHa / LoKr layer: each tensor fitted to its parameter's shape, the alpha the model's."""
+        if self._absent(name, params, found):
+            return
         fitted = []
         for role, param in params.items():
             value = _fit_shape(found[role], param.shape)
             if value is None:
-                problems.append(
+                self.problems.append(
                     f"{name}.{role}: shape {tuple(found[role].shape)} in file, {tuple(param.shape)} in model"
                 )
             else:
                 fitted.append((param, value))
         if len(fitted) != len(params):
-            continue
+            return
         file_rank = int(found[_DOWN].shape[0]) if _is_lora(layer) else lycoris.file_rank(found)
         file_alpha = float(found[_ALPHA].item()) if _ALPHA in found else float(file_rank or 0)
         model_alpha = float(layer.lora_alpha[adapter_name] if _is_lora(layer) else layer.alpha[adapter_name])
         # A LoKr with both factors whole is applied unscaled by every reader: its alpha means nothing.
         if file_rank is not None and not math.isclose(file_alpha, model_alpha, rel_tol=1e-3, abs_tol=1e-6):
-            alpha_mismatch.append(f"{name} (file {file_alpha:g}, model {model_alpha:g})")
-            continue
-        pending.extend(fitted)
-        report.loaded.append(name)
+            self.alpha_mismatch.append(f"{name} (file {file_alpha:g}, model {model_alpha:g})")
+            return
+        self.pending.extend(fitted)
+        self.report.loaded.append(name)
 
-    if problems:
-        problems.append(
-            "the rank differs between file and model: set network_dim (and conv_dim, algo) to the file's or use "
-            "dim_from_weights"
-        )
-    if alpha_mismatch:
-        problems.append(
-            _listing("modules with a different alpha", alpha_mismatch)
-            + "; set network_alpha to the file's alpha or use dim_from_weights"
-        )
-    if strict and report.missing:
-        problems.append(_listing("missing keys", report.missing))
-    if strict and report.unexpected:
-        problems.append(_listing("unexpected keys", report.unexpected))
-    if problems:
-        raise ValueError("cannot load LoRA weights:\n  " + "\n  ".join(problems))
+    def check(self, strict: bool) -> None:
+        """Raise ValueError naming every problem (and, when `strict`, every missing or unexpected key)."""
+        problems = list(self.problems)
+        if problems:
+            problems.append(
+                "the rank differs between file and model: set network_dim (and conv_dim, algo) to the file's or "
+                "use dim_from_weights"
+            )
+        if self.alpha_mismatch:
+            problems.append(
+                _listing("modules with a different alpha", self.alpha_mismatch)
+                + "; set network_alpha to the file's alpha or use dim_from_weights"
+            )
+        if strict and self.report.missing:
+            problems.append(_listing("missing keys", self.report.missing))
+        if strict and self.report.unexpected:
+            problems.append(_listing("unexpected keys", self.report.unexpected))
+        if problems:
+            raise ValueError("cannot load LoRA weights:\n  " + "\n  ".join(problems))
 
-    with torch.no_grad():
-        for param, value in pending:
-            param.copy_(value.to(device=param.device, dtype=param.dtype))
-    return report
+    def write(self) -> None:
+        with torch.no_grad():
+            for param, value in self.pending:
+                param.copy_(value.to(device=param.device, dtype=param.dtype))
 
 
 # Key prefixes that tell which kind of model a LoRA file was made for (the first match wins).
