@@ -13,10 +13,12 @@ from library.network import blocks, lora, lycoris_layers, presets
 
 logger = logging.getLogger(__name__)
 
+Overrides = dict[str, tuple[int, float]]  # module name -> (rank, alpha) where it differs from the run's
+
 
 def attach_network(model: nn.Module, part: str, rank: int, alpha: float, dropout: float,
                    net: NetworkArgs,
-                   denoiser_targets: tuple[list[str], dict[str, tuple[int, float]]] | None = None
+                   denoiser_targets: tuple[list[str], Overrides] | None = None
                    ) -> list[nn.Parameter]:
     """Attach the configured adapter to the UNet (`part="unet"`) or one text encoder (`"text_encoder"`) with
     kohya's targets; conv_dim adds the ResNet blocks and samplers of the UNet, block_dims and the block lr
@@ -24,65 +26,21 @@ def attach_network(model: nn.Module, part: str, rank: int, alpha: float, dropout
     LyCORIS preset chooses the layers and k x k convs take conv_dim / conv_alpha (default network_dim / alpha).
     A family whose denoiser is not a UNet passes its own `denoiser_targets` (module names, per-module (rank,
     alpha))."""
-    overrides: dict[str, tuple[int, float]] = {}
-    norm_targets: list[str] = []
     if denoiser_targets is None and part == "unet" and net.flux_keys:
         raise UserError(f"network_args {', '.join(net.flux_keys)}: only for FLUX.1 (kohya's networks.lora_flux)")
     if denoiser_targets is not None and net.train_norm:
         raise UserError("network_args train_norm: offered for the SD families' UNet (LyCORIS' presets) only")
+    norm_targets: list[str] = []
     if denoiser_targets is not None:
         targets, overrides = denoiser_targets
     elif net.lycoris:
-        if part == "unet":
-            targets, conv = presets.unet_targets(model, net.preset, is_sdxl_unet(model))
-            conv_rank_alpha = (net.conv_dim or rank, alpha if net.conv_alpha is None else net.conv_alpha)
-            targets += conv
-            overrides.update({name: conv_rank_alpha for name in conv})
-        else:
-            targets = presets.text_encoder_targets(model, net.preset)
-        if net.train_norm:
-            norm_targets = presets.norm_targets(model, net.preset, part)
-        if not targets:
-            raise UserError(f"network_args: preset={net.preset} trains no layer of the {part}")
+        targets, overrides, norm_targets = _lycoris_targets(model, part, rank, alpha, net)
     elif part == "unet":
-        targets = lora.unet_target_modules(model)
-        plan = unet_block_plan(model, rank, alpha, net)
-        conv_rank_alpha = net.conv_rank_alpha
-        if net.kohya_dylora and conv_rank_alpha is not None:
-            conv_rank_alpha = (rank, alpha)  # kohya's DyLoRA reads conv_alpha but trains the convs at network_alpha
-        if conv_rank_alpha is not None or (plan is not None and plan.conv_dims is not None):
-            linear, conv = lora.unet_conv_target_modules(model)
-            targets += linear + conv
-            overrides.update({name: conv_rank_alpha for name in conv if conv_rank_alpha is not None})
-        if plan is not None:
-            sdxl = is_sdxl_unet(model)
-            conv_names = set(lora.unet_conv_target_modules(model)[1])
-            for name in targets:
-                index = blocks.block_index(name, sdxl)
-                if index < 0:
-                    continue
-                if name in conv_names:
-                    assert plan.conv_dims is not None and plan.conv_alphas is not None
-                    overrides[name] = (plan.conv_dims[index], plan.conv_alphas[index])
-                else:
-                    overrides[name] = (plan.dims[index], plan.alphas[index])
-            # kohya leaves out modules whose block has rank 0 (or lr weight 0)
-            targets = [name for name in targets if overrides.get(name, (rank, alpha))[0] > 0]
-            overrides = {name: value for name, value in overrides.items() if value[0] > 0}
-            if not targets:
-                raise UserError("network_args: block_dims / the block lr weights leave no UNet module to train")
+        targets, overrides = _kohya_unet_targets(model, rank, alpha, net)
     else:
-        targets = lora.text_encoder_target_modules(model)
+        targets, overrides = lora.text_encoder_target_modules(model), {}
     lycoris_dropout = net.variant != "lora"
-    lycoris_options: dict[str, object] = {}
-    if net.algo in lycoris_layers.ALGOS:
-        lycoris_options = {"ia3": {},
-                           "diag-oft": {"constraint": net.constraint, "rescaled": net.rescaled},
-                           "dylora": {"block_size": net.block_size, "kohya": net.kohya_dylora}}[net.algo]
-        if dropout:
-            logger.info("network_dropout: no effect with algo=%s (neither LyCORIS' kohya entry point nor kohya's "
-                        "DyLoRA reads it)", net.algo)
-            dropout = 0.0
+    lycoris_options, dropout = _layer_options(net, dropout)
     # peft's DoRA (output axis) computes its weight norm by calling lora_A, where kohya's hook would drop ranks:
     # it keeps peft's dropout on the layer input.
     peft_dropout = net.dora_wd and net.wd_on_output
@@ -97,6 +55,78 @@ def attach_network(model: nn.Module, part: str, rank: int, alpha: float, dropout
     if not lycoris_dropout and (net.rank_dropout or net.module_dropout or kohya_dropout):
         add_kohya_dropout(model, net.rank_dropout or 0.0, net.module_dropout or 0.0, dropout=kohya_dropout)
     return params
+
+
+
+def _lycoris_targets(model: nn.Module, part: str, rank: int, alpha: float,
+                     net: NetworkArgs) -> tuple[list[str], Overrides, list[str]]:
+    """The LyCORIS preset's layers of the UNet or a text encoder, the k x k convs at conv_dim / conv_alpha, and
+    the norm layers with train_norm."""
+    overrides: Overrides = {}
+    if part == "unet":
+        targets, conv = presets.unet_targets(model, net.preset, is_sdxl_unet(model))
+        conv_rank_alpha = (net.conv_dim or rank, alpha if net.conv_alpha is None else net.conv_alpha)
+        targets += conv
+        overrides.update({name: conv_rank_alpha for name in conv})
+    else:
+        targets = presets.text_encoder_targets(model, net.preset)
+    norm_targets = presets.norm_targets(model, net.preset, part) if net.train_norm else []
+    if not targets:
+        raise UserError(f"network_args: preset={net.preset} trains no layer of the {part}")
+    return targets, overrides, norm_targets
+
+
+def _kohya_unet_targets(model: nn.Module, rank: int, alpha: float, net: NetworkArgs) -> tuple[list[str], Overrides]:
+    """kohya's UNet targets: the attention blocks, with conv_dim the ResNets and samplers too, each block at its
+    block_dims rank (or left out)."""
+    overrides: Overrides = {}
+    targets = lora.unet_target_modules(model)
+    plan = unet_block_plan(model, rank, alpha, net)
+    conv_rank_alpha = net.conv_rank_alpha
+    if net.kohya_dylora and conv_rank_alpha is not None:
+        conv_rank_alpha = (rank, alpha)  # kohya's DyLoRA reads conv_alpha but trains the convs at network_alpha
+    if conv_rank_alpha is not None or (plan is not None and plan.conv_dims is not None):
+        linear, conv = lora.unet_conv_target_modules(model)
+        targets += linear + conv
+        overrides.update({name: conv_rank_alpha for name in conv if conv_rank_alpha is not None})
+    if plan is None:
+        return targets, overrides
+    return _per_block(model, targets, overrides, plan, rank, alpha)
+
+
+def _per_block(model: nn.Module, targets: list[str], overrides: Overrides, plan: blocks.BlockPlan, rank: int,
+               alpha: float) -> tuple[list[str], Overrides]:
+    """Each UNet target at its block's rank and alpha; the modules of blocks at rank 0 left out, as kohya."""
+    sdxl = is_sdxl_unet(model)
+    conv_names = set(lora.unet_conv_target_modules(model)[1])
+    for name in targets:
+        index = blocks.block_index(name, sdxl)
+        if index < 0:
+            continue
+        if name in conv_names:
+            assert plan.conv_dims is not None and plan.conv_alphas is not None
+            overrides[name] = (plan.conv_dims[index], plan.conv_alphas[index])
+        else:
+            overrides[name] = (plan.dims[index], plan.alphas[index])
+    # kohya leaves out modules whose block has rank 0 (or lr weight 0)
+    targets = [name for name in targets if overrides.get(name, (rank, alpha))[0] > 0]
+    overrides = {name: value for name, value in overrides.items() if value[0] > 0}
+    if not targets:
+        raise UserError("network_args: block_dims / the block lr weights leave no UNet module to train")
+    return targets, overrides
+
+
+def _layer_options(net: NetworkArgs, dropout: float) -> tuple[dict[str, object], float]:
+    """The options of an IA3 / Diag-OFT / DyLoRA layer, and network_dropout (which those do not read)."""
+    if net.algo not in lycoris_layers.ALGOS:
+        return {}, dropout
+    options: dict[str, object] = {"ia3": {},
+                                  "diag-oft": {"constraint": net.constraint, "rescaled": net.rescaled},
+                                  "dylora": {"block_size": net.block_size, "kohya": net.kohya_dylora}}[net.algo]
+    if dropout:
+        logger.info("network_dropout: no effect with algo=%s (neither LyCORIS' kohya entry point nor kohya's "
+                    "DyLoRA reads it)", net.algo)
+    return options, 0.0
 
 
 def is_sdxl_unet(unet: nn.Module) -> bool:
