@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -189,16 +190,48 @@ def parse_config(argv: Sequence[str] | None = None,
     that packages above config read (the dataset TOML), which config itself may not import.
     Returns the Config and notes (ignored kohya options) to log once logging is set up.
     """
-    parser = build_parser()
-    namespace, unknown = parser.parse_known_args(argv)
-    problems: list[str] = []
-    notes: list[str] = []
+    namespace, unknown = build_parser().parse_known_args(argv)
+    resolving = _Resolving()
+    _check_unknown_arguments(unknown, resolving)
+    cli_raw = vars(namespace)
+    config_readable = _apply_config_file(cli_raw.get("config_file"), resolving)
+    _apply_command_line(cli_raw, resolving)
+    _apply_split_mode(resolving)
+    if config_readable:
+        # Checked even after other problems so that one run reports everything.
+        resolving.problems += check_values(resolving.values)
+        for check in extra_checks:
+            resolving.problems += [p for p in check(resolving.values) if p not in resolving.problems]
+    if resolving.problems:
+        raise ConfigError(resolving.problems)
+    return Config(resolving.values, resolving.explicit), resolving.notes
+
+
+@dataclass
+class _Resolving:
+    """The options as they are being resolved: defaults, then the file, then the command line."""
+    values: dict[str, Any] = field(default_factory=lambda: {name: o.default for name, o in OPTIONS.items()})
+    explicit: set[str] = field(default_factory=set)
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def set(self, option: Option, raw: Any, where: str) -> None:
+        value, problem = _convert(option, raw, where)
+        if problem:
+            self.problems.append(problem)
+        else:
+            self.values[option.name] = value
+            self.explicit.add(option.name)
+
+
+def _check_unknown_arguments(unknown: list[str], resolving: _Resolving) -> None:
+    """The command-line arguments argparse did not know: kohya options without effect here, or mistakes."""
     index = 0
     while index < len(unknown):
         token = unknown[index]
         index += 1
         if not token.startswith("--"):
-            problems.append(f"command line: unexpected argument {token!r}")
+            resolving.problems.append(f"command line: unexpected argument {token!r}")
             continue
         name, equals, value = token[2:].partition("=")
         # An unknown option's value must not be reported as a second problem.
@@ -209,64 +242,50 @@ def parse_config(argv: Sequence[str] | None = None,
         if problem and name in UNSUPPORTED_KOHYA_OPTIONS and equals and value.strip().lower() in ("", "false", "0"):
             # As in a config file: `--fp8_base=false` asks for nothing.
             problem, note = None, f"command line: {name} = {value!r} asks for nothing here and is ignored"
-        problems += [problem] if problem else []
-        notes += [note] if note else []
+        resolving.problems += [problem] if problem else []
+        resolving.notes += [note] if note else []
 
-    values: dict[str, Any] = {name: option.default for name, option in OPTIONS.items()}
-    explicit: set[str] = set()
-    config_unreadable = False
 
-    cli_raw = vars(namespace)
-    config_path = cli_raw.get("config_file")
-    if config_path is not None:
-        file_values, file_problems = _read_toml(Path(config_path))
-        problems += file_problems
-        config_unreadable = file_values is None
-        source = str(config_path)
-        for name, raw in (file_values or {}).items():
-            canonical, problem, note = _check_key(name, source)
-            if problem and name in UNSUPPORTED_KOHYA_OPTIONS and raw in ("", False, 0, []):
-                # Configs saved by kohya tools list options that are off; an option that asks for nothing is fine.
-                problem, note = None, f"{source}: {name} = {raw!r} asks for nothing here and is ignored"
-            if problem:
-                problems.append(problem)
-            if note:
-                notes.append(note)
-            if canonical is None:
-                continue
-            if canonical in ("config_file", "output_config"):
-                problems.append(f"{source}: {name} belongs on the command line, not in the config file")
-                continue
-            value, problem = _convert(OPTIONS[canonical], raw, source)
-            if problem:
-                problems.append(problem)
-            else:
-                values[canonical] = value
-                explicit.add(canonical)
+def _apply_config_file(config_path: str | None, resolving: _Resolving) -> bool:
+    """The --config file's options; False when the file cannot be read (its values are then unknown)."""
+    if config_path is None:
+        return True
+    file_values, file_problems = _read_toml(Path(config_path))
+    resolving.problems += file_problems
+    source = str(config_path)
+    for name, raw in (file_values or {}).items():
+        canonical, problem, note = _check_key(name, source)
+        if problem and name in UNSUPPORTED_KOHYA_OPTIONS and raw in ("", False, 0, []):
+            # Configs saved by kohya tools list options that are off; an option that asks for nothing is fine.
+            problem, note = None, f"{source}: {name} = {raw!r} asks for nothing here and is ignored"
+        resolving.problems += [problem] if problem else []
+        resolving.notes += [note] if note else []
+        if canonical is None:
+            continue
+        if canonical in ("config_file", "output_config"):
+            resolving.problems.append(f"{source}: {name} belongs on the command line, not in the config file")
+            continue
+        resolving.set(OPTIONS[canonical], raw, source)
+    return file_values is not None
 
+
+def _apply_command_line(cli_raw: Mapping[str, Any], resolving: _Resolving) -> None:
+    """The command line's options, which win over the file's."""
     for name, raw in cli_raw.items():
         option = OPTIONS[name]
         if option.is_list and isinstance(raw, list):
             raw = list(raw)
-        value, problem = _convert(option, raw, "command line")
-        if problem:
-            problems.append(problem)
-        else:
-            values[name] = value
-            explicit.add(name)
+        resolving.set(option, raw, "command line")
 
-    if values.get("split_mode"):  # sd-scripts' FLUX trainer turns its deprecated split_mode into block swapping
-        if values["blocks_to_swap"]:
-            notes.append("split_mode is deprecated in sd-scripts and ignored because blocks_to_swap is set")
-        else:
-            values["blocks_to_swap"] = 18
-            notes.append("split_mode is deprecated in sd-scripts, which sets blocks_to_swap 18 for it; so does this "
-                         "trainer")
-    if not config_unreadable:
-        # Checked even after other problems so that one run reports everything.
-        problems += check_values(values)
-        for check in extra_checks:
-            problems += [p for p in check(values) if p not in problems]
-    if problems:
-        raise ConfigError(problems)
-    return Config(values, explicit), notes
+
+def _apply_split_mode(resolving: _Resolving) -> None:
+    """sd-scripts' FLUX trainer turns its deprecated split_mode into block swapping."""
+    values = resolving.values
+    if not values.get("split_mode"):
+        return
+    if values["blocks_to_swap"]:
+        resolving.notes.append("split_mode is deprecated in sd-scripts and ignored because blocks_to_swap is set")
+    else:
+        values["blocks_to_swap"] = 18
+        resolving.notes.append("split_mode is deprecated in sd-scripts, which sets blocks_to_swap 18 for it; so does "
+                               "this trainer")
