@@ -1,22 +1,19 @@
 """What the user asked for: kohya's dataset TOML or train_data_dir / reg_data_dir folders -> DatasetSpec objects.
 
 A value is looked up as kohya does: subset -> dataset -> [general] -> command line / --config -> default. The TOML is
-checked strictly: unknown keys (with a suggestion), keys at the wrong level and wrong types are all reported at once.
+read and checked strictly by library.data.dataset_toml.
 """
 from __future__ import annotations
 
-import difflib
 import logging
-import math
 import re
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping
-
-import tomllib
+from typing import Any, Mapping
 
 from library.config import Config, ConfigError
 from library.config.dataset_checks import bucket_steps_problem
+from library.data.dataset_toml import read_dataset_toml
 
 logger = logging.getLogger(__name__)
 # kohya's resize_interpolation choices (library.data.images maps them to PIL's filters)
@@ -73,181 +70,8 @@ class DatasetSpec:
     bucket_no_upscale: bool = False
 
 
-# --- strict TOML value checks: (raw) -> value, or ValueError with a short reason
-
-def _bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    raise ValueError("expected true or false")
-
-
-def _int(value: Any) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    raise ValueError("expected an integer")
-
-
-def _float(value: Any) -> float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
-    raise ValueError("expected a number")
-
-
-def _float_pair(value: Any) -> tuple[float, float]:
-    """kohya's face_crop_aug_range: [low, high], "low,high", or one number for both."""
-    parts = value.replace(",", " ").split() if isinstance(value, str) else value
-    parts = parts if isinstance(parts, list) else [parts]
-    parts = [_float(p if not isinstance(p, str) else float(p)) for p in parts]
-    if len(parts) == 1:
-        parts *= 2
-    if len(parts) != 2 or not 0 < parts[0] <= parts[1]:
-        raise ValueError("expected two positive numbers low <= high, like [2.0, 4.0]")
-    return parts[0], parts[1]
-
-
-def _str(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    raise ValueError("expected a string")
-
-
-def _resolution(value: Any) -> tuple[int, int]:
-    """kohya: a number or a [width, height] pair; "512,768" is also accepted."""
-    parts: list[Any]
-    if isinstance(value, str):
-        parts = [p.strip() for p in value.split(",")]
-        try:
-            parts = [int(p) for p in parts]
-        except ValueError:
-            raise ValueError("expected a size like 512 or [512, 768]") from None
-    elif isinstance(value, list):
-        parts = list(value)
-    else:
-        parts = [value]
-    parts = parts * 2 if len(parts) == 1 else parts
-    if len(parts) != 2 or not all(isinstance(p, int) and not isinstance(p, bool) for p in parts):
-        raise ValueError("expected a size like 512 or [512, 768]")
-    if min(parts) <= 0:
-        raise ValueError("sizes must be positive")
-    return parts[0], parts[1]
-
-
-# Keys a subset takes; kohya lets every one of them be set on the dataset or in [general] as a default.
-SUBSET_KEYS: dict[str, Callable[[Any], Any]] = {
-    "num_repeats": _int, "class_tokens": _str, "caption_extension": _str, "shuffle_caption": _bool,
-    "caption_separator": _str, "keep_tokens": _int, "keep_tokens_separator": _str, "caption_prefix": _str,
-    "caption_suffix": _str, "caption_dropout_rate": _float, "caption_dropout_every_n_epochs": _int,
-    "caption_tag_dropout_rate": _float, "flip_aug": _bool, "random_crop": _bool, "alpha_mask": _bool,
-    "color_aug": _bool,
-    "secondary_separator": _str, "enable_wildcard": _bool, "resize_interpolation": _str,
-    "token_warmup_min": _int, "token_warmup_step": _float, "face_crop_aug_range": _float_pair,
-}
-SUBSET_ONLY_KEYS: dict[str, Callable[[Any], Any]] = {"image_dir": _str, "is_reg": _bool,
-                                                     "conditioning_data_dir": _str, "metadata_file": _str}
-DATASET_KEYS: dict[str, Callable[[Any], Any]] = {
-    "resolution": _resolution, "batch_size": _int, "enable_bucket": _bool, "min_bucket_reso": _int,
-    "max_bucket_reso": _int, "bucket_reso_steps": _int, "bucket_no_upscale": _bool,
-}
-_ALIASES = {"caption_extention": "caption_extension"}  # kohya's misspelling, accepted on its command line
-# kohya dataset keys this trainer does not offer; named so the user knows exactly what to change.
-UNSUPPORTED_KEYS = (
-    "cache_info", "network_multiplier", "max_token_length", "debug_dataset",
-)
 # A TOML key -> the --config / command-line option that is its fallback.
 _COMMAND_LINE_NAME = {"batch_size": "train_batch_size", "num_repeats": "dataset_repeats"}
-_LEVEL_KEYS = {
-    "general": {**DATASET_KEYS, **SUBSET_KEYS},
-    "dataset": {**DATASET_KEYS, **SUBSET_KEYS},
-    "subset": {**SUBSET_KEYS, **SUBSET_ONLY_KEYS},
-}
-
-
-def _suggest(name: str, candidates: list[str]) -> str:
-    match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
-    return f" (did you mean {match[0]!r}?)" if match else ""
-
-
-def _check_table(table: Mapping[str, Any], level: str, where: str, problems: list[str]) -> dict[str, Any]:
-    """Typed values of one [general] / [[datasets]] / [[datasets.subsets]] table; problems appended."""
-    allowed = _LEVEL_KEYS[level]
-    values: dict[str, Any] = {}
-    for raw_name, raw in table.items():
-        name = _ALIASES.get(raw_name, raw_name)
-        if level == "dataset" and name == "subsets":
-            continue
-        if name in allowed:
-            try:
-                values[name] = allowed[name](raw)
-            except ValueError as e:
-                problems.append(f"{where}: {raw_name} = {raw!r}: {e}")
-        elif name in UNSUPPORTED_KEYS:
-            problems.append(f"{where}: {raw_name} is a kohya dataset option this trainer does not support yet; "
-                            "remove it")
-        elif name in SUBSET_ONLY_KEYS:
-            problems.append(f"{where}: {raw_name} belongs in a [[datasets.subsets]] table")
-        elif name in DATASET_KEYS:
-            problems.append(f"{where}: {raw_name} is a dataset setting; put it in [[datasets]] or [general]")
-        else:
-            problems.append(f"{where}: unknown key {raw_name!r}" + _suggest(name, sorted(allowed)))
-    return values
-
-
-def read_dataset_toml(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Parse and check a kohya dataset TOML. Returns ([general] values, [{"values": ..., "subsets": [...]}]).
-
-    Raises ConfigError listing every problem in the file.
-    """
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"dataset_config: {path} not found") from None
-    except IsADirectoryError:
-        raise ConfigError(f"dataset_config: {path} is a folder, not a TOML file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not UTF-8 text") from None
-
-    problems: list[str] = []
-    for key in raw:
-        if key not in ("general", "datasets"):
-            problems.append(f"{path}: unknown top-level key {key!r}" + _suggest(key, ["general", "datasets"])
-                            + "; a dataset TOML has [general] and [[datasets]] with [[datasets.subsets]]")
-    general_raw = raw.get("general", {})
-    if not isinstance(general_raw, dict):
-        problems.append(f"{path}: general must be a table ([general])")
-        general_raw = {}
-    general = _check_table(general_raw, "general", f"{path}: [general]", problems)
-
-    datasets_raw = raw.get("datasets", [])
-    if not isinstance(datasets_raw, list) or not all(isinstance(d, dict) for d in datasets_raw):
-        problems.append(f"{path}: datasets must be an array of tables ([[datasets]])")
-        datasets_raw = []
-    if not datasets_raw and not problems:
-        problems.append(f"{path}: no [[datasets]] table; add one with at least one [[datasets.subsets]]")
-    datasets: list[dict[str, Any]] = []
-    for i, dataset_raw in enumerate(datasets_raw):
-        where = f"{path}: datasets[{i}]"
-        values = _check_table(dataset_raw, "dataset", where, problems)
-        subsets_raw = dataset_raw.get("subsets", [])
-        if not isinstance(subsets_raw, list) or not all(isinstance(s, dict) for s in subsets_raw):
-            problems.append(f"{where}: subsets must be an array of tables ([[datasets.subsets]])")
-            subsets_raw = []
-        if not subsets_raw:
-            problems.append(f"{where}: no [[datasets.subsets]] table; each dataset needs at least one image_dir")
-        subsets = []
-        for j, subset_raw in enumerate(subsets_raw):
-            subset_where = f"{where}.subsets[{j}]"
-            subset = _check_table(subset_raw, "subset", subset_where, problems)
-            if "image_dir" not in subset_raw:
-                problems.append(f"{subset_where}: image_dir is required")
-            subsets.append(subset)
-        datasets.append({"values": values, "subsets": subsets})
-    if problems:
-        raise ConfigError(problems)
-    return general, datasets
 
 
 def dataset_toml_problems(values: Mapping[str, Any]) -> list[str]:
