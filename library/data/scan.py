@@ -140,94 +140,116 @@ def _check_image(path: Path, subset: SubsetSpec, bucketer: Bucketer,
 def scan_datasets(specs: Sequence[DatasetSpec], threads: int | None = None) -> Scan:
     """Read every image and caption of every subset; collect usable records, problems and warnings."""
     scan = Scan()
-    jobs: list[tuple[SubsetReport, Path, Bucketer, str | None]] = []
+    jobs = _list_jobs(specs, scan)
+    workers = threads or min(8, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        results = list(pool.map(lambda job: _check_image(job[1], job[0].spec, job[2], job[3]), jobs))
+    notes: dict[str, list[str]] = {}
+    class_token_users: dict[int, list[Path]] = {}
+    for job, result in zip(jobs, results, strict=True):
+        _add_result(scan, job, result, notes, class_token_users)
+    scan.warnings += _summary_warnings(scan.subsets, class_token_users, notes)
+    return scan
+
+
+# One image to check: its subset's report, the image, its dataset's bucketer, its caption from metadata (or None).
+_Job = tuple[SubsetReport, Path, Bucketer, str | None]
+
+
+def _list_jobs(specs: Sequence[DatasetSpec], scan: Scan) -> list[_Job]:
+    """Every image of every used subset; a report per subset is added to the scan."""
+    jobs: list[_Job] = []
     for d, spec in enumerate(specs):
         bucketer = Bucketer(spec)
         seen: set[Path] = set()
         for s, subset in enumerate(spec.subsets):
             report = SubsetReport(d, s, subset)
             scan.subsets.append(report)
-            directory = subset.image_dir
-            if directory.resolve() in seen:
-                scan.warnings.append(f"{directory}: the same folder is already a subset of dataset {d}; "
-                                     "this one is ignored (kohya does the same)")
+            listed = _subset_images(subset, d, seen, scan)
+            if not listed:
                 report.used = False
                 continue
-            seen.add(directory.resolve())
-            if subset.num_repeats == 0:
-                scan.warnings.append(f"{directory}: num_repeats is 0; the subset is not used")
-                report.used = False
-                continue
-            if not directory.exists():
-                scan.problems.append(f"{directory}: image folder not found")
-                report.used = False
-                continue
-            if not directory.is_dir():
-                scan.problems.append(f"{directory}: not a folder")
-                report.used = False
-                continue
-            if subset.metadata_file is not None:
-                listed = _metadata_jobs(subset, scan.problems)
-                if not listed:
-                    report.used = False
-                    continue
-                report.images = len(listed)
-                jobs.extend((report, path, bucketer, caption) for path, caption in listed)
-                continue
-            images = list_images(directory)
-            scan.problems.extend(dangling_links(directory))
-            if not images:
-                scan.problems.append(f"{directory}: no images (extensions {', '.join(IMAGE_EXTENSIONS)})")
-                report.used = False
-                continue
-            report.images = len(images)
-            jobs.extend((report, path, bucketer, None) for path in images)
+            report.images = len(listed)
+            jobs.extend((report, path, bucketer, caption) for path, caption in listed)
+    return jobs
 
-    workers = threads or min(8, os.cpu_count() or 1)
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        results = list(pool.map(lambda job: _check_image(job[1], job[0].spec, job[2], job[3]), jobs))
 
-    notes: dict[str, list[str]] = {}
-    class_token_users: dict[int, list[Path]] = {}
-    for (report, path, _, _), (fields_, problems, image_notes) in zip(jobs, results, strict=True):
-        scan.problems.extend(problems)
-        for note in image_notes:
-            kind, text = note.split(":", 1)
-            notes.setdefault(kind, []).append(text)
-        if fields_ is None:
-            report.left_out += 1
-            continue
-        record = ImageRecord(dataset_index=report.dataset_index, subset_index=report.subset_index,
-                             subset=report.spec, repeats=report.spec.num_repeats, is_reg=report.spec.is_reg,
-                             **fields_)
-        scan.records.append(record)
-        if record.caption_from_file:
-            report.captions_from_file += 1
-        else:
-            class_token_users.setdefault(id(report), []).append(path)
-        if record.upscaled:
-            notes.setdefault("upscaled", []).append(
-                f"{path} ({record.size[0]}x{record.size[1]} -> bucket {record.bucket[0]}x{record.bucket[1]})")
-        if record.alpha:
-            notes.setdefault("alpha", []).append(str(path))
+def _subset_images(subset: SubsetSpec, dataset_index: int, seen: set[Path],
+                   scan: Scan) -> Sequence[tuple[Path, str | None]]:
+    """(image, caption from fine-tuning metadata or None) of one subset; none when the subset is not used, with
+    the warning or problem that says why. `seen`: the dataset's folders so far."""
+    directory = subset.image_dir
+    if directory.resolve() in seen:
+        scan.warnings.append(f"{directory}: the same folder is already a subset of dataset {dataset_index}; "
+                             "this one is ignored (kohya does the same)")
+        return []
+    seen.add(directory.resolve())
+    if subset.num_repeats == 0:
+        scan.warnings.append(f"{directory}: num_repeats is 0; the subset is not used")
+        return []
+    if not directory.exists():
+        scan.problems.append(f"{directory}: image folder not found")
+        return []
+    if not directory.is_dir():
+        scan.problems.append(f"{directory}: not a folder")
+        return []
+    if subset.metadata_file is not None:
+        return _metadata_jobs(subset, scan.problems)
+    images = list_images(directory)
+    scan.problems.extend(dangling_links(directory))
+    if not images:
+        scan.problems.append(f"{directory}: no images (extensions {', '.join(IMAGE_EXTENSIONS)})")
+    return [(path, None) for path in images]
 
-    for report in scan.subsets:
+
+def _add_result(scan: Scan, job: _Job, result: tuple[dict[str, Any] | None, list[str], list[str]],
+                notes: dict[str, list[str]], class_token_users: dict[int, list[Path]]) -> None:
+    """One checked image: its problems, its notes by kind, and its record when it is usable."""
+    report, path, _, _ = job
+    fields_, problems, image_notes = result
+    scan.problems.extend(problems)
+    for note in image_notes:
+        kind, text = note.split(":", 1)
+        notes.setdefault(kind, []).append(text)
+    if fields_ is None:
+        report.left_out += 1
+        return
+    record = ImageRecord(dataset_index=report.dataset_index, subset_index=report.subset_index,
+                         subset=report.spec, repeats=report.spec.num_repeats, is_reg=report.spec.is_reg,
+                         **fields_)
+    scan.records.append(record)
+    if record.caption_from_file:
+        report.captions_from_file += 1
+    else:
+        class_token_users.setdefault(id(report), []).append(path)
+    if record.upscaled:
+        notes.setdefault("upscaled", []).append(
+            f"{path} ({record.size[0]}x{record.size[1]} -> bucket {record.bucket[0]}x{record.bucket[1]})")
+    if record.alpha:
+        notes.setdefault("alpha", []).append(str(path))
+
+
+def _summary_warnings(subsets: list[SubsetReport], class_token_users: dict[int, list[Path]],
+                      notes: dict[str, list[str]]) -> list[str]:
+    """One warning per subset with images captioned by their class tokens, then one per kind of note."""
+    warnings = []
+    for report in subsets:
         users = class_token_users.get(id(report), [])
         if users:
-            scan.warnings.append(
+            warnings.append(
                 f"{report.spec.image_dir}: {len(users)} of {report.images} images have no caption file "
                 f"({report.spec.caption_extension}); they use the class tokens {report.spec.class_tokens!r}: "
                 + listing(users))
     if "wrong-extension" in notes:
-        scan.warnings.append(f"{len(notes['wrong-extension'])} images have an extension that does not match "
-                             "their content (decoded by content): " + listing(notes["wrong-extension"]))
+        warnings.append(f"{len(notes['wrong-extension'])} images have an extension that does not match "
+                        "their content (decoded by content): " + listing(notes["wrong-extension"]))
     if "upscaled" in notes:
-        scan.warnings.append(f"{len(notes['upscaled'])} images are smaller than their bucket and are enlarged "
-                             "(set bucket_no_upscale to keep them small): " + listing(notes["upscaled"]))
+        warnings.append(f"{len(notes['upscaled'])} images are smaller than their bucket and are enlarged "
+                        "(set bucket_no_upscale to keep them small): " + listing(notes["upscaled"]))
     if "alpha" in notes:
-        scan.warnings.append(f"{len(notes['alpha'])} images have transparency; it is composited on white: "
-                             + listing(notes["alpha"]))
-    return scan
+        warnings.append(f"{len(notes['alpha'])} images have transparency; it is composited on white: "
+                        + listing(notes["alpha"]))
+    return warnings
 
 
 def _metadata_jobs(subset: SubsetSpec, problems: list[str]) -> list[tuple[Path, str]]:
