@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from library.core.atomic import write_atomically
+from library.core.run_files import LOCK_FILE  # the trainer's lock on the folder (library/training/preflight.py)
 from library.monitoring.events import EVENTS_FILE, read_events
 
 RUN_CONFIG = "run_config.toml"
 LOG_FILE = "train.log"
 LAUNCHES = "ui_runs.json"
-LOCK_FILE = "train.lock"  # written by the trainer while it holds the folder (library/training/preflight.py)
 TRAINER = Path(__file__).resolve().parents[2] / "train_network.py"
 _SKIP_DIRS = {".git", "node_modules", "__pycache__", "sample", "logs", ".venv", "venv"}
 
