@@ -6,35 +6,35 @@ the options' own converters, so the trainer reads it exactly as the form shows i
 """
 from __future__ import annotations
 
+import json
 import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-import toml
-
-from library.config import ConfigError, parse_config
-from library.config.dump import _Encoder, _toml_value
+from library.config import ConfigError, parse_config, read_toml
+from library.config.dump import config_toml
+from library.config.option_types import FAMILIES
 from library.config.options import ALIASES, GROUPS, OPTIONS, Option
-from library.config.parse import _read_toml
 from library.data.dataset_config import dataset_toml_problems
 
 COMMAND_LINE_ONLY = ("config_file", "output_config")  # the UI passes --config itself
-# Options for one model family start their help with its name and a colon ("FLUX: ...", "FLUX dev: ...").
-_FAMILY_PREFIX = re.compile(r"((?:[A-Z][A-Z0-9.]+|Chroma|[A-Z][a-z]*-Image)\b)[\w .]*?: ")
-_NOT_FAMILIES = {"CUDA", "CPU", "GPU", "DDP"}  # devices and launchers that help texts name the same way
 
 
 @dataclass
 class Field:
     option: Option
     widget: str  # flag, choice, list, text
-    family: str | None
 
     @property
     def name(self) -> str:
         return self.option.name
+
+    @property
+    def families(self) -> tuple[str, ...]:
+        """The families that read the option; empty for every family."""
+        return self.option.families
 
     @property
     def default_text(self) -> str:
@@ -55,23 +55,19 @@ class FormState:
         return not self.problems and not self.general
 
 
-def family_of(option: Option) -> str | None:
-    match = _FAMILY_PREFIX.match(option.help)
-    return match[1] if match and match[1] not in _NOT_FAMILIES else None
-
-
 def fields_by_group() -> dict[str, list[Field]]:
     """Every option of the schema, in --help order, grouped by topic."""
     groups: dict[str, list[Field]] = {key: [] for key in GROUPS}
     for option in OPTIONS.values():
         widget = ("flag" if option.is_flag else "choice" if option.choices else
                   "list" if option.is_list else "text")
-        groups[option.group].append(Field(option, widget, family_of(option)))
+        groups[option.group].append(Field(option, widget))
     return {key: fields for key, fields in groups.items() if fields}
 
 
-def families() -> list[str]:
-    return sorted({f for o in OPTIONS.values() if (f := family_of(o))})
+def families() -> tuple[str, ...]:
+    """The families the editor's filter offers, by the registry's names."""
+    return FAMILIES
 
 
 def display(option: Option, value: Any) -> str:
@@ -89,11 +85,15 @@ def display(option: Option, value: Any) -> str:
 
 def from_file(path: Path) -> tuple[FormState, dict[str, Any]]:
     """A TOML file as the command line reads it (kohya's sections flattened, aliases), for the form; also the raw
-    values by option name (secrets included, for the caller to keep out of the page)."""
-    raw, problems = _read_toml(path)
-    state = FormState(general=list(problems))
+    values by option name (secrets included, for the caller to keep out of the page). A file that cannot be read
+    gives nothing here: the command line's checks (file_problems) name its problem."""
+    try:
+        raw = flattened(read_toml(path))
+    except (OSError, ValueError):  # tomllib's decode error and UnicodeDecodeError are ValueErrors
+        raw = {}
+    state = FormState()
     values: dict[str, Any] = {}
-    for key, value in (raw or {}).items():
+    for key, value in raw.items():
         name = ALIASES.get(key, key)
         if name not in OPTIONS:
             continue  # reported by the checks with a suggestion
@@ -103,7 +103,17 @@ def from_file(path: Path) -> tuple[FormState, dict[str, Any]]:
             state.hidden_secrets.append(name)
         elif option.name not in COMMAND_LINE_ONLY:
             state.values[name] = display(option, value)
-    return state, raw or {}
+    return state, raw
+
+
+def flattened(tables: Mapping[str, Any]) -> dict[str, Any]:
+    """kohya's sections flattened one level, first value kept; the command line names what is wrong with them."""
+    flat: dict[str, Any] = {}
+    for key, value in tables.items():
+        for name, item in value.items() if isinstance(value, dict) else [(key, value)]:
+            if not isinstance(item, dict):
+                flat.setdefault(name, item)
+    return flat
 
 
 def typed_values(form: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, list[str]]]:
@@ -115,7 +125,7 @@ def typed_values(form: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, lis
         if option is None or name in COMMAND_LINE_ONLY or text is None or not str(text).strip():
             continue
         raw: Any = [line.strip() for line in str(text).splitlines() if line.strip()] if option.is_list else text
-        if not option.is_list and option.convert.__name__ != "_to_str":
+        if not option.is_list and not option.is_text:
             raw = str(text).strip()
         try:
             values[name] = option.convert(raw)
@@ -125,13 +135,16 @@ def typed_values(form: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, lis
 
 
 def toml_text(values: Mapping[str, Any]) -> str:
-    """The set options as TOML, one table per topic (the tables kohya's configs use; the trainer flattens them)."""
-    tables: dict[str, dict[str, Any]] = {}
-    for name, value in values.items():
-        option = OPTIONS[name]
-        tables.setdefault(option.group, {})[name] = _toml_value(option, value)
-    ordered = {group: tables[group] for group in GROUPS if group in tables}
-    return toml.dumps(ordered, encoder=_Encoder())
+    """The set options as TOML, one table per topic as --output_config writes them (the tables kohya's configs use;
+    the trainer flattens them). Secrets, which that file leaves out, come first as top-level keys."""
+    secrets = [f"{name} = {toml_string(str(value))}\n" for name, value in values.items() if OPTIONS[name].secret]
+    text = config_toml({name: value for name, value in values.items() if not OPTIONS[name].secret})
+    return "".join(secrets) + ("\n" if secrets and text else "") + text
+
+
+def toml_string(text: str) -> str:
+    """A TOML basic string: JSON's, with DEL escaped too."""
+    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 def check(form: Mapping[str, str], path_check: Callable[[str, str], str | None]) -> tuple[FormState, str]:
@@ -175,8 +188,6 @@ def named_options(text: str) -> list[str]:
 def file_problems(path: Path, path_check: Callable[[str, str], str | None]) -> FormState:
     """A file loaded into the editor: its values, and every problem the command line reports for it."""
     state, raw = from_file(path)
-    if state.general:
-        return state
     for key, value in raw.items():
         name = ALIASES.get(key, key)
         if name in OPTIONS and (OPTIONS[name].is_path or name == "output_dir") and isinstance(value, str) and value:

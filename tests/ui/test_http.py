@@ -59,7 +59,7 @@ def test_every_option_of_the_schema_is_in_the_editor(tmp_path):
     assert "<option>true</option>" in field_html(page, "cache_latents")
     assert "<option>bf16</option>" in field_html(page, "mixed_precision")
     assert "<textarea" in field_html(page, "network_args")
-    assert 'data-family="FLUX"' in page and 'data-family=""' in page
+    assert 'data-families="flux sd3" id="field-clip_l"' in page and 'data-families="" id="field-network_dim"' in page
 
 
 def test_load_a_config_as_the_command_line_reads_it_and_save_one_that_trains_the_same(tmp_path):
@@ -91,6 +91,54 @@ def test_a_kohya_config_with_aliases_sections_and_a_secret(tmp_path):
     assert "SECRET-KEY-123" not in page
     assert "set in the file (not shown)" in field_html(page, "wandb_api_key")
     assert "unknown option 'bogus_option'" in html.unescape(page)
+
+
+def chosen_family(page: str) -> str:
+    select = page[page.index('<select id="family"'):]
+    chosen = re.search(r'<option(?: value="")? selected>([^<]*)</option>', select[:select.index("</select>")])
+    return chosen[1] if chosen else ""
+
+
+def test_the_family_filter_offers_each_family_and_follows_the_model(tmp_path):
+    c = client([REPO, tmp_path])
+    page = c.get("/").text
+    assert re.findall(r"<option>(\w+)</option>", page[page.index('<select id="family"'):].split("</select>")[0]) \
+        == ["sd", "flux", "chroma", "sd3", "z_image", "qwen_image"] and chosen_family(page) == "any"
+    flux = c.get("/config/load", params={"_config_path": "configs/digits_flux_lora.toml"}).text
+    assert chosen_family(flux) == "flux" and 'name="_family_model" value="models/digits-flux"' in flux
+    form = {"pretrained_model_name_or_path": "models/digits-flux", "_family_model": "models/digits-flux"}
+    # The family picked in the page stays while the model stays; a new model brings its own family.
+    kept = c.post("/config/validate", data={**form, "_family": "chroma"}, headers=ORIGIN).text
+    assert chosen_family(kept) == "chroma"
+    changed = c.post("/config/validate", data={**form, "_family": "chroma",
+                                               "pretrained_model_name_or_path": "models/digits-base"}, headers=ORIGIN)
+    assert chosen_family(changed.text) == "sd"
+    unknown = c.post("/config/validate", data={"pretrained_model_name_or_path": str(tmp_path), "_family": "sd3",
+                                               "_family_model": ""}, headers=ORIGIN).text
+    assert chosen_family(unknown) == "sd3"
+
+
+def test_a_secret_typed_in_the_form_is_saved_for_the_trainer(tmp_path):
+    target = tmp_path / "secret.toml"
+    saved = client([REPO, tmp_path]).post("/config/save", headers=ORIGIN, data={
+        "wandb_api_key": "SECRET-9\\x7f", "network_dim": "4", "output_dir": str(tmp_path / "out"),
+        "pretrained_model_name_or_path": "models/digits-base", "train_data_dir": "data/digits/train",
+        "_config_path": str(target)})
+    assert saved.status_code == 200 and "SECRET-9" not in saved.text
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        config, _ = parse_config(["--config", str(target)])
+    finally:
+        os.chdir(cwd)
+    assert config.wandb_api_key == "SECRET-9\\x7f" and config.network_dim == 4
+
+
+def test_an_unreadable_config_file_is_named_as_the_command_line_names_it(tmp_path):
+    (tmp_path / "broken.toml").write_text("network_dim = = 4\n", encoding="utf-8")
+    page = html.unescape(client([tmp_path]).get("/config/load", params={
+        "_config_path": str(tmp_path / "broken.toml")}).text)
+    assert "not valid TOML" in page and "1 problem(s)" in page
 
 
 def test_a_config_with_errors_shows_every_problem_next_to_its_field(tmp_path):

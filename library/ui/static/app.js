@@ -10,9 +10,11 @@ function filterFields() {
   const onlySet = document.getElementById("only-set").checked;
   document.querySelectorAll("#config-form .field").forEach((field) => {
     const text = field.textContent.toLowerCase();
-    const fam = field.dataset.family;
-    const shown = words.every((w) => text.includes(w)) && (!family || !fam || fam === family) &&
-      (!onlySet || field.classList.contains("is-set") || field.classList.contains("has-problem"));
+    // An option of another family stays in view when it is set or has a problem: it is in the config.
+    const families = field.dataset.families.split(" ").filter(Boolean);
+    const setOrWrong = field.classList.contains("is-set") || field.classList.contains("has-problem");
+    const shown = words.every((w) => text.includes(w)) &&
+      (!family || !families.length || families.includes(family) || setOrWrong) && (!onlySet || setOrWrong);
     field.hidden = !shown;
   });
   document.querySelectorAll("#config-form details.group").forEach((group) => {

@@ -1,0 +1,48 @@
+"""The config editor: load a TOML file into the form, check the form with the command line's checks, save it."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import HTMLResponse
+
+from library.core.atomic import write_atomically
+from library.ui import schema
+from library.ui.web import RootsDep, form_page, form_values, refused
+
+router = APIRouter(prefix="/config")
+
+
+@router.get("/load", response_class=HTMLResponse)
+async def load_config(request: Request, roots: RootsDep, path: str = Query(alias="_config_path")) -> HTMLResponse:
+    real = roots.resolve(path)
+    if real is None:
+        return refused(path)
+    if not real.is_file():
+        return form_page(request, schema.FormState(general=[f"{path}: no such file"]), status_code=404)
+    state = schema.file_problems(real, roots.problem)
+    count = len({p for ps in state.problems.values() for p in ps}) + len(state.general)
+    message = f"loaded {path}" + ("" if state.ok else f": {count} problem(s)")
+    return form_page(request, state, message, config_path=path)
+
+
+@router.post("/validate", response_class=HTMLResponse)
+async def validate(request: Request, roots: RootsDep) -> HTMLResponse:
+    form = await request.form()
+    state, _ = schema.check(form_values(form), roots.problem)
+    return form_page(request, state, "no problems found" if state.ok else "problems found",
+                     config_path=str(form.get("_config_path", "")), form=form)
+
+
+@router.post("/save", response_class=HTMLResponse)
+async def save(request: Request, roots: RootsDep) -> HTMLResponse:
+    form = await request.form()
+    target = str(form.get("_config_path", "")).strip()
+    state, text = schema.check(form_values(form), roots.problem)
+    real = roots.resolve(target) if target else None
+    if real is None or real.suffix != ".toml":
+        state.general.append(f"save as: {target or '(empty)'}: give a .toml path under the UI's folders")
+        return form_page(request, state, "not saved", 400, config_path=target, form=form)
+    if not state.ok:
+        return form_page(request, state, "not saved: fix the problems first", 400, config_path=target, form=form)
+    real.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(real, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    return form_page(request, state, f"saved {target}", config_path=target, form=form)

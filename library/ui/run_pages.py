@@ -1,0 +1,142 @@
+"""Runs in the browser: start one from the editor's form, list them, a run's page and its live event stream
+(server-sent events), stop and resume. The runs themselves are library.ui.runs' (trainer processes)."""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+
+from library.monitoring.events import EVENTS_FILE
+from library.ui import schema, security
+from library.ui.runs import RunManager
+from library.ui.web import ManagerDep, RootsDep, form_page, form_values, page
+
+STATE_OPTION = "save_state_on_preemption"  # runs started here save a state when stopped, unless told otherwise
+NOT_A_RUN = "not a run folder under the UI's folders"
+
+router = APIRouter(prefix="/runs")
+
+
+def run_dir(roots: security.Roots, path: str) -> Path | None:
+    real = roots.resolve(path)
+    return real if real is not None and real.is_dir() else None
+
+
+@router.post("/start", response_class=HTMLResponse)
+async def start(request: Request, roots: RootsDep, manager: ManagerDep) -> HTMLResponse:
+    form = await request.form()
+    values = form_values(form)
+    if not values.get(STATE_OPTION, "").strip():
+        values[STATE_OPTION] = "true"
+    state, text = schema.check(values, roots.problem)
+    output_dir = roots.resolve(values.get("output_dir", "")) if values.get("output_dir") else None
+    if output_dir is None and "output_dir" not in state.problems:
+        state.problems["output_dir"] = ["output_dir is required to start a run here: the run's folder"]
+    elif output_dir is not None and output_dir.is_dir() and manager.status(output_dir).status in (
+            "queued", "running"):
+        state.problems.setdefault("output_dir", []).append(
+            f"output_dir: {values['output_dir']} is in use by a run that is queued or running; stop it or "
+            "choose another folder")
+    config_path = str(form.get("_config_path", ""))
+    if not state.ok:
+        return form_page(request, state, "not started: fix the problems first", 400, config_path, form)
+    manager.submit(output_dir, text)
+    response = form_page(request, state, f"queued a run in {values['output_dir']}", config_path=config_path,
+                         form=form)
+    response.headers["HX-Trigger"] = "runs-changed"
+    return response
+
+
+@router.get("", response_class=HTMLResponse)
+async def runs(request: Request, manager: ManagerDep) -> HTMLResponse:
+    statuses = await asyncio.to_thread(manager.all_runs)
+    return page(request, "runs.html", runs=[s.as_dict() for s in statuses])
+
+
+@router.get("/status")
+async def run_state(path: str, roots: RootsDep, manager: ManagerDep) -> JSONResponse:
+    directory = run_dir(roots, path)
+    if directory is None:
+        return JSONResponse({"error": NOT_A_RUN}, status_code=404)
+    return JSONResponse(manager.status(directory).as_dict())
+
+
+@router.get("/view", response_class=HTMLResponse)
+async def view(request: Request, path: str, roots: RootsDep, manager: ManagerDep) -> HTMLResponse:
+    directory = run_dir(roots, path)
+    if directory is None:
+        return HTMLResponse(NOT_A_RUN, status_code=404)
+    return page(request, "run.html", run=manager.status(directory).as_dict())
+
+
+@router.post("/stop", response_class=HTMLResponse)
+async def stop(request: Request, roots: RootsDep, manager: ManagerDep) -> HTMLResponse:
+    form = await request.form()
+    directory = run_dir(roots, str(form.get("path", "")))
+    if directory is None:
+        return HTMLResponse(NOT_A_RUN, status_code=404)
+    return HTMLResponse(f'<span class="ok">{manager.stop(directory)}</span>', headers={"HX-Trigger": "runs-changed"})
+
+
+@router.post("/resume", response_class=HTMLResponse)
+async def resume(request: Request, roots: RootsDep, manager: ManagerDep) -> HTMLResponse:
+    form = await request.form()
+    directory = run_dir(roots, str(form.get("path", "")))
+    if directory is None:
+        return HTMLResponse(NOT_A_RUN, status_code=404)
+    if not manager.status(directory).can_resume:
+        return HTMLResponse('<span class="problem">nothing to resume: the run has no saved state, is still '
+                            'running, or was not started here</span>', status_code=409)
+    manager.submit(directory, "", resume=True)
+    return HTMLResponse('<span class="ok">resume queued</span>', headers={"HX-Trigger": "runs-changed"})
+
+
+@router.get("/events")
+async def events(request: Request, path: str, roots: RootsDep, manager: ManagerDep) -> Response:
+    directory = run_dir(roots, path)
+    if directory is None:
+        return Response(NOT_A_RUN, status_code=404)
+    return StreamingResponse(follow(request, directory, manager), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-store"})
+
+
+def new_lines(directory: Path, offset: int) -> tuple[list[str], int]:
+    """The event stream's complete lines after `offset`, and the offset after them."""
+    try:
+        with open(directory / EVENTS_FILE, "rb") as f:
+            f.seek(offset)
+            chunk = f.read()
+    except FileNotFoundError:
+        chunk = b""
+    complete = chunk[:chunk.rfind(b"\n") + 1]
+    lines = complete.decode("utf-8", errors="replace").splitlines()
+    return [line for line in lines if line.strip()], offset + len(complete)
+
+
+async def follow(request: Request, directory: Path, manager: RunManager,
+                 interval: float = 0.5) -> AsyncIterator[str]:
+    """Server-sent events: every line of the event stream as `run`, then the run's status (with its log tail)
+    when it changes and every few seconds; ends once the run is no longer queued or running and all was sent."""
+    offset = 0
+    last_status = None
+    ticks = 0
+    while True:
+        lines, offset = new_lines(directory, offset)
+        for line in lines:
+            yield f"event: run\ndata: {line}\n\n"
+        status = manager.status(directory).as_dict()
+        text = json.dumps(status)
+        if text != last_status or ticks % 10 == 0:
+            yield f"event: status\ndata: {text}\n\n"
+            last_status = text
+        if status["status"] not in ("queued", "running"):
+            yield "event: done\ndata: {}\n\n"
+            return
+        if await request.is_disconnected():
+            return
+        ticks += 1
+        await asyncio.sleep(interval)
