@@ -36,10 +36,6 @@ class Components:
     family: Family
 
     @property
-    def unet(self) -> Any:
-        return self.denoiser
-
-    @property
     def text_encoder(self) -> Any:
         return self.text_encoders[0]
 

@@ -42,14 +42,14 @@ def test_streamed_sd1_checkpoint_loads_with_the_files_weights(files_module, tiny
                              vae_dtype=torch.float16)
     reference = load_components(tiny_sd1_dir)
     assert loaded.family.name == "sd1"
-    for ours, theirs in ((loaded.unet, reference.unet), (loaded.vae, reference.vae),
+    for ours, theirs in ((loaded.denoiser, reference.denoiser), (loaded.vae, reference.vae),
                          (loaded.text_encoder, reference.text_encoder)):
         assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
         assert all(bool(p.isfinite().all()) for p in ours.parameters())
     # random weights, not the folder's; conv_in is stored under its LDM name
     conv_in = stored["model.diffusion_model.input_blocks.0.0.weight"]
-    assert torch.equal(loaded.unet.conv_in.weight, conv_in)
-    assert not torch.equal(conv_in, reference.unet.conv_in.weight.half())
+    assert torch.equal(loaded.denoiser.conv_in.weight, conv_in)
+    assert not torch.equal(conv_in, reference.denoiser.conv_in.weight.half())
 
 
 def test_streamed_sdxl_checkpoint_is_told_sdxl(files_module, tmp_path):
@@ -60,7 +60,7 @@ def test_streamed_sdxl_checkpoint_is_told_sdxl(files_module, tmp_path):
                                             log=lambda _: None, config_dir=folder)
     loaded = load_components(path, model_config=folder, weight_dtype=torch.bfloat16, vae_dtype=torch.float32)
     assert loaded.family.name == "sdxl" and len(loaded.text_encoders) == 2
-    assert {p.dtype for p in loaded.unet.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in loaded.denoiser.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in loaded.vae.parameters()} == {torch.float32}
 
 

@@ -25,7 +25,7 @@ def test_v_prediction_is_read_from_the_scheduler(tiny_sd1_dir, tiny_v_dir):
 
 def test_components_load_in_the_weight_dtype(tiny_sd1_dir):
     components = load_components(tiny_sd1_dir, weight_dtype=torch.bfloat16, vae_dtype=torch.float32)
-    assert components.unet.dtype == torch.bfloat16 and components.text_encoder.dtype == torch.bfloat16
+    assert components.denoiser.dtype == torch.bfloat16 and components.text_encoder.dtype == torch.bfloat16
     assert components.vae.dtype == torch.float32
     assert components.base_model_version == "sd_v1"
 

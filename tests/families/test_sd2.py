@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
 def test_tiny_sd2_is_told_apart_from_sd1(tiny_sd2_dir, tiny_sd1_dir):
     sd2 = load_components(tiny_sd2_dir)
     assert sd2.base_model_version == "sd_v2" and sd2.v_prediction
-    assert isinstance(sd2.unet.down_blocks[0].attentions[0].proj_in, torch.nn.Linear)  # SD2's linear projections
+    assert isinstance(sd2.denoiser.down_blocks[0].attentions[0].proj_in, torch.nn.Linear)  # SD2's linear projections
     assert sd2.tokenizer.pad_token == "!"
     assert load_components(tiny_sd1_dir).base_model_version == "sd_v1"
 
@@ -55,7 +55,7 @@ def test_sd2_v_lora_trains_and_loads_in_diffusers(tiny_sd2_dir, sample_data_dir,
     with torch.no_grad():
         torch.testing.assert_close(pipe.unet(latents, timesteps, hidden).sample,
                                    ours.denoiser(latents, timesteps, hidden).sample, atol=1e-5, rtol=1e-4)
-        base = load_components(tiny_sd2_dir).unet
+        base = load_components(tiny_sd2_dir).denoiser
         changed = base(latents, timesteps, hidden).sample - ours.denoiser(latents, timesteps, hidden).sample
         assert changed.abs().max() > 1e-3
 

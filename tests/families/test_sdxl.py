@@ -67,7 +67,7 @@ def test_sdxl_lora_loads_in_diffusers_and_matches_our_model(tiny_sdxl_dir, sampl
         theirs = pipe.unet(latents, t, hidden, added_cond_kwargs=added).sample
         mine = ours.denoiser(latents, t, hidden, added_cond_kwargs=added).sample
         torch.testing.assert_close(theirs, mine, atol=1e-5, rtol=1e-4)
-        assert (mine - base.unet(latents, t, hidden, added_cond_kwargs=added).sample).abs().max() > 1e-3
+        assert (mine - base.denoiser(latents, t, hidden, added_cond_kwargs=added).sample).abs().max() > 1e-3
 
 
 def test_time_ids_carry_original_size_crop_and_bucket(tiny_sdxl_dir, tmp_path):

@@ -64,8 +64,8 @@ def test_single_file_loads_the_same_weights_as_the_folder(tiny_file, tiny_sd1_di
     loaded = load_single_file(tiny_file, model_config=tiny_sd1_dir)
     reference = load_components(tiny_sd1_dir)
     assert loaded.architecture.name == "sd1"
-    for name in ("unet", "vae", "text_encoder"):
-        assert_same_weights(loaded.parts[name], getattr(reference, name))
+    for name, ours in (("unet", reference.denoiser), ("vae", reference.vae), ("text_encoder", reference.text_encoder)):
+        assert_same_weights(loaded.parts[name], ours)
     caption = "sks shape, a red circle"
     assert loaded.parts["tokenizer"](caption).input_ids == reference.tokenizer(caption).input_ids
     assert loaded.parts["scheduler"].config == reference.noise_scheduler.config
@@ -75,7 +75,7 @@ def test_components_from_a_file_keep_the_flags_and_dtypes(tiny_file, tiny_sd1_di
     components = load_components(tiny_file, v_parameterization=True, weight_dtype=torch.bfloat16,
                                     model_config=tiny_sd1_dir)
     assert components.v_prediction and components.base_model_version == "sd_v1"
-    assert components.unet.dtype == torch.bfloat16 and components.text_encoder.dtype == torch.bfloat16
+    assert components.denoiser.dtype == torch.bfloat16 and components.text_encoder.dtype == torch.bfloat16
     assert components.vae.dtype == torch.float32
 
 
@@ -85,8 +85,9 @@ def test_open_clip_text_encoder_reads_as_sd2(tiny_sd2_file, tiny_sd1_dir, caplog
     assert loaded.architecture.name == "sd2"
     assert "v_parameterization" in caplog.text  # 512 base and 768-v cannot be told apart
     reference = load_components(tiny_sd1_dir)
-    for name in ("unet", "vae", "text_encoder"):  # q/k/v were joined into in_proj in the file
-        assert_same_weights(loaded.parts[name], getattr(reference, name))
+    # q/k/v were joined into in_proj in the file
+    for name, ours in (("unet", reference.denoiser), ("vae", reference.vae), ("text_encoder", reference.text_encoder)):
+        assert_same_weights(loaded.parts[name], ours)
 
 
 def test_sdxl_single_file_loads_the_same_weights_as_the_folder(tmp_path):
@@ -101,8 +102,8 @@ def test_sdxl_single_file_loads_the_same_weights_as_the_folder(tmp_path):
     reference = load_components(folder)
     assert components.family.name == "sdxl" and components.base_model_version == "sdxl_base_v1-0"
     # The tiny encoders are equally wide, so only their key prefixes keep them apart.
-    for ours, theirs in zip([components.unet, components.vae, *components.text_encoders],
-                            [reference.unet, reference.vae, *reference.text_encoders], strict=True):
+    for ours, theirs in zip([components.denoiser, components.vae, *components.text_encoders],
+                            [reference.denoiser, reference.vae, *reference.text_encoders], strict=True):
         assert_same_weights(ours, theirs)
     assert components.tokenizers[1].pad_token == reference.tokenizers[1].pad_token == "!"
 
@@ -336,7 +337,7 @@ def test_pickle_loads_when_allowed(tiny_ckpt, tiny_sd1_dir, caplog):
         components = load_components(tiny_ckpt, model_config=tiny_sd1_dir, allow_pickle_checkpoints=True)
     assert "needs full unpickling" in caplog.text  # the Namespace is not a tensor: the safe loader refused it
     reference = load_components(tiny_sd1_dir)
-    for name in ("unet", "vae", "text_encoder"):
+    for name in ("denoiser", "vae", "text_encoder"):
         assert_same_weights(getattr(components, name), getattr(reference, name))
 
 

@@ -30,10 +30,10 @@ STEPS = 2  # the fewest that take a multistep sampler past its first step
 @pytest.fixture(scope="module")
 def components(tiny_sd1_dir: Path):
     c = load_components(tiny_sd1_dir)
-    lora.attach_lora(c.unet, lora.unet_target_modules(c.unet), 4, 1.0, 0.0)
+    lora.attach_lora(c.denoiser, lora.unet_target_modules(c.denoiser), 4, 1.0, 0.0)
     # Non-zero lora_up, so the LoRA takes part in the images.
     with torch.no_grad():
-        for p in lora.lora_parameters(c.unet):
+        for p in lora.lora_parameters(c.denoiser):
             if not p.abs().sum():
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.1)
     return c

@@ -568,7 +568,7 @@ def base_models(tiny_sd1_dir) -> dict[str, nn.Module]:
     from library.families.registry import load_components
 
     components = load_components(tiny_sd1_dir)
-    return {"unet": components.unet.eval(), "text_encoder": components.text_encoder.eval()}
+    return {"unet": components.denoiser.eval(), "text_encoder": components.text_encoder.eval()}
 
 
 @pytest.mark.usefixtures("fresh_accelerator_state")

@@ -109,7 +109,7 @@ def test_saved_lora_loads_in_diffusers_and_matches_our_model(tiny_sd1_dir, sampl
         unet_ours = ours.denoiser(latents, timesteps, hidden_ours).sample
         unet_diffusers = pipe.unet(latents, timesteps, hidden_ours).sample
         torch.testing.assert_close(unet_diffusers, unet_ours, atol=1e-5, rtol=1e-4)
-        assert (unet_ours - base.unet(latents, timesteps, hidden_ours).sample).abs().max() > 1e-3
+        assert (unet_ours - base.denoiser(latents, timesteps, hidden_ours).sample).abs().max() > 1e-3
     with safe_open(result.output_file, "pt") as f:
         metadata = f.metadata()
         assert {k.split(".")[0].split("_")[1] for k in f.keys()} == {"unet", "te"}
