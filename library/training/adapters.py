@@ -143,13 +143,6 @@ class AdapterEMA:
             f"{name}.{role}": param
             for name, (_, layer) in kohya_format.kohya_layer_names(modules, adapter_name, rename).items()
             for role, param in lora.layer_parameters(layer, adapter_name).items()}
-        # state dirs written before SDXL files took kohya's original-SD names hold the diffusers-path keys
-        self.aliases: dict[str, str] = {}
-        if rename is not None:
-            plain = kohya_format.kohya_layer_names(modules, adapter_name)
-            named = {id(layer): name for name, (_, layer) in kohya_format.kohya_layer_names(
-                modules, adapter_name, rename).items()}
-            self.aliases = {old: named[id(layer)] for old, (_, layer) in plain.items() if old != named[id(layer)]}
         self.shadow: dict[str, torch.Tensor] = {}
         self.reset()
 
@@ -166,7 +159,6 @@ class AdapterEMA:
         return {key: value.detach().cpu().clone() for key, value in self.shadow.items()}
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        state_dict = {self._current(key): value for key, value in state_dict.items()}
         missing = sorted(set(self.shadow) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(self.shadow))
         if missing or unexpected:
@@ -177,10 +169,6 @@ class AdapterEMA:
                 raise ValueError(f"EMA weight {key}: shape {tuple(value.shape)}, "
                                  f"adapter {tuple(self.shadow[key].shape)}")
             self.shadow[key].copy_(value.to(self.shadow[key].device, torch.float32))
-
-    def _current(self, key: str) -> str:
-        name, dot, role = key.partition(".")
-        return self.aliases.get(name, name) + dot + role
 
     @contextmanager
     def swapped(self) -> Iterator[None]:
