@@ -13,19 +13,20 @@ trains a different network than the user asked for).
 from __future__ import annotations
 
 import difflib
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-ALGOS = ("lora", "locon", "loha", "lokr", "ia3", "diag-oft", "dylora")
+import library.config.network_arg_values as read
+
 # LyCORIS-only algorithms (library.network.lycoris_layers); they need network_module = "lycoris.kohya"
 LYCORIS_ONLY_ALGOS = ("ia3", "diag-oft", "dylora")
 LYCORIS_MODULE = "lycoris.kohya"
 # kohya's own DyLoRA (networks/dylora.py, the GUI's "Kohya DyLoRA"): kohya's targets, `unit` ranks trained per step
 DYLORA_MODULE = "networks.dylora"
 NETWORK_MODULES = ("networks.lora", LYCORIS_MODULE, DYLORA_MODULE)
-# LyCORIS presets offered (lycoris/config.py BUILTIN_PRESET_CONFIGS, mapped onto diffusers' modules by
-# library.network.targets); the ones without text-encoder targets train the UNet only.
-PRESETS = ("full", "attn-mlp", "attn-only", "unet-transformer-only", "unet-convblock-only", "unet-only")
+# The LyCORIS presets offered (library.config.network_arg_values.PRESETS) without text-encoder targets train the
+# UNet only.
 UNET_ONLY_PRESETS = ("unet-transformer-only", "unet-convblock-only", "unet-only")
 # LyCORIS switches not offered here: accepted when off (LyCORIS reads every value but "false" as on).
 LYCORIS_OFF_SWITCHES = ("use_scalar", "rs_lora", "bypass_mode", "full_matrix", "unbalanced_factorization")
@@ -123,177 +124,41 @@ class NetworkArgs:
         return self == NetworkArgs()
 
 
-def _bool(value: str) -> bool:
-    lowered = value.strip().lower()
-    if lowered in ("true", "1", "yes", "on"):
-        return True
-    if lowered in ("false", "0", "no", "off"):
-        return False
-    raise ValueError("expected true or false")
-
-
-def _int(value: str) -> int:
-    try:
-        return int(value.strip())
-    except ValueError:
-        raise ValueError("expected an integer") from None
-
-
-def _float(value: str) -> float:
-    try:
-        result = float(value.strip())
-    except ValueError:
-        raise ValueError("expected a number") from None
-    if result != result or result in (float("inf"), float("-inf")):
-        raise ValueError("expected a finite number")
-    return result
-
-
-def _algo(value: str) -> str:
-    lowered = value.strip().lower()
-    if lowered not in ALGOS:
-        raise ValueError(f"expected one of {', '.join(ALGOS)}")
-    return lowered
-
-
-def _positive_int(value: str) -> int:
-    result = _int(value)
-    if result < 1:
-        raise ValueError("must be at least 1")
-    return result
-
-
-def _positive(value: str) -> float:
-    result = _float(value)
-    if result <= 0:
-        raise ValueError("must be positive")
-    return result
-
-
-def _probability(value: str) -> float:
-    result = _float(value)
-    if not 0 <= result < 1:
-        raise ValueError("must be in [0, 1)")
-    return result
-
-
-def _factor(value: str) -> int:
-    result = _int(value)
-    if result != -1 and result < 1:
-        raise ValueError("must be -1 or a positive integer")
-    return result
-
-
-def _values(convert: Callable[[str], Any]) -> Callable[[str], tuple]:
-    # kohya splits on ","; an empty entry is 0 (its down/up_lr_weight parsing).
-    def parse(value: str) -> tuple:
-        items = tuple(convert(item) if item.strip() else convert("0") for item in value.split(","))
-        if any(item < 0 for item in items):
-            raise ValueError("values must not be negative")
-        return items
-    return parse
-
-
-def _lr_weight(value: str) -> str | tuple[float, ...]:
-    if "," in value:
-        return _values(_float)(value)
-    name, _, base = value.strip().partition("+")
-    if name not in ("cosine", "sine", "linear", "reverse_linear", "zeros"):
-        # kohya treats a value without "," as a preset name and ignores an unknown one; say so instead.
-        raise ValueError("expected a preset (cosine, sine, linear, reverse_linear, zeros, optionally +BASE) or "
-                         "comma-separated values, one per block (kohya takes a lone number for an unknown preset and "
-                         "ignores it)")
-    if base:
-        _float(base)
-    return value.strip()
-
-
-def _non_negative(value: str) -> float:
-    result = _float(value)
-    if result < 0:
-        raise ValueError("must not be negative")
-    return result
-
-
-def _preset(value: str) -> str:
-    lowered = value.strip().lower()
-    if lowered not in PRESETS:
-        raise ValueError(f"preset {value.strip()!r} is not offered; offered: {', '.join(PRESETS)}")
-    return lowered
-
-
-def _off(value: str) -> bool:
-    if value.strip().lower() != "false":
-        raise ValueError("is not offered here; remove it or set it to false")
-    return False
-
-
-def _non_negative_int(value: str) -> int:
-    number = _int(value)
-    if number < 0:
-        raise ValueError("must be 0 (leave the part out) or a positive rank")
-    return number
-
-
-def _block_indices(value: str) -> frozenset[int] | str:
-    """kohya's "all", "none" (or empty) or 0-based block numbers and ranges: "0,1,4-5"."""
-    value = value.strip().lower()
-    if value in ("all", "none", ""):
-        return value or "none"
-    indices: set[int] = set()
-    for part in value.split(","):
-        low, _, high = part.strip().partition("-")
-        try:
-            first, last = int(low), int(high or low)
-        except ValueError:
-            raise ValueError("must be all, none or block numbers like 0,1,4-5") from None
-        if first < 0 or last < first:
-            raise ValueError(f"{part.strip()} is not a block number or an increasing range")
-        indices.update(range(first, last + 1))
-    return frozenset(indices)
-
-
-def _train_blocks(value: str) -> str:
-    value = value.strip().lower()
-    if value not in ("all", "single", "double"):
-        raise ValueError("must be all, single or double")
-    return value
-
-
 _CONVERTERS: dict[str, Callable[[str], Any]] = {
-    "algo": _algo,
-    "conv_dim": _positive_int,
-    "conv_alpha": _positive,
-    "dora_wd": _bool,
-    "wd_on_output": _bool,
-    "rank_dropout": _probability,
-    "module_dropout": _probability,
-    "loraplus_lr_ratio": _positive,
-    "loraplus_unet_lr_ratio": _positive,
-    "loraplus_text_encoder_lr_ratio": _positive,
-    "factor": _factor,
-    "decompose_both": _bool,
-    "block_dims": _values(_int),
-    "block_alphas": _values(_float),
-    "conv_block_dims": _values(_int),
-    "conv_block_alphas": _values(_float),
-    "down_lr_weight": _lr_weight,
-    "mid_lr_weight": _values(_float),
-    "up_lr_weight": _lr_weight,
-    "block_lr_zero_threshold": _float,
+    "algo": read.algo,
+    "conv_dim": read.positive_int,
+    "conv_alpha": read.positive,
+    "dora_wd": read.boolean,
+    "wd_on_output": read.boolean,
+    "rank_dropout": read.probability,
+    "module_dropout": read.probability,
+    "loraplus_lr_ratio": read.positive,
+    "loraplus_unet_lr_ratio": read.positive,
+    "loraplus_text_encoder_lr_ratio": read.positive,
+    "factor": read.factor,
+    "decompose_both": read.boolean,
+    "block_dims": read.comma_values(read.integer),
+    "block_alphas": read.comma_values(read.number),
+    "conv_block_dims": read.comma_values(read.integer),
+    "conv_block_alphas": read.comma_values(read.number),
+    "down_lr_weight": read.lr_weight,
+    "mid_lr_weight": read.comma_values(read.number),
+    "up_lr_weight": read.lr_weight,
+    "block_lr_zero_threshold": read.number,
 }
 FLUX_PART_DIMS = ("img_attn_dim", "txt_attn_dim", "img_mlp_dim", "txt_mlp_dim", "img_mod_dim", "txt_mod_dim",
                   "single_dim", "single_mod_dim")
 FLUX_KEYS = ("train_blocks", *FLUX_PART_DIMS, "split_qkv", "train_t5xxl", "train_double_block_indices",
              "train_single_block_indices")
-_CONVERTERS.update({key: _non_negative_int for key in FLUX_PART_DIMS})
-_CONVERTERS.update({"train_blocks": _train_blocks, "split_qkv": _bool, "train_t5xxl": _bool,
-                    "train_double_block_indices": _block_indices, "train_single_block_indices": _block_indices})
+_CONVERTERS.update({key: read.non_negative_int for key in FLUX_PART_DIMS})
+_CONVERTERS.update({"train_blocks": read.train_blocks, "split_qkv": read.boolean, "train_t5xxl": read.boolean,
+                    "train_double_block_indices": read.block_indices,
+                    "train_single_block_indices": read.block_indices})
 SUPPORTED_KEYS: tuple[str, ...] = tuple(_CONVERTERS)
 _LYCORIS_CONVERTERS: dict[str, Callable[[str], Any]] = {
-    "preset": _preset, "use_tucker": _bool, "use_cp": _bool, "rank_dropout_scale": _bool, "train_norm": _bool,
-    "train_on_input": _bool, "constraint": _non_negative, "rescaled": _bool, "block_size": _positive_int,
-    **{key: _off for key in LYCORIS_OFF_SWITCHES}}
+    "preset": read.preset, "use_tucker": read.boolean, "use_cp": read.boolean, "rank_dropout_scale": read.boolean,
+    "train_norm": read.boolean, "train_on_input": read.boolean, "constraint": read.non_negative,
+    "rescaled": read.boolean, "block_size": read.positive_int, **{key: read.off for key in LYCORIS_OFF_SWITCHES}}
 
 
 def parse_network_args(args: Sequence[str], loraplus: Mapping[str, float | None] | None = None,
@@ -311,7 +176,7 @@ def parse_network_args(args: Sequence[str], loraplus: Mapping[str, float | None]
         # kohya's networks/dylora.py reads conv_dim, conv_alpha, unit and the LoRA+ ratios
         values = {"algo": "dylora", "kohya_dylora": True, "block_size": 1}
         converters = {key: _CONVERTERS[key] for key in ("conv_dim", "conv_alpha", *LORAPLUS_KEYS)}
-        converters["unit"] = _positive_int
+        converters["unit"] = read.positive_int
     seen: set[str] = set()
     used_alias: set[str] = set()
     for arg in args:
@@ -409,12 +274,23 @@ def _combination_problems(settings: NetworkArgs, given: set[str]) -> list[str]:
 
 
 def network_args_of(config: Any) -> NetworkArgs:
-    """The parsed network_args of a validated Config (its problems were reported by the config check)."""
-    settings, problems = parse_network_args(
-        config.network_args, {key: getattr(config, key, None) for key in LORAPLUS_KEYS}, config.network_module)
+    """The parsed network_args of a validated Config (its problems were reported by the config check).
+
+    Parsed once per distinct setting: the training loop asks on every step, and a Config is read-only.
+    """
+    settings, problems = _parsed(tuple(config.network_args), tuple(getattr(config, key, None) for key in LORAPLUS_KEYS),
+                                 config.network_module)
     if problems:
         raise ValueError("; ".join(problems))
     return settings
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed(args: tuple[str, ...], loraplus: tuple[float | None, ...],
+            network_module: str) -> tuple[NetworkArgs, tuple[str, ...]]:
+    # NetworkArgs is frozen, so every caller may share the one parsed value.
+    settings, problems = parse_network_args(args, dict(zip(LORAPLUS_KEYS, loraplus, strict=True)), network_module)
+    return settings, tuple(problems)
 
 
 def network_option_problems(v: Mapping[str, Any]) -> list[str]:

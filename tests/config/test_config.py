@@ -7,6 +7,7 @@ import pytest
 import tomllib
 
 from library.config import ConfigError, parse_config, write_config
+from library.config.network_args import network_args_of
 from library.config.options import OPTIONS
 
 
@@ -223,6 +224,14 @@ def test_config_is_read_only(paths):
     config, _ = parse_config(required_args(paths))
     with pytest.raises(AttributeError):
         config.network_dim = 3
+
+
+def test_network_args_are_parsed_once_per_setting(paths):
+    # The training loop asks for them on every step; a Config is read-only, so one parse serves the run.
+    argv = required_args(paths) + ["--network_args", "conv_dim=4", "conv_alpha=2"]
+    config, again = parse_config(argv)[0], parse_config(argv)[0]
+    assert network_args_of(config) is network_args_of(config) is network_args_of(again)
+    assert network_args_of(config).conv_rank_alpha == (4, 2.0)
 
 
 def test_a_config_as_kohya_ss_gui_writes_it_loads(tmp_path, paths):
