@@ -38,15 +38,10 @@ def sample_data_dir(repo_root: Path) -> Path:
 def small_dataset(sample_data_dir: Path):
     """A function writing a kohya folder `root/1_sks shape` with four of the quickstart images and captions; returns
     `root`. For tests that need a short epoch or a dataset they may change."""
-    import shutil
+    from tests.helpers.datasets import copy_images
 
     def write(root: Path) -> Path:
-        subset = root / "1_sks shape"
-        subset.mkdir(parents=True)
-        for image in sorted((sample_data_dir / "10_sks shape").glob("*.png"))[:4]:
-            shutil.copy(image, subset / image.name)
-            shutil.copy(image.with_suffix(".txt"), subset / image.with_suffix(".txt").name)
-        return root
+        return copy_images(sample_data_dir, root, 4)
     return write
 
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from PIL import Image
 
-from library.config import parse_config
 from library.data.captions import process_caption
 from library.data.dataset import BucketBatchSampler, SampleKey, build_training_data
 from library.data.dataset_config import DatasetSpec, SubsetSpec
 from library.data.images import Bucketer, make_bucket_resolutions, prepare_image
+from tests.helpers.runs import make_config
 
 
 def gradient_image(path: Path, size: tuple[int, int], seed: int = 0) -> Path:
@@ -23,12 +23,6 @@ def gradient_image(path: Path, size: tuple[int, int], seed: int = 0) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(array).save(path)
     return path
-
-
-def make_config(tmp_path: Path, *args: str):
-    config, _ = parse_config(["--pretrained_model_name_or_path", str(tmp_path), "--output_dir", str(tmp_path / "o"),
-                              *args])
-    return config
 
 
 # ---------------------------------------------------------------------------------------------------- buckets
@@ -210,10 +204,10 @@ def mixed_dataset(tmp_path):
 
 def test_dataset_items_buckets_sizes_and_loss_weights(tmp_path, mixed_dataset):
     root, reg = mixed_dataset
-    config = make_config(tmp_path, "--train_data_dir", str(root), "--reg_data_dir", str(reg), "--resolution", "64",
+    config = make_config(tmp_path, root, tmp_path / "o", "--reg_data_dir", str(reg), "--resolution", "64",
                          "--enable_bucket", "--min_bucket_reso", "32", "--max_bucket_reso", "128",
                          "--bucket_reso_steps", "16", "--train_batch_size", "2", "--prior_loss_weight", "0.5",
-                         "--caption_extension", ".txt")
+                         "--caption_extension", ".txt", run={})
     data = build_training_data(config, lambda c: {"input_ids": torch.tensor([len(c)])}, seed=3)
     assert (data.num_train_images, data.num_reg_images, data.num_unique_images) == (9, 4, 3)
     # kohya's balancing: 4 reg images, 9 training samples -> reg repeats 3, 2, 2, 2
@@ -241,8 +235,8 @@ def test_dataset_items_buckets_sizes_and_loss_weights(tmp_path, mixed_dataset):
 def test_flip_and_random_crop_are_seeded_by_epoch_and_index(tmp_path):
     root = tmp_path / "train"
     gradient_image(root / "4_x" / "a.png", (96, 64))
-    config = make_config(tmp_path, "--train_data_dir", str(root), "--resolution", "32", "--flip_aug",
-                         "--random_crop")
+    config = make_config(tmp_path, root, tmp_path / "o", "--resolution", "32", "--flip_aug",
+                         "--random_crop", run={})
     data = build_training_data(config, None, seed=1)
     record = data.records[0]
     assert record.resized == (48, 32)
@@ -264,9 +258,9 @@ def test_items_do_not_depend_on_worker_processes(tmp_path):
     for i in range(4):
         gradient_image(root / "2_sks" / f"{i}.png", (40 + 8 * i, 40), i)
         (root / "2_sks" / f"{i}.txt").write_text("sks, a, b, c, d, e", encoding="utf-8")
-    config = make_config(tmp_path, "--train_data_dir", str(root), "--resolution", "32", "--flip_aug",
+    config = make_config(tmp_path, root, tmp_path / "o", "--resolution", "32", "--flip_aug",
                          "--shuffle_caption", "--keep_tokens", "1", "--caption_tag_dropout_rate", "0.3",
-                         "--train_batch_size", "2", "--caption_extension", ".txt")
+                         "--train_batch_size", "2", "--caption_extension", ".txt", run={})
     data = build_training_data(config, None, seed=7)
     data.sampler.set_epoch(1)
     single = list(data.dataloader(num_workers=0))
@@ -282,12 +276,14 @@ def test_fingerprint_and_kohya_metadata(tmp_path, mixed_dataset):
     import json
 
     root, reg = mixed_dataset
-    args = ("--train_data_dir", str(root), "--reg_data_dir", str(reg), "--resolution", "64", "--caption_extension",
-            ".txt")
-    first = build_training_data(make_config(tmp_path, *args), None, seed=3)
-    assert build_training_data(make_config(tmp_path, *args), None, seed=3).fingerprint() == first.fingerprint()
+    def config():
+        return make_config(tmp_path, root, tmp_path / "o", "--reg_data_dir", str(reg), "--resolution", "64",
+                           "--caption_extension", ".txt", run={})
+
+    first = build_training_data(config(), None, seed=3)
+    assert build_training_data(config(), None, seed=3).fingerprint() == first.fingerprint()
     (root / "3_sks" / "wide.txt").write_text("sks, other", encoding="utf-8")
-    assert build_training_data(make_config(tmp_path, *args), None, seed=3).fingerprint() != first.fingerprint()
+    assert build_training_data(config(), None, seed=3).fingerprint() != first.fingerprint()
     metadata = first.kohya_metadata()
     assert metadata["ss_num_train_images"] == "9" and metadata["ss_num_reg_images"] == "4"
     assert json.loads(metadata["ss_dataset_dirs"]) == {"3_sks": {"n_repeats": 3, "img_count": 3},

@@ -9,16 +9,14 @@ import pytest
 import torch
 from PIL import Image
 
-from library.config import UserError, parse_config
+from library.config import UserError
 from library.data.check import dataset_report
 from library.data.dataset import build_training_data
 from library.data.images import open_image
+from tests.helpers.runs import make_config
 
-
-def make_config(tmp_path: Path, *args: str):
-    config, _ = parse_config(["--pretrained_model_name_or_path", str(tmp_path), "--output_dir", str(tmp_path / "o"),
-                              "--resolution", "32", "--caption_extension", ".txt", *args])
-    return config
+# The dataset's options these tests read: 32 px buckets and .txt captions; the model and output are never read.
+CHECK = {"resolution": 32, "caption_extension": ".txt"}
 
 
 def noise_image(path: Path, size=(32, 32), fmt: str | None = None, seed: int = 0) -> Path:
@@ -67,7 +65,7 @@ def bad_dataset(tmp_path) -> tuple[Path, dict[str, Path]]:
 def test_every_problem_is_listed_in_one_error(tmp_path, bad_dataset):
     root, files = bad_dataset
     with pytest.raises(UserError) as info:
-        build_training_data(make_config(tmp_path, "--train_data_dir", str(root)), None, seed=0)
+        build_training_data(make_config(tmp_path, root, tmp_path / "o", run=CHECK), None, seed=0)
     problems = info.value.problems
     expected = {
         "truncated_png": "truncated image file", "truncated_jpg": "truncated image file",
@@ -89,7 +87,7 @@ def test_every_problem_is_listed_in_one_error(tmp_path, bad_dataset):
 def test_skip_bad_images_leaves_them_out_and_logs_each(tmp_path, bad_dataset, caplog):
     root, files = bad_dataset
     with caplog.at_level(logging.WARNING, logger="library.data.dataset"):
-        data = build_training_data(make_config(tmp_path, "--train_data_dir", str(root), "--skip_bad_images"), None,
+        data = build_training_data(make_config(tmp_path, root, tmp_path / "o", "--skip_bad_images", run=CHECK), None,
                                    seed=0)
     assert sorted(r.path.name for r in data.records) == ["good.png", "no_caption.png", "really_jpeg.png"]
     assert len(data.left_out) == 7
@@ -113,8 +111,8 @@ def test_dataset_report_lists_counts_buckets_captions_and_problems(tmp_path, bad
             return type("Out", (), {"input_ids": [t.replace(",", " ").split() for t in texts]})()
 
     caption(files["no_caption"], "a, b, c, d, e, f")
-    text, ok = dataset_report(make_config(tmp_path, "--train_data_dir", str(root), "--train_batch_size", "2",
-                                          "--gradient_accumulation_steps", "2"), Tokenizer())
+    text, ok = dataset_report(make_config(tmp_path, root, tmp_path / "o", "--train_batch_size", "2",
+                                          "--gradient_accumulation_steps", "2", run=CHECK), Tokenizer())
     assert not ok
     assert f"subset 1: {root / '2_sks'}: 3 images (6 left out) x 2 repeats -> 6 samples per epoch" in text
     assert f"{root / '1_empty'}: not used" in text
@@ -123,7 +121,7 @@ def test_dataset_report_lists_counts_buckets_captions_and_problems(tmp_path, bad
     assert "captions: 3 of 3 usable images have a caption file (100%)" in text
     assert "1 longer than 3 tokens are truncated" in text and "no_caption.png" in text
     assert "problems (7):" in text and "result: NOT USABLE" in text
-    text, ok = dataset_report(make_config(tmp_path, "--train_data_dir", str(root), "--skip_bad_images"),
+    text, ok = dataset_report(make_config(tmp_path, root, tmp_path / "o", "--skip_bad_images", run=CHECK),
                               Tokenizer())
     assert ok and "left out by skip_bad_images (7)" in text and "result: usable" in text
 
@@ -142,7 +140,7 @@ def test_images_in_any_mode_become_correct_rgb(tmp_path):
     rgba.paste((255, 0, 0, 128), (0, 0, 16, 32))  # left half: half-transparent red
     rgba.save(folder / "rgba.png")
     Image.new("LA", (32, 32), (0, 0)).save(folder / "la.png")
-    data = build_training_data(make_config(tmp_path, "--train_data_dir", str(tmp_path / "train")), None, seed=0)
+    data = build_training_data(make_config(tmp_path, tmp_path / "train", tmp_path / "o", run=CHECK), None, seed=0)
     assert len(data.records) == 6
     pixel = {r.path.name: np.asarray(open_image(r.path)) for r in data.records}
     assert tuple(pixel["cmyk.jpg"][5, 5]) == (255, 0, 0)
@@ -162,7 +160,7 @@ def test_small_images_are_enlarged_with_a_warning_or_rejected_without_upscaling(
     noise_image(folder / "small.png", (16, 16))
     noise_image(folder / "big.png", (64, 64), seed=1)
     with caplog.at_level(logging.WARNING, logger="library.data.dataset"):
-        data = build_training_data(make_config(tmp_path, "--train_data_dir", str(tmp_path / "train")), None, seed=0)
+        data = build_training_data(make_config(tmp_path, tmp_path / "train", tmp_path / "o", run=CHECK), None, seed=0)
     small = next(r for r in data.records if r.path.name == "small.png")
     assert small.upscaled and small.bucket == (32, 32)
     assert "1 images are smaller than their bucket and are enlarged" in caplog.text
@@ -170,7 +168,7 @@ def test_small_images_are_enlarged_with_a_warning_or_rejected_without_upscaling(
     args = ("--train_data_dir", str(tmp_path / "train"), "--enable_bucket", "--bucket_no_upscale",
             "--min_bucket_reso", "32", "--max_bucket_reso", "64", "--bucket_reso_steps", "8")
     with pytest.raises(UserError) as info:
-        build_training_data(make_config(tmp_path, *args), None, seed=0)
+        build_training_data(make_config(tmp_path, None, tmp_path / "o", *args, run=CHECK), None, seed=0)
     assert info.value.problems == [f"{folder / 'small.png'}: 16x16 is smaller than the smallest bucket side 32 and "
                                    "bucket_no_upscale forbids enlarging it (lower min_bucket_reso, or allow "
                                    "upscaling)"]
@@ -193,7 +191,8 @@ def test_missing_caption_without_class_tokens_and_missing_folders(tmp_path):
   image_dir = "{tmp_path / 'missing'}"
 """)
     with pytest.raises(UserError) as info:
-        build_training_data(make_config(tmp_path, "--dataset_config", str(toml)), None, seed=0)
+        build_training_data(make_config(tmp_path, None, tmp_path / "o", "--dataset_config", str(toml), run=CHECK),
+                            None, seed=0)
     assert info.value.problems == [
         f"{tmp_path / 'missing'}: image folder not found",
         f"{folder / 'a.png'}: no caption file (.txt) and the subset has no class tokens; it would train with an "
@@ -209,7 +208,8 @@ def test_a_dataset_without_batches_is_an_error(tmp_path, body, fragment):
     caption(noise_image(folder / "a.png"), "sks")
     toml = write_toml(tmp_path, "[[datasets]]\n[[datasets.subsets]]\n" + body.format(folder=folder))
     with pytest.raises(UserError) as info:
-        build_training_data(make_config(tmp_path, "--dataset_config", str(toml), "--skip_bad_images"), None, seed=0)
+        build_training_data(make_config(tmp_path, None, tmp_path / "o", "--dataset_config", str(toml),
+                                        "--skip_bad_images", run=CHECK), None, seed=0)
     assert any(fragment in p for p in info.value.problems), info.value.problems
 
 
@@ -218,7 +218,7 @@ def test_skipping_everything_is_still_an_error(tmp_path):
     folder.mkdir(parents=True)
     (folder / "a.png").write_bytes(b"not a png")
     with pytest.raises(UserError) as info:
-        build_training_data(make_config(tmp_path, "--train_data_dir", str(tmp_path / "train"), "--skip_bad_images"),
+        build_training_data(make_config(tmp_path, tmp_path / "train", tmp_path / "o", "--skip_bad_images", run=CHECK),
                             None, seed=0)
     assert "the dataset yields no batches: no usable images are left after leaving out the unusable ones" in \
         info.value.problems
@@ -234,9 +234,9 @@ def test_dataset_report_counts_tokens_for_a_single_file_model(tmp_path):
     root = tmp_path / "train"
     caption(noise_image(root / "1_x" / "short.png"), "a photo of a dog")
     caption(noise_image(root / "1_x" / "long.png"), " ".join(["dog"] * 100))
-    common = ["--pretrained_model_name_or_path", str(model), "--train_data_dir", str(root)]
     tokenizer = caption_tokenizer(model)
-    text, ok = dataset_report(make_config(tmp_path, *common), tokenizer)
+    text, ok = dataset_report(make_config(model, root, tmp_path / "o", run=CHECK), tokenizer)
     assert ok and "longest caption 100 tokens; 1 longer than 75 tokens are truncated" in text, text
-    text, ok = dataset_report(make_config(tmp_path, *common, "--max_token_length", "150"), tokenizer)
+    text, ok = dataset_report(make_config(model, root, tmp_path / "o", "--max_token_length", "150", run=CHECK),
+                              tokenizer)
     assert ok and "longest caption 100 tokens; 0 longer than 150 tokens are truncated" in text, text

@@ -8,6 +8,7 @@ import torch
 from library.config.network_args import parse_network_args
 from library.families.flux import lora as flux_lora
 from library.network import kohya_format, lora
+from tests.helpers.lora_files import attached, deltas, file_delta
 
 RANK, ALPHA = 4, 2.0
 
@@ -79,27 +80,6 @@ def trained(transformer, *args, seed=0):
     """The transformer with LoRA attached and random (non-zero) up weights, as after some training."""
     modules, overrides = flux_lora.targets(transformer, RANK, ALPHA, net(*args))
     return attached(transformer, modules, overrides, seed)
-
-
-def attached(transformer, modules, overrides, seed, rank=RANK, alpha=ALPHA):
-    """LoRA on `modules`, with random up weights."""
-    lora.attach_lora(transformer, modules, rank, alpha, overrides=overrides)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, layer in lora.lora_layers(transformer):
-            layer.lora_B["default"].weight.copy_(torch.randn(layer.lora_B["default"].weight.shape, generator=g))
-    return transformer
-
-
-def deltas(transformer) -> dict[str, torch.Tensor]:
-    """Module path -> the weight change of its peft LoRA."""
-    return {name: layer.lora_B["default"].weight @ layer.lora_A["default"].weight * layer.scaling["default"]
-            for name, layer in lora.lora_layers(transformer)}
-
-
-def file_delta(state_dict, name):
-    down, up = state_dict[f"{name}.lora_down.weight"], state_dict[f"{name}.lora_up.weight"]
-    return up @ down * (state_dict[f"{name}.alpha"] / down.shape[0])  # what every reader computes
 
 
 def test_fused_keys_carry_exactly_the_split_deltas(transformer):

@@ -11,9 +11,9 @@ import torch
 from library.config import UserError, parse_config
 from library.families.qwen_image import lora as qwen_image_lora
 from library.families.shared import musubi_flow
-from tests.families.test_flux_lora import file_delta
 from tests.helpers import musubi_lora
 from tests.helpers.family_checks import assert_same_image, pipeline_scheduler, sample, sampling_models
+from tests.helpers.lora_files import file_delta
 
 TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
             "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
@@ -324,7 +324,7 @@ def _train_lora(components, swap: int):
     from library.config.network_args import NetworkArgs
     from library.memory.offload import install_offloading
     from library.network import lora
-    from tests.memory.test_offload import DEVICE, HOST, Recorder
+    from tests.helpers.offload import DEVICE, HOST, Recorder
 
     torch.manual_seed(0)
     denoiser = QwenImageTransformer2DModel.from_config({**components.denoiser.config, "num_layers": 4})

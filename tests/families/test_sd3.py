@@ -12,7 +12,6 @@ import torch
 from library.config import Config, UserError
 from library.families.sd3 import lora as sd3_lora
 from library.families.sd3.family import SD3
-from tests.families.test_flux_lora import attached, deltas, file_delta
 from tests.helpers.family_checks import (
     assert_comfyui_key_rule_patches_our_change,
     assert_same_image,
@@ -20,6 +19,7 @@ from tests.helpers.family_checks import (
     sample,
     sampling_models,
 )
+from tests.helpers.lora_files import attached, deltas, file_delta
 
 RANK, ALPHA = 4, 2.0
 

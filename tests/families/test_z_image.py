@@ -11,9 +11,9 @@ from library.config import UserError, parse_config
 from library.families.flow_matching import FlowOptions
 from library.families.shared import musubi_flow
 from library.families.z_image import lora as z_image_lora
-from tests.families.test_flux_lora import file_delta
 from tests.helpers import musubi_lora
 from tests.helpers.family_checks import assert_same_image, pipeline_scheduler, sample, sampling_models
+from tests.helpers.lora_files import file_delta
 
 
 def config(*args: str):

@@ -9,7 +9,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from tests.families.test_flux_lora import deltas, file_delta
+from tests.helpers.lora_files import deltas, file_delta
 
 # --- sampling -----------------------------------------------------------------------------------------------------
 

@@ -10,8 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from library.network.kohya_format import load_kohya_lora
-from tests.integration.test_cli import run_cli, write
-from tests.integration.test_multiprocess import launch
+from tests.helpers.cli import launch, run_cli, write
 
 
 def family_toml(model: Path, data: Path, network_module: str, options: str) -> str:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from library.config import UserError
-from tests.families.test_flux_lora import file_delta
+from tests.helpers.lora_files import file_delta
 
 
 def musubi_lora_names(transformer: torch.nn.Module, block_class: str, exclude: str) -> set[str]:

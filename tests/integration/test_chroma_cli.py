@@ -9,6 +9,8 @@ import pytest
 from safetensors.torch import load_file
 
 from library.network.kohya_format import load_kohya_lora
+from tests.helpers.cli import refused_in_process, run_cli, write
+from tests.helpers.datasets import copy_images, sample_images
 from tests.helpers.family_cli import (
     assert_resumes_bit_exactly,
     assert_same_lora,
@@ -16,9 +18,6 @@ from tests.helpers.family_cli import (
     family_toml,
     train_reference,
 )
-from tests.integration.test_cli import run_cli, write
-from tests.integration.test_flux_cli import refused_in_process, sample_images
-from tests.integration.test_multiprocess import copy_images
 
 
 @pytest.fixture(scope="module")

@@ -1,41 +1,18 @@
 """train_network.py as a user runs it: a subprocess, exit codes, messages, files."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from library.config import parse_config
 from library.network.kohya_format import load_kohya_lora, read_metadata
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def run_cli(*args: str, cwd: Path = REPO, timeout: int = 300, **env_vars: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), **env_vars}
-    return subprocess.run([sys.executable, str(REPO / "train_network.py"), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def write(path: Path, text: str) -> Path:
-    path.write_text(text, encoding="utf-8")
-    return path
+from tests.helpers import REPO
+from tests.helpers.cli import assert_user_error, run_cli, write
 
 
 @pytest.fixture()
 def base_toml(tiny_sd1_dir, sample_data_dir, tmp_path) -> str:
     return (f'pretrained_model_name_or_path = "{tiny_sd1_dir}"\ntrain_data_dir = "{sample_data_dir}"\n'
             f'output_dir = "{tmp_path / "out"}"\nresolution = 64\ncaption_extension = ".txt"\n')
-
-
-def assert_user_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr
-    for fragment in fragments:
-        assert fragment in result.stderr, result.stderr
 
 
 def test_misspelt_key_exits_2_with_a_suggestion(base_toml, tmp_path):

@@ -3,10 +3,7 @@ and a disk latent cache."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,14 +11,7 @@ import pytest
 from PIL import Image
 
 from library.network.kohya_format import read_metadata
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, str(REPO / "train_network.py"), *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+from tests.helpers.cli import run_cli
 
 
 def noise_image(path: Path, size: tuple[int, int], seed: int) -> Path:

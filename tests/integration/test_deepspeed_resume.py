@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from library.training.accelerator import async_io_available
-from tests.integration.test_multiprocess import copy_images, launch
+from tests.helpers.cli import launch
+from tests.helpers.datasets import copy_images
 
 # 12 images, batch 2 per process, 2 processes: 3 batches per process in an epoch.
 STEPS = 6

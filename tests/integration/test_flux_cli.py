@@ -2,28 +2,15 @@
 the file back with network_weights, and options that do not apply refused with exit code 2."""
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from library.network.kohya_format import load_kohya_lora
+from tests.helpers.cli import refused_in_process, run_cli, write
+from tests.helpers.datasets import sample_images
 from tests.helpers.family_cli import assert_resumes_bit_exactly, assert_same_lora, family_toml, train_reference
-from tests.integration.test_cli import run_cli, write
-
-IMAGES = ("00_red_circle", "01_yellow_square", "02_white_triangle", "03_orange_diamond")
-
-
-def sample_images(sample_data_dir: Path, root: Path, names: tuple[str, ...] = IMAGES) -> Path:
-    """The named images and their captions from the sample data, in a kohya folder `1_sks shape` under `root`;
-    returns root."""
-    data = root / "1_sks shape"
-    data.mkdir()
-    for name in names:
-        for suffix in (".png", ".txt"):
-            shutil.copy(sample_data_dir / "10_sks shape" / f"{name}{suffix}", data / f"{name}{suffix}")
-    return root
 
 
 @pytest.fixture(scope="module")
@@ -81,18 +68,6 @@ def test_network_weights_reads_the_fused_file_back(reference, flux_toml, tmp_pat
     assert set(after) == set(start)
     for key, tensor in start.items():
         torch.testing.assert_close(after[key], tensor, rtol=0, atol=1e-7)
-
-
-def refused_in_process(config: Path, capsys, *fragments: str) -> None:
-    """train_network.main as the command line calls it, in this process: the refusals come after the model loads,
-    and a subprocess per check would pay the imports again."""
-    import train_network
-
-    status = train_network.main(["--config", str(config)])
-    err = capsys.readouterr().err
-    assert status == 2 and "Traceback" not in err, err
-    for fragment in fragments:
-        assert fragment in err, err
 
 
 @pytest.mark.usefixtures("fresh_accelerator_state")

@@ -7,7 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.integration.test_multiprocess import copy_images, launch
+from tests.helpers.cli import launch
+from tests.helpers.datasets import copy_images
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from library.network.kohya_format import load_kohya_lora
-from tests.integration.test_cli import assert_user_error, run_cli, write
-from tests.integration.test_flux_cli import sample_images
+from tests.helpers.cli import assert_user_error, run_cli, write
+from tests.helpers.datasets import sample_images
 
 IMAGES = ("00_red_circle", "01_yellow_square")
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,25 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-REPO = Path(__file__).resolve().parents[2]
-WORKER = REPO / "tests" / "integration" / "ddp_worker.py"
-
-
-def launch(nproc: int, args: list[str], timeout: int = 400, env_extra: dict | None = None):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
-           **(env_extra or {})}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(29500 + os.getpid() % 1000), str(WORKER), *args]
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def copy_images(sample_data_dir: Path, root: Path, count: int) -> Path:
-    subset = root / "1_sks shape"
-    subset.mkdir()
-    for image in sorted((sample_data_dir / "10_sks shape").glob("*.png"))[:count]:
-        shutil.copy(image, subset / image.name)
-        shutil.copy(image.with_suffix(".txt"), subset / image.with_suffix(".txt").name)
-    return root
+from tests.helpers import REPO
+from tests.helpers.cli import DDP_RUN, launch
+from tests.helpers.datasets import copy_images
+from tests.helpers.runs import run_args
 
 
 @pytest.fixture(scope="module")
@@ -47,20 +31,13 @@ def data_with_validation(sample_data_dir, tmp_path_factory) -> Path:
 VALIDATION = ["--validation_split", "0.27", "--log_with", "tensorboard"]
 
 
-def common(tiny_sd1_dir, data, output_dir) -> list[str]:
-    return ["--pretrained_model_name_or_path", str(tiny_sd1_dir), "--train_data_dir", str(data),
-            "--output_dir", str(output_dir), "--resolution", "64", "--caption_extension", ".txt",
-            "--train_batch_size", "2", "--seed", "7", "--learning_rate", "3e-3", "--max_train_steps", "3",
-            "--lr_scheduler", "linear", "--lr_warmup_steps", "1"]
-
-
 def test_ddp_ranks_agree_and_match_one_process_with_the_same_global_batch(tiny_sd1_dir, data_with_validation,
                                                                          tmp_path):
     data = data_with_validation
-    ddp = launch(2, common(tiny_sd1_dir, data, tmp_path / "ddp") + VALIDATION)
+    ddp = launch(2, run_args(tiny_sd1_dir, data, tmp_path / "ddp", run=DDP_RUN) + VALIDATION)
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     # One process accumulating two batches of 2 sees the same global batches as two processes with 2 each.
-    single = launch(1, common(tiny_sd1_dir, data, tmp_path / "single") + VALIDATION +
+    single = launch(1, run_args(tiny_sd1_dir, data, tmp_path / "single", run=DDP_RUN) + VALIDATION +
                     ["--gradient_accumulation_steps", "2"])
     assert single.returncode == 0, single.stderr[-3000:]
 
@@ -91,7 +68,8 @@ def test_ddp_ranks_agree_and_match_one_process_with_the_same_global_batch(tiny_s
 def test_launcher_and_accelerate_disagreeing_on_process_count_exits_2(tiny_sd1_dir, data, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "WORLD_SIZE": "2"}
     env.pop("LOCAL_RANK", None)
-    result = subprocess.run([sys.executable, str(REPO / "train_network.py"), *common(tiny_sd1_dir, data, tmp_path)],
+    result = subprocess.run([sys.executable, str(REPO / "train_network.py"),
+                             *run_args(tiny_sd1_dir, data, tmp_path, run=DDP_RUN)],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
@@ -103,7 +81,7 @@ def test_deepspeed_zero2_cpu_offload_saves_adapter_only_and_resumes_exactly(tiny
     # ZeRO-2 must shard, offload, save and restore. (FLUX's ZeRO-2 test covers plain LoRA alone.)
     deepspeed = ["--deepspeed", "--zero_stage", "2", "--offload_optimizer_device", "cpu", "--max_grad_norm", "1.0",
                  "--network_args", "dora_wd=true", "conv_dim=2"]
-    args = common(tiny_sd1_dir, data, tmp_path / "a") + deepspeed + ["--max_train_steps", "5",
+    args = run_args(tiny_sd1_dir, data, tmp_path / "a", run=DDP_RUN) + deepspeed + ["--max_train_steps", "5",
                                                                        "--save_every_n_steps", "3", "--save_state"]
     straight = launch(2, args)
     assert straight.returncode == 0, straight.stderr[-3000:]
@@ -120,7 +98,7 @@ def test_deepspeed_zero2_cpu_offload_saves_adapter_only_and_resumes_exactly(tiny
     assert engine.keys() == written.keys() and all(torch.equal(engine[k], written[k]) for k in engine)
     assert any(k.endswith(".dora_scale") for k in written)
 
-    resumed = launch(2, common(tiny_sd1_dir, data, tmp_path / "b") + deepspeed +
+    resumed = launch(2, run_args(tiny_sd1_dir, data, tmp_path / "b", run=DDP_RUN) + deepspeed +
                      ["--max_train_steps", "5", "--resume", str(state_dir)])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     # With the optimizer's moments and step restored, the continued path is the straight one.

@@ -11,9 +11,10 @@ import torch
 from safetensors.torch import load_file
 
 from library.network.kohya_format import load_kohya_lora
+from tests.helpers import REPO
+from tests.helpers.cli import run_cli
+from tests.helpers.datasets import copy_images
 from tests.helpers.family_cli import ddp_ranks_agree
-from tests.integration.test_cli import REPO, run_cli
-from tests.integration.test_multiprocess import copy_images
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,8 @@ from pathlib import Path
 import pytest
 
 from library.network.kohya_format import load_kohya_lora
+from tests.helpers.datasets import copy_images, sample_images
 from tests.helpers.family_cli import assert_resumes_bit_exactly, ddp_ranks_agree, family_toml, train_reference
-from tests.integration.test_flux_cli import sample_images
-from tests.integration.test_multiprocess import copy_images
 
 
 @pytest.fixture(scope="module")

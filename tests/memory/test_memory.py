@@ -30,18 +30,12 @@ def test_the_pages_freed_between_kept_tensors_go_back_to_the_system():
 @pytest.mark.usefixtures("fresh_accelerator_state")
 def test_a_run_gives_the_heap_back_after_loading_and_after_freeing_encoders_and_trains_the_same_lora(
         tiny_sd1_dir, sample_data_dir, tmp_path, monkeypatch):
-    from safetensors.torch import load_file
-
-    from library.config import parse_config
     from library.core import memory
-    from library.training import loop
+    from tests.helpers.runs import TINY_RUN, train_lora
 
     def train(out: str) -> dict[str, torch.Tensor]:
-        config, _ = parse_config([
-            "--pretrained_model_name_or_path", str(tiny_sd1_dir), "--train_data_dir", str(sample_data_dir),
-            "--output_dir", str(tmp_path / out), "--resolution", "64", "--caption_extension", ".txt",
-            "--train_batch_size", "3", "--seed", "7", "--max_train_steps", "3", "--learning_rate", "1e-2"])
-        return load_file(loop.run(config).output_file)
+        return train_lora(tiny_sd1_dir, sample_data_dir, tmp_path / out, run=TINY_RUN, train_batch_size=3, seed=7,
+                          max_train_steps=3, learning_rate="1e-2")
 
     trims, malloc_trim = [], memory._malloc_trim()
     monkeypatch.setattr(memory, "_malloc_trim", lambda: lambda pad: trims.append(pad) or malloc_trim(pad))

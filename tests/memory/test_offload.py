@@ -11,8 +11,7 @@ from library.config import UserError
 from library.families.registry import load_components
 from library.memory.offload import backward_swaps, forward_swaps, install_offloading
 from library.network import lora
-
-DEVICE, HOST = torch.device("cpu", 0), torch.device("cpu", 1)  # two names for the same memory
+from tests.helpers.offload import DEVICE, HOST, Recorder
 
 
 def test_kohyas_schedule():
@@ -20,31 +19,6 @@ def test_kohyas_schedule():
     assert forward_swaps(6, 2) == {0: (0, 4), 1: (1, 5)}
     assert backward_swaps(6, 2) == {4: (5, 1), 3: (4, 0)}
     assert forward_swaps(6, 0) == {} and backward_swaps(6, 0) == {}
-
-
-class Recorder:
-    """The stand-in device: where each block is, what each block found when it ran, and every move."""
-
-    def __init__(self, blocks):
-        self.index = {id(b): i for i, b in enumerate(blocks)}
-        self.where: dict[int, torch.device] = {}
-        self.moves: list[tuple[int, str]] = []
-        self.seen: list[tuple[int, bool, int]] = []  # (block, resident, blocks resident)
-
-    def move(self, block, device):
-        i = self.index[id(block)]
-        if self.where.get(i) != device:
-            self.moves.append((i, "device" if device == DEVICE else "host"))
-            for param in block.parameters():
-                if not param.requires_grad:
-                    param.data = param.data.clone()  # a real move gives the weights new storage
-        self.where[i] = device
-
-    def watch(self, blocks):
-        for block in blocks:
-            block.register_forward_pre_hook(lambda m, a: self.seen.append(
-                (self.index[id(m)], self.where.get(self.index[id(m)]) == DEVICE,
-                 sum(d == DEVICE for d in self.where.values()))))
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])

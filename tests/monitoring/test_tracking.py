@@ -16,19 +16,14 @@ from library.monitoring.tracking import TimestepLoss
 from library.monitoring.validation import should_validate
 from library.network import kohya_format
 from library.training import loop
+from tests.helpers.runs import TINY_RUN, make_config
 
 SECRET = "wandb-key-4f1c9a7e0b2d83c6a5e1f0d9b8c7a6e5f4d3c2b1"
 
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
 
-
-def make_config(tiny_sd1_dir: Path, data_dir: Path, output_dir: Path, *extra: str):
-    config, _ = parse_config([
-        "--pretrained_model_name_or_path", str(tiny_sd1_dir), "--train_data_dir", str(data_dir),
-        "--output_dir", str(output_dir), "--resolution", "64", "--caption_extension", ".txt",
-        "--train_batch_size", "2", "--seed", "5", "--learning_rate", "1e-2", *extra])
-    return config
+RUN = {**TINY_RUN, "seed": 5, "learning_rate": "1e-2"}
 
 
 def record_training_losses(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -62,7 +57,7 @@ def test_tensorboard_gets_every_metric_at_the_global_step(tiny_sd1_dir, sample_d
     config = make_config(tiny_sd1_dir, sample_data_dir, tmp_path / "out", "--max_train_steps", "4",
                          "--log_with", "tensorboard", "--logging_dir", str(tmp_path / "logs"),
                          "--loss_timestep_bins", "4", "--validation_split", "0.2", "--validate_every_n_steps", "2",
-                         "--validation_timesteps", "100,600", "--network_dropout", "0.1")
+                         "--validation_timesteps", "100,600", "--network_dropout", "0.1", run=RUN)
     result = loop.run(config)
     scalars = tensorboard_scalars(tmp_path / "logs")
 
@@ -136,7 +131,7 @@ def test_wandb_offline_run_has_the_metrics_and_no_secret_anywhere(tiny_sd1_dir, 
     config = make_config(tiny_sd1_dir, sample_data_dir, tmp_path / "out", "--max_train_steps", "3",
                          "--log_with", "wandb", "--wandb_api_key", SECRET, "--wandb_run_name", "digits",
                          "--log_config", "--log_tracker_name", "proj", "--save_state",
-                         "--log_tracker_config", str(tracker_config))
+                         "--log_tracker_config", str(tracker_config), run=RUN)
     result = loop.run(config)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
 
@@ -182,7 +177,7 @@ def test_a_failing_tracker_is_reported_once_and_training_goes_on(tiny_sd1_dir, s
 
     monkeypatch.setattr(TensorBoardTracker, method, broken)
     result = loop.run(make_config(tiny_sd1_dir, sample_data_dir, tmp_path, "--max_train_steps", "3",
-                                     "--log_with", "tensorboard"))
+                                     "--log_with", "tensorboard", run=RUN))
     assert result.global_step == 3 and (tmp_path / "last.safetensors").is_file()
     reports = [r for r in caplog.records if "tracker backend down" in r.getMessage()]
     assert len(reports) == 1 and reports[0].levelname == "WARNING"
@@ -195,12 +190,13 @@ def test_binned_loss_survives_resume_and_validation_leaves_the_training_path_alo
     # Validated after every step, saving a state at step 2.
     straight = loop.run(make_config(tiny_sd1_dir, sample_data_dir, tmp_path / "a", *common,
                                        "--validate_every_n_steps", "1", "--save_every_n_steps", "2",
-                                       "--save_state", "--logging_dir", str(tmp_path / "logs_a")))
+                                       "--save_state", "--logging_dir", str(tmp_path / "logs_a"), run=RUN))
     AcceleratorState._reset_state(reset_partial_state=True)
     # Resumed at step 2 and validated only at the end.
     resumed = loop.run(make_config(tiny_sd1_dir, sample_data_dir, tmp_path / "b", *common,
                                       "--resume", str(tmp_path / "a" / "last-step00000002-state"),
-                                      "--validate_every_n_steps", "100", "--logging_dir", str(tmp_path / "logs_b")))
+                                      "--validate_every_n_steps", "100", "--logging_dir", str(tmp_path / "logs_b"),
+                                      run=RUN))
     assert resumed.losses == straight.losses[2:]
     a, b = (kohya_format.load_kohya_lora(tmp_path / d / "last.safetensors")[0] for d in ("a", "b"))
     assert all(torch.equal(a[k], b[k]) for k in a)

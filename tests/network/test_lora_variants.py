@@ -18,7 +18,7 @@ from library.config import ConfigError, parse_config
 from library.config.network_args import NetworkArgs, parse_network_args
 from library.network import kohya_format, lora
 from library.network import targets as network_setup
-from tests.training.test_trainer import make_config
+from tests.helpers.runs import make_config
 
 RANK = 4
 

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState
 
 from library.config import parse_config
 from library.config.network_args import NetworkArgs, parse_network_args
 from library.network import kohya_format, lora, lycoris_layers
 from library.network import targets as network_setup
+from tests.helpers import runs
+from tests.helpers.datasets import copy_images
 
 
 def lycoris(*args: str) -> NetworkArgs:
@@ -140,24 +140,14 @@ def test_max_norm_on_diag_oft_is_lycoris(tiny):
 
 @pytest.mark.usefixtures("fresh_accelerator_state")
 def test_dylora_with_train_norm_resumes_bit_exactly(tiny_sd1_dir, sample_data_dir, tmp_path):
-    from library.training import loop
     from library.training.state import TrainState
 
-    data = tmp_path / "data" / "1_sks shape"
-    data.mkdir(parents=True)
-    for image in sorted((sample_data_dir / "10_sks shape").glob("*.png"))[:4]:
-        shutil.copy(image, data / image.name)
-        shutil.copy(image.with_suffix(".txt"), data / image.with_suffix(".txt").name)
+    data = copy_images(sample_data_dir, tmp_path / "data", 4)
 
     def train(output: Path, *extra: str):
-        AcceleratorState._reset_state(reset_partial_state=True)
-        config, _ = parse_config([
-            "--pretrained_model_name_or_path", str(tiny_sd1_dir), "--train_data_dir", str(data.parent),
-            "--output_dir", str(output), "--resolution", "64", "--caption_extension", ".txt",
-            "--train_batch_size", "2", "--seed", "7", "--learning_rate", "1e-2", "--max_train_steps", "4",
-            "--network_dim", "4", "--network_module", "lycoris.kohya", "--network_args", "algo=dylora",
-            "block_size=1", "train_norm=True", "preset=attn-mlp", *extra])
-        return loop.run(config)
+        return runs.train(tiny_sd1_dir, data, output, *extra, seed=7, learning_rate="1e-2", max_train_steps=4,
+                          network_dim=4, network_module="lycoris.kohya",
+                          network_args=["algo=dylora", "block_size=1", "train_norm=True", "preset=attn-mlp"])
 
     straight = train(tmp_path / "a", "--save_every_n_steps", "2", "--save_state")
     state_dir = tmp_path / "a" / "last-step00000002-state"

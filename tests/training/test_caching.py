@@ -7,23 +7,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from library.config import parse_config
 from library.families.registry import load_components
-from library.training import loop
+from tests.helpers.runs import TINY_RUN, train, train_lora
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
 
-
-def run(tiny_sd1_dir, sample_data_dir, out, *extra: str) -> loop.RunResult:
-    config, _ = parse_config([
-        "--pretrained_model_name_or_path", str(tiny_sd1_dir), "--train_data_dir", str(sample_data_dir),
-        "--output_dir", str(out), "--resolution", "64", "--caption_extension", ".txt", "--train_batch_size", "3",
-        "--seed", "7", "--max_train_steps", "4", "--learning_rate", "1e-2", *extra])
-    return loop.run(config)
-
-
-def train(tiny_sd1_dir, sample_data_dir, out, *extra: str) -> dict[str, torch.Tensor]:
-    return load_file(run(tiny_sd1_dir, sample_data_dir, out, *extra).output_file)
+RUN = {**TINY_RUN, "train_batch_size": 3, "seed": 7, "max_train_steps": 4, "learning_rate": "1e-2"}
 
 
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -33,36 +22,37 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 def test_default_caching_is_bit_identical_to_encoding_each_step(tiny_sd1_dir, sample_data_dir, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="library.training.caching"):
-        cached = train(tiny_sd1_dir, sample_data_dir, tmp_path / "default", "--network_train_unet_only")
+        cached = train_lora(tiny_sd1_dir, sample_data_dir, tmp_path / "default", "--network_train_unet_only",
+                            run=RUN)
     assert "latents are cached in memory" in caplog.text
     assert "text-encoder outputs are cached" in caplog.text
     assert "text encoder 1, VAE: outputs cached and no sample prompts, so the weights are freed" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="library.training.caching"):
-        uncached = train(tiny_sd1_dir, sample_data_dir, tmp_path / "off", "--network_train_unet_only",
-                         "--cache_latents", "false", "--cache_text_encoder_outputs", "false")
+        uncached = train_lora(tiny_sd1_dir, sample_data_dir, tmp_path / "off", "--network_train_unet_only",
+                              "--cache_latents", "false", "--cache_text_encoder_outputs", "false", run=RUN)
     assert "cached" not in caplog.text  # explicit settings are taken as they are
     assert_same(cached, uncached)
 
 
 def test_validation_images_use_the_text_cache_and_the_kept_vae(tiny_sd1_dir, sample_data_dir, tmp_path):
     args = ("--network_train_unet_only", "--validation_split", "0.2")
-    cached = run(tiny_sd1_dir, sample_data_dir, tmp_path / "default", *args)
-    uncached = run(tiny_sd1_dir, sample_data_dir, tmp_path / "off", *args, "--cache_latents", "false",
-                   "--cache_text_encoder_outputs", "false")
+    cached = train(tiny_sd1_dir, sample_data_dir, tmp_path / "default", *args, run=RUN)
+    uncached = train(tiny_sd1_dir, sample_data_dir, tmp_path / "off", *args, "--cache_latents", "false",
+                   "--cache_text_encoder_outputs", "false", run=RUN)
     assert cached.validation and cached.validation == uncached.validation
     assert_same(load_file(cached.output_file), load_file(uncached.output_file))
 
 
 def test_what_changes_each_step_is_not_cached(tiny_sd1_dir, sample_data_dir, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="library.training.caching"):
-        train(tiny_sd1_dir, sample_data_dir, tmp_path / "crop", "--network_train_unet_only", "--random_crop",
-              "--shuffle_caption")
+        train_lora(tiny_sd1_dir, sample_data_dir, tmp_path / "crop", "--network_train_unet_only", "--random_crop",
+                   "--shuffle_caption", run=RUN)
     assert "latents are encoded each step: random_crop" in caplog.text
     assert "text-encoder outputs are not cached: shuffle_caption" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="library.training.caching"):
-        train(tiny_sd1_dir, sample_data_dir, tmp_path / "te", "--cache_latents", "false")
+        train_lora(tiny_sd1_dir, sample_data_dir, tmp_path / "te", "--cache_latents", "false", run=RUN)
     assert caplog.text == ""  # the text encoder is trained: nothing to say about its cache
 
 
@@ -101,10 +91,11 @@ def test_torch_compile_compiles_each_repeated_block_and_trains_the_same_lora(tin
                                                                                tmp_path, caplog):
     # The eager backend runs what dynamo captured with the same kernels, so the LoRA must not move by a bit.
     with caplog.at_level(logging.INFO, logger="library.training.model"):
-        compiled = train(tiny_sd1_dir, sample_data_dir, tmp_path / "compiled", "--torch_compile",
-                         "--dynamo_backend", "eager", "--max_train_steps", "2")
+        compiled = train_lora(tiny_sd1_dir, sample_data_dir, tmp_path / "compiled", "--torch_compile",
+                              "--dynamo_backend", "eager", "--max_train_steps", "2", run=RUN)
     assert "blocks (BasicTransformerBlock) compiled with the eager backend" in caplog.text
-    assert_same(compiled, train(tiny_sd1_dir, sample_data_dir, tmp_path / "eager", "--max_train_steps", "2"))
+    assert_same(compiled, train_lora(tiny_sd1_dir, sample_data_dir, tmp_path / "eager", "--max_train_steps", "2",
+                                     run=RUN))
 
 
 def test_text_encoder_outputs_to_disk_turns_caching_on_as_in_kohya():

@@ -18,6 +18,7 @@ from library.network import kohya_format
 from library.training import loop, preflight
 from library.training import state as state_module
 from library.training.state import ADAPTER_FILE, find_latest_state
+from tests.helpers.runs import train
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
 
@@ -25,13 +26,6 @@ pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
 @pytest.fixture(scope="module")
 def data(small_dataset, tmp_path_factory) -> Path:
     return small_dataset(tmp_path_factory.mktemp("data"))
-
-
-def train(model: Path, data: Path, out: Path, *extra: str):
-    config, _ = parse_config([
-        "--pretrained_model_name_or_path", str(model), "--train_data_dir", str(data), "--output_dir", str(out),
-        "--resolution", "64", "--caption_extension", ".txt", "--train_batch_size", "2", "--seed", "5", *extra])
-    return loop.run(config)
 
 
 def refuses_before_loading(monkeypatch):
@@ -59,7 +53,7 @@ def test_an_unwritable_output_dir_is_refused_before_the_model_loads(tiny_sd1_dir
 
     monkeypatch.setattr(preflight.os, "open", read_only)  # root can write anywhere; a read-only mount cannot
     with pytest.raises(UserError, match=f"output_dir: cannot write in {out} \\(Read-only file system\\)"):
-        train(tiny_sd1_dir, data, out, "--max_train_steps", "1")
+        train(tiny_sd1_dir, data, out, "--max_train_steps", "1", seed=5)
 
 
 def test_a_new_subfolder_under_a_read_only_folder_is_a_message(tiny_sd1_dir, data, tmp_path, monkeypatch):
@@ -71,22 +65,22 @@ def test_a_new_subfolder_under_a_read_only_folder_is_a_message(tiny_sd1_dir, dat
 
     monkeypatch.setattr(Path, "mkdir", read_only)
     with pytest.raises(UserError, match=f"output_dir: cannot create {out} \\(Read-only file system\\)"):
-        train(tiny_sd1_dir, data, out, "--max_train_steps", "1")
+        train(tiny_sd1_dir, data, out, "--max_train_steps", "1", seed=5)
 
 
 def test_too_little_free_space_is_refused_before_training(tiny_sd1_dir, data, tmp_path, monkeypatch):
     monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 1000))
     with pytest.raises(UserError, match="has 0.0 MiB free; one LoRA file and one state save needs about"):
-        train(tiny_sd1_dir, data, tmp_path / "out", "--max_train_steps", "1", "--save_state")
+        train(tiny_sd1_dir, data, tmp_path / "out", "--max_train_steps", "1", "--save_state", seed=5)
 
 
 def test_too_little_free_space_to_resume_is_refused_before_the_model_loads(tiny_sd1_dir, data, tmp_path,
                                                                            monkeypatch):
-    train(tiny_sd1_dir, data, tmp_path / "out", "--max_train_steps", "1", "--save_state_on_train_end")
+    train(tiny_sd1_dir, data, tmp_path / "out", "--max_train_steps", "1", "--save_state_on_train_end", seed=5)
     refuses_before_loading(monkeypatch)
     monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 1000))
     with pytest.raises(UserError, match="has 0.0 MiB free; one state save like last-state needs about"):
-        train(tiny_sd1_dir, data, tmp_path / "out", "--max_train_steps", "2", "--resume", "latest")
+        train(tiny_sd1_dir, data, tmp_path / "out", "--max_train_steps", "2", "--resume", "latest", seed=5)
 
 
 # --- case 4: output_name with a folder in it ----------------------------------------------------------------
@@ -118,7 +112,7 @@ def test_a_second_run_on_a_locked_folder_is_refused_and_cleans_up_nothing(tiny_s
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(UserError) as info:
-            train(tiny_sd1_dir, data, out, "--max_train_steps", "1")
+            train(tiny_sd1_dir, data, out, "--max_train_steps", "1", seed=5)
         assert f"output_dir: {out} is in use by another run (process {holder.pid} on h" in str(info.value)
         assert saving.is_dir()
     finally:
@@ -133,7 +127,7 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_note(tiny_sd1_dir, dat
     gone.wait()
     (out / preflight.LOCK_FILE).write_text(json.dumps({"pid": gone.pid, "host": "h", "started": 0}))
     (out / ".tmp-last-step00000004-state").mkdir()  # what the killed run was writing
-    result = train(tiny_sd1_dir, data, out, "--max_train_steps", "1")
+    result = train(tiny_sd1_dir, data, out, "--max_train_steps", "1", seed=5)
     assert result.global_step == 1
     assert any(f"taking over the lock of a run that is no longer running (process {gone.pid} on h" in r.getMessage()
                for r in caplog.records)
@@ -153,7 +147,7 @@ def test_the_lock_is_held_while_training_and_released_after(tiny_sd1_dir, data, 
         return real_step(self, *args)
 
     monkeypatch.setattr(loop.Trainer, "log_step", during)
-    train(tiny_sd1_dir, data, out, "--max_train_steps", "1")
+    train(tiny_sd1_dir, data, out, "--max_train_steps", "1", seed=5)
     assert seen == [os.getpid()] and not (out / preflight.LOCK_FILE).exists()
 
 
@@ -163,7 +157,7 @@ def test_a_non_finite_loss_stops_before_the_step_and_writes_no_nan(tiny_sd1_dir,
     out = tmp_path / "out"
     with pytest.raises(UserError) as info:
         train(tiny_sd1_dir, data, out, "--max_train_steps", "20", "--learning_rate", "1e30",
-              "--save_every_n_steps", "1", "--save_state")
+              "--save_every_n_steps", "1", "--save_state", seed=5)
     message = str(info.value)
     assert "became NaN/inf at step" in message and "learning rate 1e+30" in message and "hint:" in message
     assert not (out / "last.safetensors").exists()
@@ -185,7 +179,7 @@ def test_a_lora_holding_nan_is_never_written(tiny_sd1_dir, data, tmp_path, monke
 
     monkeypatch.setattr(loop.Trainer, "finish", poisoned)
     with pytest.raises(UserError, match="not writing .*last.safetensors: .* tensors hold NaN/inf"):
-        train(tiny_sd1_dir, data, tmp_path / "out", "--max_train_steps", "1")
+        train(tiny_sd1_dir, data, tmp_path / "out", "--max_train_steps", "1", seed=5)
     assert not list((tmp_path / "out").glob("*.safetensors"))
 
 
@@ -206,7 +200,7 @@ def test_a_full_disk_while_saving_the_lora_names_the_file_and_what_was_kept(tiny
 
     monkeypatch.setattr(kohya_format.safetensors.torch, "save_file", fills_up)
     with pytest.raises(UserError) as info:
-        train(tiny_sd1_dir, data, out, "--max_train_steps", "4", "--save_every_n_steps", "1", "--save_state")
+        train(tiny_sd1_dir, data, out, "--max_train_steps", "4", "--save_every_n_steps", "1", "--save_state", seed=5)
     problems = info.value.problems
     assert problems[0].startswith(f"could not write {out / 'last-step00000002.safetensors'}: the disk is full")
     assert f"kept: the state {out / 'last-step00000001-state'}, the LoRA {out / 'last-step00000001.safetensors'}" \
@@ -227,7 +221,7 @@ def test_a_full_disk_while_saving_a_state_removes_the_half_written_state(tiny_sd
 
     monkeypatch.setattr(state_module, "write_manifest", fills_up)
     with pytest.raises(UserError) as info:
-        train(tiny_sd1_dir, data, out, "--max_train_steps", "4", "--save_every_n_steps", "1", "--save_state")
+        train(tiny_sd1_dir, data, out, "--max_train_steps", "4", "--save_every_n_steps", "1", "--save_state", seed=5)
     assert info.value.problems[0].startswith(
         f"could not write {out / '.tmp-last-step00000002-state' / state_module.MANIFEST_FILE}: the disk is full")
     assert f"kept: the state {out / 'last-step00000001-state'}" in info.value.problems[1]

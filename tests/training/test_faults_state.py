@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 import train_network
-from library.config import UserError, parse_config
-from library.training import loop
+from library.config import UserError
 from library.training.state import ADAPTER_FILE, MANIFEST_FILE, STATE_FILE, find_latest_state, state_problems
+from tests.helpers.runs import run_args, train
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
 
@@ -21,16 +21,6 @@ def data(small_dataset, tmp_path_factory) -> Path:
     return small_dataset(tmp_path_factory.mktemp("data"))
 
 
-def options(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
-    return ["--pretrained_model_name_or_path", str(model), "--train_data_dir", str(data), "--output_dir", str(out),
-            "--resolution", "64", "--caption_extension", ".txt", "--train_batch_size", "2", "--seed", "3", *extra]
-
-
-def train(*args: str):
-    config, _ = parse_config(list(args))
-    return loop.run(config)
-
-
 @pytest.fixture(scope="module")
 def states(tiny_sd1_dir, data, tmp_path_factory) -> Path:
     """A run that saved states at steps 1, 2 and 3 (the last as last-state)."""
@@ -38,7 +28,7 @@ def states(tiny_sd1_dir, data, tmp_path_factory) -> Path:
 
     AcceleratorState._reset_state(reset_partial_state=True)
     out = tmp_path_factory.mktemp("states")
-    train(*options(tiny_sd1_dir, data, out, "--max_train_steps", "3", "--save_every_n_steps", "1", "--save_state"))
+    train(tiny_sd1_dir, data, out, "--max_train_steps", "3", "--save_every_n_steps", "1", "--save_state")
     AcceleratorState._reset_state(reset_partial_state=True)
     return out
 
@@ -68,8 +58,8 @@ def test_a_damaged_state_is_refused_naming_the_file(tiny_sd1_dir, data, states, 
     out = copy_of(states, tmp_path)
     state = out / "last-step00000002-state"
     damage(state)
-    status = train_network.main(options(tiny_sd1_dir, data, tmp_path / "b", "--max_train_steps", "4",
-                                        "--resume", str(state)))
+    status = train_network.main(run_args(tiny_sd1_dir, data, tmp_path / "b", "--max_train_steps", "4",
+                                         "--resume", str(state)))
     err = capsys.readouterr().err
     assert status == 2, err
     assert f"resume: {state} is not a complete, readable state dir" in err and expected in err
@@ -91,8 +81,8 @@ def test_resume_latest_skips_a_state_without_its_adapter_and_says_so(tiny_sd1_di
     (out / "last-state" / ADAPTER_FILE).unlink()
     cut_short(out / "last-step00000002-state" / STATE_FILE)
     with caplog.at_level(logging.WARNING):
-        result = train(*options(tiny_sd1_dir, data, out, "--max_train_steps", "4", "--resume", "latest",
-                                "--output_name", "again"))
+        result = train(tiny_sd1_dir, data, out, "--max_train_steps", "4", "--resume", "latest",
+                       "--output_name", "again")
     assert result.global_step == 4 and len(result.losses) == 3  # resumed from step 1, the newest complete state
     skipped = [r.getMessage() for r in caplog.records if "skipping a damaged or incomplete state" in r.getMessage()]
     assert any(f"last-state: {out / 'last-state' / ADAPTER_FILE}: missing" in m for m in skipped), skipped
@@ -118,4 +108,4 @@ def test_a_damaged_file_that_passes_the_checks_is_still_a_clear_error(tiny_sd1_d
     with zipfile.ZipFile(optimizer, "w") as z:
         z.writestr("x/data.pkl", b"not a pickle")
     with pytest.raises(UserError, match=f"cannot resume from {state}: a file of the state cannot be read"):
-        train(*options(tiny_sd1_dir, data, tmp_path / "b", "--max_train_steps", "4", "--resume", str(state)))
+        train(tiny_sd1_dir, data, tmp_path / "b", "--max_train_steps", "4", "--resume", str(state))

@@ -16,6 +16,7 @@ from library.config.options import OPTIMIZER_TYPES
 from library.network import kohya_format
 from library.training import optim, schedules
 from library.training.model import lora_modules
+from tests.helpers import runs
 
 pytestmark = pytest.mark.filterwarnings("ignore:Paged optimizers are not supported")
 
@@ -57,13 +58,9 @@ def make_config(tmp_path: Path):
     """Config from TOML text, with the paths every config needs."""
     (tmp_path / "model").mkdir()
     (tmp_path / "data").mkdir()
-    count = iter(range(1000))
 
     def make(text: str) -> Config:
-        path = tmp_path / f"lora{next(count)}.toml"
-        path.write_text(f'pretrained_model_name_or_path = "{tmp_path / "model"}"\n'
-                        f'train_data_dir = "{tmp_path / "data"}"\noutput_dir = "{tmp_path / "out"}"\n{text}\n')
-        return parse_config(["--config", str(path)])[0]
+        return runs.make_config(tmp_path / "model", tmp_path / "data", tmp_path / "out", run={}, toml=text)
 
     return make
 

@@ -1,42 +1,28 @@
 """State dirs, snapshots and exact resume, in-process on the tiny model."""
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState
 
-from library.config import UserError, parse_config
+from library.config import UserError
 from library.network import kohya_format, lora
-from library.training import loop
 from library.training.state import ADAPTER_FILE, STATE_FILE, TrainState, find_latest_state
+from tests.helpers.datasets import copy_images
+from tests.helpers.runs import TINY_RUN, train
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
+
+# Seed 11, a cosine schedule after two warm-up steps, and network dropout: resume must restore every one of them.
+RUN = {**TINY_RUN, "seed": 11, "learning_rate": "2e-3", "lr_scheduler": "cosine", "lr_warmup_steps": 2,
+       "network_dropout": 0.2}
 
 
 @pytest.fixture(scope="module")
 def small_data(sample_data_dir, tmp_path_factory) -> Path:
     """Six images, one repeat: three batches of two per epoch, so epoch boundaries come quickly."""
-    root = tmp_path_factory.mktemp("data")
-    subset = root / "1_sks shape"
-    subset.mkdir()
-    images = sorted((sample_data_dir / "10_sks shape").glob("*.png"))[:6]
-    for image in images:
-        shutil.copy(image, subset / image.name)
-        shutil.copy(image.with_suffix(".txt"), subset / image.with_suffix(".txt").name)
-    return root
-
-
-def train(tiny_sd1_dir, data, output_dir, *extra):
-    AcceleratorState._reset_state(reset_partial_state=True)
-    config, _ = parse_config([
-        "--pretrained_model_name_or_path", str(tiny_sd1_dir), "--train_data_dir", str(data),
-        "--output_dir", str(output_dir), "--resolution", "64", "--caption_extension", ".txt",
-        "--train_batch_size", "2", "--seed", "11", "--learning_rate", "2e-3", "--lr_scheduler", "cosine",
-        "--lr_warmup_steps", "2", "--network_dropout", "0.2", *extra])
-    return loop.run(config)
+    return copy_images(sample_data_dir, tmp_path_factory.mktemp("data"), 6)
 
 
 def tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -52,11 +38,11 @@ def tensors(path: Path) -> dict[str, torch.Tensor]:
 def test_resume_is_bit_exact(tiny_sd1_dir, small_data, tmp_path, accumulation, total, resume_at):
     common = ("--max_train_steps", str(total), "--gradient_accumulation_steps", str(accumulation))
     straight = train(tiny_sd1_dir, small_data, tmp_path / "a", *common, "--save_every_n_steps", str(resume_at),
-                     "--save_state")
+                     "--save_state", run=RUN)
     state_dir = tmp_path / "a" / f"last-step{resume_at:08d}-state"
     assert TrainState.read(state_dir).global_step == resume_at
 
-    resumed = train(tiny_sd1_dir, small_data, tmp_path / "b", *common, "--resume", str(state_dir))
+    resumed = train(tiny_sd1_dir, small_data, tmp_path / "b", *common, "--resume", str(state_dir), run=RUN)
     assert resumed.global_step == straight.global_step == total
     assert resumed.losses == straight.losses[resume_at:]
     a, b = tensors(straight.output_file), tensors(resumed.output_file)
@@ -65,16 +51,16 @@ def test_resume_is_bit_exact(tiny_sd1_dir, small_data, tmp_path, accumulation, t
 
 
 def test_saving_does_not_change_the_path(tiny_sd1_dir, small_data, tmp_path):
-    plain = train(tiny_sd1_dir, small_data, tmp_path / "plain", "--max_train_steps", "4")
+    plain = train(tiny_sd1_dir, small_data, tmp_path / "plain", "--max_train_steps", "4", run=RUN)
     saving = train(tiny_sd1_dir, small_data, tmp_path / "saving", "--max_train_steps", "4",
-                   "--save_every_n_steps", "1", "--save_state")
+                   "--save_every_n_steps", "1", "--save_state", run=RUN)
     assert plain.losses == saving.losses
     a, b = tensors(plain.output_file), tensors(saving.output_file)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_state_dir_holds_only_the_adapter_and_training_state(tiny_sd1_dir, small_data, tmp_path):
-    result = train(tiny_sd1_dir, small_data, tmp_path, "--max_train_steps", "2", "--save_state_on_train_end")
+    result = train(tiny_sd1_dir, small_data, tmp_path, "--max_train_steps", "2", "--save_state_on_train_end", run=RUN)
     state_dir = tmp_path / "last-state"
     names = {p.name for p in state_dir.iterdir()}
     assert {ADAPTER_FILE, STATE_FILE, "optimizer.bin", "scheduler.bin"} <= names
@@ -92,7 +78,7 @@ def test_state_dir_holds_only_the_adapter_and_training_state(tiny_sd1_dir, small
 def test_snapshot_names_and_retention(tiny_sd1_dir, small_data, tmp_path):
     train(tiny_sd1_dir, small_data, tmp_path, "--max_train_steps", "9", "--save_every_n_steps", "2",
           "--save_last_n_steps", "4", "--save_every_n_epochs", "1", "--save_last_n_epochs", "2", "--save_state",
-          "--save_last_n_steps_state", "2", "--save_last_n_epochs_state", "1")
+          "--save_last_n_steps_state", "2", "--save_last_n_epochs_state", "1", run=RUN)
     names = sorted(p.name for p in tmp_path.iterdir())
     # step saves at 2, 4, 6, 8: keep those newer than 8 - 4; epoch saves after epochs 1, 2 (epoch 3 ends at
     # step 9, the final step, which writes the final file instead)
@@ -105,25 +91,25 @@ def test_snapshot_names_and_retention(tiny_sd1_dir, small_data, tmp_path):
 
 def test_resume_latest_picks_the_highest_complete_step(tiny_sd1_dir, small_data, tmp_path):
     train(tiny_sd1_dir, small_data, tmp_path, "--max_train_steps", "4", "--save_every_n_steps", "1",
-          "--save_state")
+          "--save_state", run=RUN)
     # An incomplete save (killed before its rename) and a dir without train_state.json are never picked.
     (tmp_path / ".tmp-last-step00000009-state").mkdir()
     (tmp_path / "last-step00000007-state").mkdir()
     assert find_latest_state(tmp_path) == tmp_path / "last-state"
-    result = train(tiny_sd1_dir, small_data, tmp_path, "--max_train_steps", "6", "--resume", "latest")
+    result = train(tiny_sd1_dir, small_data, tmp_path, "--max_train_steps", "6", "--resume", "latest", run=RUN)
     assert result.global_step == 6 and len(result.losses) == 2
     assert not (tmp_path / ".tmp-last-step00000009-state").exists()
 
 
 def test_resume_latest_without_a_state_starts_fresh(tiny_sd1_dir, small_data, tmp_path):
-    result = train(tiny_sd1_dir, small_data, tmp_path, "--max_train_steps", "2", "--resume", "latest")
+    result = train(tiny_sd1_dir, small_data, tmp_path, "--max_train_steps", "2", "--resume", "latest", run=RUN)
     assert result.global_step == 2
 
 
 def test_resume_past_the_end_does_not_overshoot(tiny_sd1_dir, small_data, tmp_path):
-    train(tiny_sd1_dir, small_data, tmp_path, "--max_train_steps", "3", "--save_state_on_train_end")
+    train(tiny_sd1_dir, small_data, tmp_path, "--max_train_steps", "3", "--save_state_on_train_end", run=RUN)
     result = train(tiny_sd1_dir, small_data, tmp_path / "again", "--max_train_steps", "2", "--resume",
-                   str(tmp_path / "last-state"))
+                   str(tmp_path / "last-state"), run=RUN)
     assert result.losses == [] and result.global_step == 3
 
 
@@ -134,25 +120,25 @@ def test_resume_past_the_end_does_not_overshoot(tiny_sd1_dir, small_data, tmp_pa
 ])
 def test_incompatible_state_is_refused_naming_the_difference(tiny_sd1_dir, small_data, tmp_path, change,
                                                              expected):
-    train(tiny_sd1_dir, small_data, tmp_path, "--max_train_steps", "1", "--save_state_on_train_end")
+    train(tiny_sd1_dir, small_data, tmp_path, "--max_train_steps", "1", "--save_state_on_train_end", run=RUN)
     with pytest.raises(UserError) as info:
         train(tiny_sd1_dir, small_data, tmp_path / "b", "--max_train_steps", "2", "--resume",
-              str(tmp_path / "last-state"), *change)
+              str(tmp_path / "last-state"), *change, run=RUN)
     assert any(expected in problem for problem in info.value.problems), info.value.problems
 
 
 def test_network_weights_start_from_a_file_and_dim_from_weights(tiny_sd1_dir, small_data, tmp_path):
     first = train(tiny_sd1_dir, small_data, tmp_path / "a", "--max_train_steps", "2", "--network_dim", "6",
-                  "--network_alpha", "3")
+                  "--network_alpha", "3", run=RUN)
     # learning rate 0: the weights stay exactly what was loaded
     second = train(tiny_sd1_dir, small_data, tmp_path / "b", "--max_train_steps", "1", "--learning_rate", "0",
-                   "--network_weights", str(first.output_file), "--dim_from_weights")
+                   "--network_weights", str(first.output_file), "--dim_from_weights", run=RUN)
     a, b = tensors(first.output_file), tensors(second.output_file)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert kohya_format.read_metadata(second.output_file)["ss_network_dim"] == "6"
     with pytest.raises(UserError, match="rank differs"):
         train(tiny_sd1_dir, small_data, tmp_path / "c", "--max_train_steps", "1", "--network_weights",
-              str(first.output_file), "--network_alpha", "3")
+              str(first.output_file), "--network_alpha", "3", run=RUN)
 
 
 def test_saves_cut_short_by_a_kill_are_removed_by_the_next_run(tmp_path, monkeypatch):

@@ -1,30 +1,20 @@
 """The training loop in-process on the tiny model: learning, clipping, and the saved file in diffusers."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from accelerate.state import AcceleratorState
 from safetensors import safe_open
 
-from library.config import parse_config
 from library.families.objective import DiffusionObjective
 from library.families.registry import load_components
 from library.network import kohya_format, lora
 from library.training import loop
 from library.training import model as model_module
 from library.training.optim import build_optimizer
+from tests.helpers.runs import make_config
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
-
-
-def make_config(tiny_sd1_dir: Path, sample_data_dir: Path, output_dir: Path, *extra: str):
-    config, _ = parse_config([
-        "--pretrained_model_name_or_path", str(tiny_sd1_dir), "--train_data_dir", str(sample_data_dir),
-        "--output_dir", str(output_dir), "--resolution", "64", "--caption_extension", ".txt",
-        "--train_batch_size", "2", "--seed", "3", *extra])
-    return config
 
 
 def test_loss_falls_when_overfitting_one_fixed_batch(tiny_sd1_dir, sample_data_dir, tmp_path):

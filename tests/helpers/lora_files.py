@@ -1,0 +1,28 @@
+"""LoRA on peft layers with random up weights, and the weight change each layer or kohya file entry holds."""
+from __future__ import annotations
+
+import torch
+
+from library.network import lora
+
+
+def attached(transformer, modules, overrides, seed, rank=4, alpha=2.0):
+    """LoRA on `modules`, with random up weights."""
+    lora.attach_lora(transformer, modules, rank, alpha, overrides=overrides)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, layer in lora.lora_layers(transformer):
+            layer.lora_B["default"].weight.copy_(torch.randn(layer.lora_B["default"].weight.shape, generator=g))
+    return transformer
+
+
+def deltas(transformer) -> dict[str, torch.Tensor]:
+    """Module path -> the weight change of its peft LoRA."""
+    return {name: layer.lora_B["default"].weight @ layer.lora_A["default"].weight * layer.scaling["default"]
+            for name, layer in lora.lora_layers(transformer)}
+
+
+def file_delta(state_dict, name):
+    """The weight change a kohya file's `name` entry holds."""
+    down, up = state_dict[f"{name}.lora_down.weight"], state_dict[f"{name}.lora_up.weight"]
+    return up @ down * (state_dict[f"{name}.alpha"] / down.shape[0])  # what every reader computes
