@@ -107,6 +107,9 @@ def test_configure_train_watch_stop_resume_in_a_browser(ui, browser, tmp_path):
     by_id("load-button").click()
     wait.until(lambda d: "loaded configs/quickstart.toml" in by_id("form-message").text)
     assert by_id("opt-network_dim").get_attribute("value") == "8"
+    # The quickstart's model is an SD folder: the family filter picks sd and hides FLUX's separate files.
+    assert by_id("family").get_attribute("value") == "sd"
+    assert not by_id("field-clip_l").is_displayed() and by_id("field-v2").is_displayed()
     set_field("max_train_steps", "20")
     set_field("sample_every_n_steps", "10")
     # Four batches to a step: the stop lands before step 20 with seconds to spare even on a fast, quiet machine.
