@@ -235,18 +235,17 @@ def check_dataset_spec(spec: DatasetSpec, config: Config | None, where: str) -> 
             # kohya reads these masks only for masked_loss and refuses the key otherwise.
             need(config is None or config.masked_loss,
                  f"{at}: conditioning_data_dir holds loss masks, which need masked_loss = true")
-        need(not (caching_latents and subset.color_aug),
-             f"{at}: color_aug changes the pixels each time and cannot use cached latents; turn off color_aug or "
-             "cache_latents / cache_latents_to_disk")
-        need(not (caching_latents and subset.face_crop_aug_range),
-             f"{at}: face_crop_aug_range crops around the face anew each time and cannot use cached latents; turn "
-             "off one")
-        need(not (caching_latents and subset.random_crop),
-             f"{at}: random_crop draws a new crop each time and cannot use cached latents; turn off random_crop "
-             "or cache_latents")
-        need(not (caching_text and subset.caption_ops),
-             f"{at}: shuffle_caption, caption_tag_dropout_rate, enable_wildcard and token_warmup_step change the "
-             "caption each time and cannot use cache_text_encoder_outputs; turn off one")
+        for cached, changing, why in (
+                (caching_latents, subset.color_aug, "color_aug changes the pixels each time and cannot use cached "
+                 "latents; turn off color_aug or cache_latents / cache_latents_to_disk"),
+                (caching_latents, subset.face_crop_aug_range, "face_crop_aug_range crops around the face anew each "
+                 "time and cannot use cached latents; turn off one"),
+                (caching_latents, subset.random_crop, "random_crop draws a new crop each time and cannot use cached "
+                 "latents; turn off random_crop or cache_latents"),
+                (caching_text, subset.caption_ops, "shuffle_caption, caption_tag_dropout_rate, enable_wildcard and "
+                 "token_warmup_step change the caption each time and cannot use cache_text_encoder_outputs; turn "
+                 "off one")):
+            need(not (cached and changing), f"{at}: {why}")
     return problems
 
 

@@ -26,6 +26,12 @@ def run_dir(roots: security.Roots, path: str) -> Path | None:
     return real if real is not None and real.is_dir() else None
 
 
+async def posted_run_dir(request: Request, roots: security.Roots) -> Path | None:
+    """The run folder a form posts as `path`, or None when it is not one."""
+    form = await request.form()
+    return run_dir(roots, str(form.get("path", "")))
+
+
 @router.post("/start", response_class=HTMLResponse)
 async def start(request: Request, roots: RootsDep, manager: ManagerDep) -> HTMLResponse:
     form = await request.form()
@@ -75,8 +81,7 @@ async def view(request: Request, path: str, roots: RootsDep, manager: ManagerDep
 
 @router.post("/stop", response_class=HTMLResponse)
 async def stop(request: Request, roots: RootsDep, manager: ManagerDep) -> HTMLResponse:
-    form = await request.form()
-    directory = run_dir(roots, str(form.get("path", "")))
+    directory = await posted_run_dir(request, roots)
     if directory is None:
         return HTMLResponse(NOT_A_RUN, status_code=404)
     return HTMLResponse(f'<span class="ok">{manager.stop(directory)}</span>', headers={"HX-Trigger": "runs-changed"})
@@ -84,8 +89,7 @@ async def stop(request: Request, roots: RootsDep, manager: ManagerDep) -> HTMLRe
 
 @router.post("/resume", response_class=HTMLResponse)
 async def resume(request: Request, roots: RootsDep, manager: ManagerDep) -> HTMLResponse:
-    form = await request.form()
-    directory = run_dir(roots, str(form.get("path", "")))
+    directory = await posted_run_dir(request, roots)
     if directory is None:
         return HTMLResponse(NOT_A_RUN, status_code=404)
     if not manager.status(directory).can_resume:
