@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from library.families.qwen_image.files import COMFY_PREFIX
-from library.families.shared.tiny_parts import save_files, save_pipeline, seeded
+from library.families.shared import tiny_parts
 
 logger = logging.getLogger(__name__)
 
@@ -38,17 +38,7 @@ SCHEDULER_CONFIG = {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shif
 def build_tokenizer(corpus: str = _CORPUS) -> Any:
     """A Qwen2-style byte-level BPE tokenizer (Qwen's special tokens, pad <|endoftext|>) that keeps every word of
     `corpus` whole."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import Qwen2TokenizerFast
-
-    model = Tokenizer(models.BPE())
-    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    model.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=2000, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    model.train_from_iterator(corpus.split() + [f" {word}" for word in corpus.split()], trainer)
-    return Qwen2TokenizerFast(tokenizer_object=model, pad_token=PAD, eos_token=IM_END, unk_token=None,
-                              bos_token=None, model_max_length=131072)
+    return tiny_parts.build_qwen_bpe_tokenizer(corpus, SPECIAL_TOKENS, 2000)
 
 
 def build_tiny_qwen_image(seed: int = 0) -> dict[str, Any]:
@@ -59,18 +49,20 @@ def build_tiny_qwen_image(seed: int = 0) -> dict[str, Any]:
 
     tokenizer = build_tokenizer()
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
-    with torch.random.fork_rng(devices=[]):
-        seeded(seed, 41)
-        transformer = QwenImageTransformer2DModel(
+
+    def transformer() -> Any:
+        return QwenImageTransformer2DModel(
             patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
             num_attention_heads=2, joint_attention_dim=WIDTH, axes_dims_rope=(4, 6, 6))
-        seeded(seed, 42)
+
+    def vae() -> Any:
         # Qwen-Image's VAE shape (dim_mult 1, 2, 4, 4; 2 blocks a level, as the layout of ComfyUI's file assumes;
         # time down after levels 2 and 3) at base width 8.
-        vae = AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
-                                     temperal_downsample=[False, True, True])
-        seeded(seed, 43)
-        config = Qwen2_5_VLConfig(
+        return AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                                      temperal_downsample=[False, True, True])
+
+    def text_encoder() -> Any:
+        return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
             text_config={"vocab_size": len(tokenizer), "hidden_size": WIDTH, "intermediate_size": 2 * WIDTH,
                          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                          "max_position_embeddings": 2048, "tie_word_embeddings": False,
@@ -80,18 +72,16 @@ def build_tiny_qwen_image(seed: int = 0) -> dict[str, Any]:
                            "out_hidden_size": WIDTH, "fullatt_block_indexes": [0]},
             image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
             vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-            bos_token_id=ids[PAD], eos_token_id=ids[IM_END], pad_token_id=ids[PAD], tie_word_embeddings=False)
-        text_encoder = Qwen2_5_VLForConditionalGeneration(config)
-    scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
-    for model in (transformer, vae, text_encoder):
-        model.eval()
-    return {"transformer": transformer, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer,
-            "scheduler": scheduler}
+            bos_token_id=ids[PAD], eos_token_id=ids[IM_END], pad_token_id=ids[PAD], tie_word_embeddings=False))
+
+    return tiny_parts.seeded_parts(seed, 41, {"transformer": transformer, "vae": vae, "text_encoder": text_encoder},
+                                   tokenizer=tokenizer, scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG))
 
 
 def save_tiny_qwen_image(path: str | os.PathLike[str], seed: int = 0, overwrite: bool = False) -> Path:
     """Write a tiny QwenImagePipeline folder at `path` (atomically) and return it."""
-    return save_pipeline(path, overwrite, "QwenImagePipeline", lambda: build_tiny_qwen_image(seed), "Qwen-Image", seed)
+    return tiny_parts.save_pipeline(path, overwrite, "QwenImagePipeline", lambda: build_tiny_qwen_image(seed),
+                                    "Qwen-Image", seed)
 
 
 def comfy_vae_state_dict(vae: Any) -> dict[str, torch.Tensor]:
@@ -139,19 +129,16 @@ def save_tiny_qwen_image_files(folder: str | os.PathLike[str], target: str | os.
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-
-    folder, target = Path(folder), Path(target)
-    local = {"local_files_only": True}
-    transformer = QwenImageTransformer2DModel.from_pretrained(folder, subfolder="transformer", **local)
-    vae = AutoencoderKLQwenImage.from_pretrained(folder, subfolder="vae", **local)
-    qwen = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, subfolder="text_encoder", **local)
+    parts = tiny_parts.read_parts(Path(folder), {
+        "transformer": QwenImageTransformer2DModel, "vae": AutoencoderKLQwenImage,
+        "text_encoder": Qwen2_5_VLForConditionalGeneration})
     text = {}
-    for key, value in qwen.state_dict().items():
+    for key, value in parts["text_encoder"].state_dict().items():
         text[key.replace("model.language_model.", "model.", 1).replace("model.visual.", "visual.", 1)] = value
     files = {
-        "transformer": ({COMFY_PREFIX + k: v for k, v in transformer.state_dict().items()},
+        "transformer": ({COMFY_PREFIX + k: v for k, v in parts["transformer"].state_dict().items()},
                         "diffusion_models/qwen_image_tiny.safetensors"),
         "text_encoder": (text, "text_encoders/qwen_2.5_vl_tiny.safetensors"),
-        "ae": (comfy_vae_state_dict(vae), "vae/qwen_image_vae.safetensors"),
+        "ae": (comfy_vae_state_dict(parts["vae"]), "vae/qwen_image_vae.safetensors"),
     }
-    return save_files(target, files)
+    return tiny_parts.save_files(Path(target), files)

@@ -13,18 +13,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from library.families.flux.tiny import build_t5_tokenizer
 from library.families.sd3.files import ENCODER_PREFIX, PREFIX, sai_state_dict
-from library.families.shared.tiny_parts import (
-    MODEL_MAX_LENGTH,
-    ae_state_dict,
-    build_tiny_tokenizer,
-    save_files,
-    save_pipeline,
-    seeded,
-)
+from library.families.shared import tiny_parts
+from library.families.shared.tiny_parts import MODEL_MAX_LENGTH, build_t5, build_t5_tokenizer, build_tiny_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +26,8 @@ VAE_SCALING_FACTOR, VAE_SHIFT_FACTOR = 1.5305, 0.0609  # SD3's VAE constants (di
 def build_tiny_sd3(seed: int = 0) -> dict[str, Any]:
     """The components of a tiny StableDiffusion3Pipeline. Weights depend only on the seed; the caller's global RNG
     state is left untouched."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
     tokenizer, tokenizer_2, tokenizer_3 = build_tiny_tokenizer(), build_tiny_tokenizer("!"), build_t5_tokenizer()
 
@@ -46,39 +37,27 @@ def build_tiny_sd3(seed: int = 0) -> dict[str, Any]:
             num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=MODEL_MAX_LENGTH, hidden_act=act,
             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
 
-    with torch.random.fork_rng(devices=[]):
-        seeded(seed, 41)
-        transformer = SD3Transformer2DModel(
+    def transformer() -> Any:
+        return SD3Transformer2DModel(
             sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=8,
             num_attention_heads=4, joint_attention_dim=T5_WIDTH, caption_projection_dim=32,
             pooled_projection_dim=2 * CLIP_WIDTH, pos_embed_max_size=32, dual_attention_layers=(0,),
             qk_norm="rms_norm")
-        seeded(seed, 42)
-        vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-                            up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(32, 32, 32, 32),
-                            layers_per_block=1, latent_channels=16, norm_num_groups=32, sample_size=64,
-                            scaling_factor=VAE_SCALING_FACTOR, shift_factor=VAE_SHIFT_FACTOR,
-                            use_quant_conv=False, use_post_quant_conv=False)
-        seeded(seed, 43)
-        clip_l = clip(tokenizer, "quick_gelu")
-        seeded(seed, 44)
-        clip_g = clip(tokenizer_2, "gelu")
-        seeded(seed, 45)
-        t5 = T5EncoderModel(T5Config(vocab_size=len(tokenizer_3), d_model=T5_WIDTH, d_kv=8, d_ff=64, num_layers=2,
-                                     num_heads=4, feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1,
-                                     decoder_start_token_id=0))
+
+    models = {"transformer": transformer,
+              "vae": lambda: tiny_parts.build_flux_vae(VAE_SCALING_FACTOR, VAE_SHIFT_FACTOR),
+              "text_encoder": lambda: clip(tokenizer, "quick_gelu"),
+              "text_encoder_2": lambda: clip(tokenizer_2, "gelu"),
+              "text_encoder_3": lambda: build_t5(tokenizer_3, T5_WIDTH)}
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)  # SD3 / SD3.5's config
-    for model in (transformer, vae, clip_l, clip_g, t5):
-        model.eval()
-    return {"transformer": transformer, "vae": vae, "text_encoder": clip_l, "text_encoder_2": clip_g,
-            "text_encoder_3": t5, "tokenizer": tokenizer, "tokenizer_2": tokenizer_2, "tokenizer_3": tokenizer_3,
-            "scheduler": scheduler}
+    return tiny_parts.seeded_parts(seed, 41, models, tokenizer=tokenizer, tokenizer_2=tokenizer_2,
+                                   tokenizer_3=tokenizer_3, scheduler=scheduler)
 
 
 def save_tiny_sd3(path: str | os.PathLike[str], seed: int = 0, overwrite: bool = False) -> Path:
     """Write a tiny StableDiffusion3Pipeline folder at `path` (atomically) and return it."""
-    return save_pipeline(path, overwrite, "StableDiffusion3Pipeline", lambda: build_tiny_sd3(seed), "SD3", seed,
-                         ("tokenizer", "tokenizer_2"))
+    return tiny_parts.save_pipeline(path, overwrite, "StableDiffusion3Pipeline", lambda: build_tiny_sd3(seed), "SD3",
+                                    seed, ("tokenizer", "tokenizer_2"))
 
 
 def save_tiny_sd3_files(folder: str | os.PathLike[str], target: str | os.PathLike[str]) -> dict[str, Path]:
@@ -88,16 +67,12 @@ def save_tiny_sd3_files(folder: str | os.PathLike[str], target: str | os.PathLik
     from diffusers import AutoencoderKL, SD3Transformer2DModel
     from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
-
-    folder, target = Path(folder), Path(target)
-    local = {"local_files_only": True}
-    transformer = SD3Transformer2DModel.from_pretrained(folder, subfolder="transformer", **local)
-    vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", **local)
-    base = {PREFIX + k: v for k, v in sai_state_dict(transformer).items()}
-    base.update({"first_stage_model." + k: v for k, v in ae_state_dict(vae).items()})
-    encoders = {"clip_l": CLIPTextModelWithProjection.from_pretrained(folder, subfolder="text_encoder", **local),
-                "clip_g": CLIPTextModelWithProjection.from_pretrained(folder, subfolder="text_encoder_2", **local),
-                "t5xxl": T5EncoderModel.from_pretrained(folder, subfolder="text_encoder_3", **local)}
+    parts = tiny_parts.read_parts(Path(folder), {
+        "transformer": SD3Transformer2DModel, "vae": AutoencoderKL, "text_encoder": CLIPTextModelWithProjection,
+        "text_encoder_2": CLIPTextModelWithProjection, "text_encoder_3": T5EncoderModel})
+    base = {PREFIX + k: v for k, v in sai_state_dict(parts["transformer"]).items()}
+    base.update({"first_stage_model." + k: v for k, v in tiny_parts.ae_state_dict(parts["vae"]).items()})
+    encoders = {"clip_l": parts["text_encoder"], "clip_g": parts["text_encoder_2"], "t5xxl": parts["text_encoder_3"]}
     # T5's embedding is stored once (shared.weight), as in the t5xxl files people use.
     separate = {name: {k: v for k, v in model.state_dict().items() if k != "encoder.embed_tokens.weight"}
                 for name, model in encoders.items()}
@@ -105,4 +80,4 @@ def save_tiny_sd3_files(folder: str | os.PathLike[str], target: str | os.PathLik
                                         for k, v in sd.items()}}, "sd3-tiny.safetensors"),
              "checkpoint_no_te": (base, "sd3-tiny-no-te.safetensors"),
              **{name: (sd, f"{name}.safetensors") for name, sd in separate.items()}}
-    return save_files(target, files)
+    return tiny_parts.save_files(Path(target), files)

@@ -1,6 +1,8 @@
-"""What every tiny builder shares: an offline CLIP tokenizer learned from a small corpus, per-component seeds,
-and writing a pipeline folder atomically. The family builders (tiny.py, tiny_flux.py, tiny_chroma.py, ...) import
-from here; nothing here imports them."""
+"""What every tiny builder shares: an offline CLIP tokenizer learned from a small corpus, a T5 tokenizer and
+encoder (FLUX.1, Chroma, SD3), a Qwen-style byte-level BPE tokenizer, FLUX.1's 16-channel autoencoder at tiny
+width, the models built from per-component seeds and handed back in eval mode, and writing a pipeline folder (and
+its separate files) atomically. The family builders (each family's tiny.py) import from here; nothing here imports
+them."""
 from __future__ import annotations
 
 import functools
@@ -13,7 +15,7 @@ import tempfile
 import uuid
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -27,6 +29,12 @@ MODEL_MAX_LENGTH = 77
 BOS_TOKEN = "<|startoftext|>"
 EOS_TOKEN = "<|endoftext|>"
 NUM_MERGES = 400
+# FLUX.1's autoencoder constants (kohya's AutoEncoder params, diffusers' vae/config.json); Chroma and Z-Image use
+# that autoencoder.
+FLUX_VAE_SCALING_FACTOR, FLUX_VAE_SHIFT_FACTOR = 0.3611, 0.1159
+T5_PAD, T5_EOS, T5_UNK = "<pad>", "</s>", "<unk>"
+_T5_WORDS = ("a an the photo picture image of in on with and sks dog cat person man woman red green blue white black "
+             "digit zero one two three four five six seven eight nine number written drawn small large")
 
 # Corpus the tokenizer's merges are learned from: caption vocabulary of the sample dataset plus common
 # English words, so captions tokenize into a handful of sub-words instead of single bytes.
@@ -116,6 +124,78 @@ def build_tiny_tokenizer(pad_token: str = EOS_TOKEN, corpus: str = BPE_CORPUS) -
     return tokenizer
 
 
+def build_t5_tokenizer(words: Sequence[str] | None = None) -> Any:
+    """A T5 tokenizer (Unigram, T5's special ids: pad 0, eos 1, unk 2) over a small word list (`words`, else a
+    built-in one) plus single characters, so any ASCII caption tokenizes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import T5TokenizerFast
+
+    words = sorted(set(_T5_WORDS.split() if words is None else words))
+    chars = [chr(c) for c in range(33, 127)]
+    vocab = [(T5_PAD, 0.0), (T5_EOS, 0.0), (T5_UNK, 0.0), ("▁", -3.0)]
+    vocab += [("▁" + word, -2.0) for word in words] + [(c, -6.0) for c in chars]
+    model = Tokenizer(models.Unigram(vocab, unk_id=2, byte_fallback=False))
+    model.pre_tokenizer = pre_tokenizers.Metaspace()
+    model.decoder = decoders.Metaspace()
+    model.post_processor = processors.TemplateProcessing(single=f"$A {T5_EOS}", pair=f"$A {T5_EOS} $B {T5_EOS}",
+                                                         special_tokens=[(T5_EOS, 1)])
+    return T5TokenizerFast(tokenizer_object=model, eos_token=T5_EOS, unk_token=T5_UNK, pad_token=T5_PAD,
+                           extra_ids=0)
+
+
+def build_t5(tokenizer: Any, width: int) -> Any:
+    """A two-layer T5 encoder (gated GELU, T5's pad and eos ids) over `tokenizer`'s vocabulary; its weights come
+    from the global stream, which the builder has seeded."""
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(T5Config(vocab_size=len(tokenizer), d_model=width, d_kv=8, d_ff=64, num_layers=2,
+                                   num_heads=4, feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1,
+                                   decoder_start_token_id=0))
+
+
+def build_qwen_bpe_tokenizer(corpus: str, special_tokens: Sequence[str], vocab_size: int, **options: Any) -> Any:
+    """A Qwen2-style byte-level BPE tokenizer learned from the words of `corpus` (each alone and after a space),
+    with `special_tokens` and Qwen's pad <|endoftext|> and end <|im_end|> among them, no BOS and no unknown token;
+    `options` go to Qwen2TokenizerFast (a chat_template)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import Qwen2TokenizerFast
+
+    model = Tokenizer(models.BPE())
+    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    model.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    model.train_from_iterator(corpus.split() + [f" {word}" for word in corpus.split()], trainer)
+    return Qwen2TokenizerFast(tokenizer_object=model, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+                              unk_token=None, bos_token=None, **options, model_max_length=131072)
+
+
+def build_flux_vae(scaling_factor: float = FLUX_VAE_SCALING_FACTOR,
+                   shift_factor: float = FLUX_VAE_SHIFT_FACTOR) -> Any:
+    """An AutoencoderKL of FLUX.1's shape (16 latent channels, 8x down, no quant convs; SD3's too, with its own
+    constants) at width 32; its weights come from the global stream, which the builder has seeded."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+                         up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(32, 32, 32, 32),
+                         layers_per_block=1, latent_channels=16, norm_num_groups=32, sample_size=64,
+                         scaling_factor=scaling_factor, shift_factor=shift_factor, use_quant_conv=False,
+                         use_post_quant_conv=False)
+
+
+def seeded_parts(seed: int, offset: int, models: Mapping[str, Callable[[], Any]], **others: Any) -> dict[str, Any]:
+    """A tiny pipeline's parts by pipeline argument: each model that `models` builds, its weights drawn from the
+    global stream seeded by (seed, offset + its place in `models`) inside fork_rng, so they depend only on the seed
+    and the caller's RNG state is left as it was, and set to eval mode as from_pretrained leaves it; then `others`
+    (tokenizers, the scheduler)."""
+    parts = {}
+    with torch.random.fork_rng(devices=[]):
+        for place, (name, build) in enumerate(models.items()):
+            seeded(seed, offset + place)
+            parts[name] = build().eval()
+    return {**parts, **others}
+
+
 def seeded(seed: int, offset: int) -> None:
     # A separate stream per component, so changing one component's shape leaves the others' weights alone.
     torch.manual_seed(seed * 1000 + offset)
@@ -169,6 +249,11 @@ def ae_state_dict(vae: Any) -> dict[str, torch.Tensor]:
         ldm = vae_key_to_ldm(key, levels)
         ae[ldm] = value[:, :, None, None] if ".mid.attn_1." in ldm and value.dim() == 2 else value
     return ae
+
+
+def read_parts(folder: Path, classes: Mapping[str, Any]) -> dict[str, Any]:
+    """Each subfolder of a tiny folder named in `classes` through its class's from_pretrained, local files only."""
+    return {name: cls.from_pretrained(folder, subfolder=name, local_files_only=True) for name, cls in classes.items()}
 
 
 def save_files(target: Path, files: dict[str, tuple[dict[str, torch.Tensor], str]]) -> dict[str, Path]:
