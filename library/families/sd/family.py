@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, TypeVar
 
 import torch
 
@@ -11,6 +11,8 @@ from library.config import UserError
 from library.families.family import Components, Family, Tokenizer
 from library.families.objective import DiffusionObjective
 from library.families.shared.clip_text import apply_weights, encode_prompt, tokenize, tokenize_weighted
+
+F = TypeVar("F", bound=Family)
 
 
 class StableDiffusion(Family):
@@ -26,11 +28,7 @@ class StableDiffusion(Family):
         self.weighted_captions = False  # kohya's (word:1.2) weights on the text encoder's outputs
 
     def configured(self, config: Any) -> StableDiffusion:
-        if not config.weighted_captions:
-            return self
-        weighted = copy.copy(self)
-        weighted.weighted_captions = True
-        return weighted
+        return with_weighted_captions(self, config)
 
     def tokenizer(self, components: Components, max_token_length: int | None) -> Tokenizer:
         return functools.partial(_token_dict, components.tokenizer, max_token_length=max_token_length,
@@ -65,6 +63,15 @@ class StableDiffusion(Family):
                       negative: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {"prompt_embeds": positive["encoder_hidden_states"],
                 "negative_prompt_embeds": negative["encoder_hidden_states"]}
+
+
+def with_weighted_captions(family: F, config: Any) -> F:
+    """`family` as it is, or with config.weighted_captions a copy that weights its captions (SD1.x / 2.x, SDXL)."""
+    if not config.weighted_captions:
+        return family
+    weighted = copy.copy(family)
+    weighted.weighted_captions = True
+    return weighted
 
 
 def _token_dict(tokenizer: Any, caption: str, max_token_length: int | None,

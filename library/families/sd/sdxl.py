@@ -1,14 +1,13 @@
 """SDXL: two CLIP text encoders (penultimate states joined, the second's pooled output) and size conditioning."""
 from __future__ import annotations
 
-import copy
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from library.families.family import Components, Family, Tokenizer
 from library.families.objective import DiffusionObjective
-from library.families.sd.family import ddpm_objective
+from library.families.sd.family import ddpm_objective, with_weighted_captions
 from library.families.sd.sgm_names import sgm_path
 from library.families.shared.clip_text import apply_weights, join_chunks, tokenize, tokenize_weighted
 
@@ -23,11 +22,7 @@ class StableDiffusionXL(Family):
     weighted_captions = False  # kohya's (word:1.2) weights on both encoders' hidden states (not the pooled output)
 
     def configured(self, config: Any) -> StableDiffusionXL:
-        if not config.weighted_captions:
-            return self
-        weighted = copy.copy(self)
-        weighted.weighted_captions = True
-        return weighted
+        return with_weighted_captions(self, config)
 
     def tokenizer(self, components: Components, max_token_length: int | None) -> Tokenizer:
         first, second = components.tokenizers
