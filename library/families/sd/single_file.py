@@ -31,19 +31,20 @@ import torch
 from library.config import PICKLE_CHECKPOINT_SUFFIXES, UserError, checkpoint_file_problem
 from library.core.memory import return_free_heap
 from library.families.shared.clip_tokenizer import load_tokenizer
+from library.families.shared.ldm_export import (  # the original layout's prefixes, named here for the loaders' users
+    CLIP_PREFIX,
+    OPEN_CLIP_PREFIX,
+    SDXL_CLIP_PREFIX,
+    SDXL_OPEN_CLIP_PREFIX,
+    SDXL_REFINER_PREFIX,
+    UNET_PREFIX,
+    VAE_PREFIX,
+)
 from library.families.shared.safetensors_io import read_safetensors
 
 logger = logging.getLogger(__name__)
 
 CONFIG_ROOT = Path(__file__).resolve().parents[1] / "configs"
-
-UNET_PREFIX = "model.diffusion_model."
-VAE_PREFIX = "first_stage_model."
-CLIP_PREFIX = "cond_stage_model.transformer."  # SD1.x: OpenAI CLIP ViT-L/14 (transformers layout)
-OPEN_CLIP_PREFIX = "cond_stage_model.model."  # SD2.x: OpenCLIP ViT-H/14
-SDXL_CLIP_PREFIX = "conditioner.embedders.0.transformer."
-SDXL_OPEN_CLIP_PREFIX = "conditioner.embedders.1.model."
-SDXL_REFINER_PREFIX = "conditioner.embedders.0.model."
 
 
 @dataclass(frozen=True)

@@ -5,14 +5,14 @@ from typing import Any, Mapping
 
 import torch
 
-from library.families.sd.single_file import (
-    CLIP_PREFIX,
-    OPEN_CLIP_PREFIX,
-    SDXL_CLIP_PREFIX,
-    SDXL_OPEN_CLIP_PREFIX,
-    UNET_PREFIX,
-    VAE_PREFIX,
-)
+# Where the original (LDM) checkpoint layout keeps each part (the SD single-file reader reads them too).
+UNET_PREFIX = "model.diffusion_model."
+VAE_PREFIX = "first_stage_model."
+CLIP_PREFIX = "cond_stage_model.transformer."  # SD1.x: OpenAI CLIP ViT-L/14 (transformers layout)
+OPEN_CLIP_PREFIX = "cond_stage_model.model."  # SD2.x: OpenCLIP ViT-H/14
+SDXL_CLIP_PREFIX = "conditioner.embedders.0.transformer."
+SDXL_OPEN_CLIP_PREFIX = "conditioner.embedders.1.model."
+SDXL_REFINER_PREFIX = "conditioner.embedders.0.model."
 
 _RESNET_TO_LDM = {"norm1": "in_layers.0", "conv1": "in_layers.2", "norm2": "out_layers.0", "conv2": "out_layers.3",
                   "time_emb_proj": "emb_layers.1", "conv_shortcut": "skip_connection"}

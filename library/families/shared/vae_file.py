@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from library.config import UserError
-from library.families.sd.single_file import VAE_PREFIX
+from library.families.shared.ldm_export import VAE_PREFIX
 from library.families.shared.safetensors_io import read_safetensors
 
 # An LDM VAE names its blocks encoder.down.<i>, diffusers' encoder.down_blocks.<i>.
