@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from library.families.shared.lora_keys import ALPHA, DOWN, UP, fuse, peft_state_dict, split_fused, split_key
+
 PREFIX = "lora_unet"
-DOWN, UP, ALPHA = "lora_down.weight", "lora_up.weight", "alpha"
 
 # diffusers module path inside a block ("." -> "_") -> (BFL name inside the block, part index of a fused layer)
 DOUBLE = {
@@ -112,18 +113,13 @@ def part_dim(name: str, net: Any) -> int | None:
     return None
 
 
-def _split_key(key: str) -> tuple[str, str]:
-    name, _, role = key.partition(".")
-    return name, role
-
-
 def to_kohya(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our export (`lora_unet_<diffusers path>`) -> kohya's FLUX keys, fusing q/k/v (and mlp) as documented above.
     Keys of other prefixes (lora_te1) pass through."""
     out: dict[str, torch.Tensor] = {}
     fused: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     for key, tensor in state_dict.items():
-        name, role = _split_key(key)
+        name, role = split_key(key)
         match = _KOHYA_NAME.match(name)
         found = bfl_name(f"{match.group(1)}.{match.group(2)}.{match.group(3)}") if match else None
         if found is None:
@@ -149,14 +145,7 @@ def _fuse(kohya: str, parts: dict[int, dict[str, torch.Tensor]]) -> dict[str, to
     ranks = {down.shape[0] for down in downs}
     if len(alphas) != 1 or len(ranks) != 1:
         raise ValueError(f"{kohya}: the fused parts differ in rank or alpha ({sorted(ranks)}, {sorted(alphas)})")
-    rank = ranks.pop()
-    up = torch.zeros(sum(u.shape[0] for u in ups), rank * count, dtype=ups[0].dtype)
-    offset = 0
-    for i, part_up in enumerate(ups):
-        up[offset:offset + part_up.shape[0], i * rank:(i + 1) * rank] = part_up
-        offset += part_up.shape[0]
-    return {f"{kohya}.{DOWN}": torch.cat(downs, dim=0).contiguous(), f"{kohya}.{UP}": up,
-            f"{kohya}.{ALPHA}": torch.tensor(alphas.pop() * count, dtype=torch.float32)}
+    return fuse(kohya, downs, ups, alphas.pop())
 
 
 def _diffusers_names() -> dict[tuple[str, str, int | None], str]:
@@ -189,7 +178,7 @@ def from_kohya(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     fused: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in state_dict.items():
-        name, role = _split_key(key)
+        name, role = split_key(key)
         if _FUSED_NAME.match(name):
             fused.setdefault(name, {})[role] = tensor
             continue
@@ -205,35 +194,9 @@ def _split(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     block, index, bfl = _FUSED_NAME.match(name).groups()
     if DOWN not in tensors or UP not in tensors:
         return {f"{name}.{role}": t for role, t in tensors.items()}
-    down, up = tensors[DOWN], tensors[UP]
-    count = FUSED_PARTS[bfl]
-    rank = down.shape[0]
-    hidden = down.shape[1]
-    sizes = [hidden] * 3 if count == 3 else [hidden] * 3 + [up.shape[0] - 3 * hidden]
-    alpha = float(tensors[ALPHA]) if ALPHA in tensors else float(rank)
-    offsets = [sum(sizes[:i]) for i in range(count + 1)]
-    diagonal = rank % count == 0 and _block_diagonal(up, offsets, rank // count)
-    out = {}
-    for part in range(count):
-        target = _unfused_name(block, index, bfl, part)
-        rows = up[offsets[part]:offsets[part + 1]]
-        if diagonal:
-            r = rank // count
-            part_down, part_up = down[part * r:(part + 1) * r], rows[:, part * r:(part + 1) * r]
-            part_alpha = alpha / count
-        else:
-            part_down, part_up, part_alpha = down, rows, alpha
-        out[f"{target}.{DOWN}"] = part_down.contiguous()
-        out[f"{target}.{UP}"] = part_up.contiguous()
-        out[f"{target}.{ALPHA}"] = torch.tensor(part_alpha, dtype=torch.float32)
-    return out
-
-
-def _block_diagonal(up: torch.Tensor, offsets: list[int], rank: int) -> bool:
-    mask = torch.ones_like(up, dtype=torch.bool)
-    for part in range(len(offsets) - 1):
-        mask[offsets[part]:offsets[part + 1], part * rank:(part + 1) * rank] = False
-    return not bool(up[mask].any())
+    count, hidden = FUSED_PARTS[bfl], tensors[DOWN].shape[1]
+    sizes = [hidden] * 3 if count == 3 else [hidden] * 3 + [tensors[UP].shape[0] - 3 * hidden]
+    return split_fused(tensors, sizes, [_unfused_name(block, index, bfl, part) for part in range(count)])
 
 
 def to_peft(state_dict: dict[str, torch.Tensor], modules: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
@@ -251,19 +214,4 @@ def to_peft(state_dict: dict[str, torch.Tensor], modules: dict[str, nn.Module]) 
                     if component == "text_encoder" and not path.startswith("text_model."):
                         # kohya names CLIP's layers under text_model (transformers < 5 kept that wrapper)
                         names[f"{prefix}_text_model_{path.replace('.', '_')}"] = f"{component}.{path}"
-    grouped: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in from_kohya(state_dict).items():
-        name, role = _split_key(key)
-        grouped.setdefault(name, {})[role] = tensor
-    out, unknown = {}, []
-    for name, tensors in grouped.items():
-        if name not in names or DOWN not in tensors or UP not in tensors:
-            unknown.append(name)
-            continue
-        rank = tensors[DOWN].shape[0]
-        scale = float(tensors[ALPHA]) / rank if ALPHA in tensors else 1.0
-        out[f"{names[name]}.lora_A.weight"] = tensors[DOWN]
-        out[f"{names[name]}.lora_B.weight"] = tensors[UP] * scale
-    if unknown:
-        raise ValueError(f"LoRA keys that fit no module: {', '.join(sorted(unknown)[:5])}")
-    return out
+    return peft_state_dict(from_kohya(state_dict), names)

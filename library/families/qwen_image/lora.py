@@ -28,10 +28,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from library.families.shared.lora_keys import ALPHA, DOWN, UP, add_missing_alphas, from_peft_key
 from library.families.shared.musubi_flow import plain_lora_problems
 
 PREFIX = "lora_unet"
-DOWN, UP, ALPHA = "lora_down.weight", "lora_up.weight", "alpha"
 BLOCK_CLASS = "QwenImageTransformerBlock"
 EXCLUDE = re.compile(r".*(_mod_).*")  # musubi's lora_qwen_image default exclude pattern
 # The Linear layers of a block, as "."-paths; their "_" form is what the file's keys hold.
@@ -86,19 +86,9 @@ def from_file(state_dict: dict[str, torch.Tensor], last_block: int | None = None
     """A Qwen-Image LoRA file -> our `lora_unet_...` keys: musubi's layout as it is, diffusers / peft keys renamed
     (alpha = rank when absent, as diffusers reads them), the modules of `last_block` that feed only the discarded
     text stream dropped. Unknown keys pass through and are reported by the loader."""
-    roles = {"lora_A.weight": DOWN, "lora_B.weight": UP, "alpha": ALPHA}
-    out: dict[str, torch.Tensor] = {}
-    for key, tensor in state_dict.items():
-        body = key.removeprefix("diffusion_model.").removeprefix("transformer.")
-        role = next((r for r in roles if body.endswith("." + r)), None)
-        if role is not None and not body.startswith(PREFIX):
-            out[f"{PREFIX}_{body[:-len(role) - 1].replace('.', '_')}.{roles[role]}"] = tensor
-        else:
-            out[key] = tensor
+    out = {from_peft_key(key) or key: tensor for key, tensor in state_dict.items()}
     if last_block is not None:
         dropped = {f"{PREFIX}_{path.replace('.', '_')}" for path in discarded_paths(last_block)}
         out = {key: tensor for key, tensor in out.items() if key.partition(".")[0] not in dropped}
-    for name in {key.partition(".")[0] for key in out if key.endswith(DOWN)}:
-        if f"{name}.{ALPHA}" not in out:
-            out[f"{name}.{ALPHA}"] = torch.tensor(float(out[f"{name}.{DOWN}"].shape[0]))
+    add_missing_alphas(out)
     return out

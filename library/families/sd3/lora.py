@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from library.families.shared.lora_keys import ALPHA, DOWN, UP, fuse, peft_state_dict, split_fused, split_key
+
 PREFIX = "lora_unet"
-DOWN, UP, ALPHA = "lora_down.weight", "lora_up.weight", "alpha"
 
 # diffusers module path inside transformer_blocks.<i> ("." -> "_") -> (kohya name inside the block, part of qkv)
 BLOCK = {
@@ -61,11 +62,6 @@ def targets(transformer: nn.Module, net: Any) -> list[str]:
             if isinstance(module, nn.Linear) and kohya_name(name) is not None]
 
 
-def _split_key(key: str) -> tuple[str, str]:
-    name, _, role = key.partition(".")
-    return name, role
-
-
 def _swap_rows(up: torch.Tensor) -> torch.Tensor:
     first, second = up.chunk(2)
     return torch.cat([second, first])
@@ -77,7 +73,7 @@ def to_kohya(state_dict: dict[str, torch.Tensor], last_block: int) -> dict[str, 
     out: dict[str, torch.Tensor] = {}
     fused: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     for key, tensor in state_dict.items():
-        name, role = _split_key(key)
+        name, role = split_key(key)
         match = _OURS.match(name)
         found = BLOCK.get(match.group(2)) if match else None
         if found is None:
@@ -96,14 +92,7 @@ def to_kohya(state_dict: dict[str, torch.Tensor], last_block: int) -> dict[str, 
         alphas, ranks = {float(parts[i][ALPHA]) for i in range(3)}, {d.shape[0] for d in downs}
         if len(alphas) != 1 or len(ranks) != 1:
             raise ValueError(f"{kohya}: q, k and v differ in rank or alpha ({sorted(ranks)}, {sorted(alphas)})")
-        rank = ranks.pop()
-        up = torch.zeros(sum(u.shape[0] for u in ups), 3 * rank, dtype=ups[0].dtype)
-        offset = 0
-        for i, part in enumerate(ups):
-            up[offset:offset + part.shape[0], i * rank:(i + 1) * rank] = part
-            offset += part.shape[0]
-        out.update({f"{kohya}.{DOWN}": torch.cat(downs).contiguous(), f"{kohya}.{UP}": up,
-                    f"{kohya}.{ALPHA}": torch.tensor(alphas.pop() * 3, dtype=torch.float32)})
+        out.update(fuse(kohya, downs, ups, alphas.pop()))
     return out
 
 
@@ -114,7 +103,7 @@ def from_kohya(state_dict: dict[str, torch.Tensor], last_block: int) -> dict[str
     out: dict[str, torch.Tensor] = {}
     fused: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in state_dict.items():
-        name, role = _split_key(key)
+        name, role = split_key(key)
         match = _KOHYA.match(name)
         if match is None:
             out[key] = tensor
@@ -135,22 +124,8 @@ def from_kohya(state_dict: dict[str, torch.Tensor], last_block: int) -> dict[str
         if None in parts or DOWN not in tensors or UP not in tensors:
             out.update({f"{name}.{role}": t for role, t in tensors.items()})
             continue
-        down, up = tensors[DOWN], tensors[UP]
-        rank, rows = down.shape[0], up.shape[0] // 3
-        alpha = float(tensors[ALPHA]) if ALPHA in tensors else float(rank)
-        r = rank // 3
-        diagonal = rank % 3 == 0 and all(
-            not up[i * rows:(i + 1) * rows, :i * r].any() and not up[i * rows:(i + 1) * rows, (i + 1) * r:].any()
-            for i in range(3))
-        for i, part in enumerate(parts):
-            target = f"{PREFIX}_transformer_blocks_{index}_{part}"
-            part_up = up[i * rows:(i + 1) * rows]
-            if diagonal:
-                part_down, part_up, part_alpha = down[i * r:(i + 1) * r], part_up[:, i * r:(i + 1) * r], alpha / 3
-            else:
-                part_down, part_alpha = down, alpha
-            out.update({f"{target}.{DOWN}": part_down.contiguous(), f"{target}.{UP}": part_up.contiguous(),
-                        f"{target}.{ALPHA}": torch.tensor(part_alpha, dtype=torch.float32)})
+        out.update(split_fused(tensors, [tensors[UP].shape[0] // 3] * 3,
+                               [f"{PREFIX}_transformer_blocks_{index}_{part}" for part in parts]))
     return out
 
 
@@ -161,18 +136,4 @@ def to_peft(state_dict: dict[str, torch.Tensor], transformer: nn.Module) -> dict
     last = len(transformer.transformer_blocks) - 1
     names = {f"{PREFIX}_{path.replace('.', '_')}": f"transformer.{path}"
              for path, module in transformer.named_modules() if isinstance(module, nn.Linear)}
-    grouped: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in from_kohya(state_dict, last).items():
-        name, role = _split_key(key)
-        grouped.setdefault(name, {})[role] = tensor
-    out, unknown = {}, []
-    for name, tensors in grouped.items():
-        if name not in names or DOWN not in tensors or UP not in tensors:
-            unknown.append(name)
-            continue
-        scale = float(tensors[ALPHA]) / tensors[DOWN].shape[0] if ALPHA in tensors else 1.0
-        out[f"{names[name]}.lora_A.weight"] = tensors[DOWN]
-        out[f"{names[name]}.lora_B.weight"] = tensors[UP] * scale
-    if unknown:
-        raise ValueError(f"LoRA keys that fit no module: {', '.join(sorted(unknown)[:5])}")
-    return out
+    return peft_state_dict(from_kohya(state_dict, last), names)

@@ -21,11 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from library.families.shared.lora_keys import ALPHA, DOWN, UP, add_missing_alphas, from_peft_key, split_fused
 from library.families.shared.musubi_flow import plain_lora_problems
 
 PREFIX = "lora_unet"
 FILE_PREFIX = "diffusion_model."
-DOWN, UP, ALPHA = "lora_down.weight", "lora_up.weight", "alpha"
 # musubi's module names inside a block, as "."-paths (their "_" form is what kohya-style keys hold)
 BLOCK_LINEARS = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0", "feed_forward.w1",
                  "feed_forward.w2", "feed_forward.w3")
@@ -70,14 +70,12 @@ def from_file(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     `transformer.` or nothing; alpha = rank when absent, as musubi's convert_lora does), musubi's own keys (as
     they are) and its ComfyUI conversion (`attention_qkv` split into q, k, v; `attention_out`). Unknown keys pass
     through and are reported by the loader."""
-    roles = {"lora_A.weight": DOWN, "lora_B.weight": UP, "alpha": ALPHA}
     out: dict[str, torch.Tensor] = {}
     fused: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in state_dict.items():
-        body = key.removeprefix(FILE_PREFIX).removeprefix("transformer.")
-        role = next((r for r in roles if body.endswith("." + r)), None)
-        if role is not None and not body.startswith(PREFIX):
-            out[f"{PREFIX}_{body[:-len(role) - 1].replace('.', '_')}.{roles[role]}"] = tensor
+        renamed = from_peft_key(key)
+        if renamed is not None:
+            out[renamed] = tensor
             continue
         name, _, kohya_role = key.partition(".")
         if _COMFY_QKV.match(name):
@@ -86,9 +84,7 @@ def from_file(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if name.endswith("_attention_out"):
             name = name.removesuffix("_attention_out") + "_attention_to_out_0"
         out[f"{name}.{kohya_role}"] = tensor
-    for name in {key.partition(".")[0] for key in out if key.endswith(DOWN)}:
-        if f"{name}.{ALPHA}" not in out:
-            out[f"{name}.{ALPHA}"] = torch.tensor(float(out[f"{name}.{DOWN}"].shape[0]))
+    add_missing_alphas(out)
     for name, tensors in fused.items():
         out.update(_split_qkv(name, tensors))
     return out
@@ -98,23 +94,6 @@ def _split_qkv(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.T
     """musubi's convert_z_image_lora_to_comfy --reverse: the stacked downs and block-diagonal up of a fused qkv
     back to q, k, v with alpha / 3. A dense up (any other writer) gives each part the shared down and its rows of
     up, which is the same weight change."""
-    down, up = tensors[DOWN], tensors[UP]
-    rank = down.shape[0]
-    alpha = float(tensors[ALPHA]) if ALPHA in tensors else float(rank)
-    rows = up.shape[0] // 3
-    r = rank // 3
-    diagonal = rank % 3 == 0 and all(
-        not bool(up[i * rows:(i + 1) * rows].index_fill(1, torch.arange(i * r, (i + 1) * r), 0).any())
-        for i in range(3))
     base = name.removesuffix("_qkv")
-    out = {}
-    for i, part in enumerate(("to_q", "to_k", "to_v")):
-        part_up = up[i * rows:(i + 1) * rows]
-        if diagonal:
-            part_down, part_up, part_alpha = down[i * r:(i + 1) * r], part_up[:, i * r:(i + 1) * r], alpha / 3
-        else:
-            part_down, part_alpha = down, alpha
-        out[f"{base}_{part}.{DOWN}"] = part_down.contiguous()
-        out[f"{base}_{part}.{UP}"] = part_up.contiguous()
-        out[f"{base}_{part}.{ALPHA}"] = torch.tensor(part_alpha, dtype=torch.float32)
-    return out
+    targets = [f"{base}_{part}" for part in ("to_q", "to_k", "to_v")]
+    return split_fused(tensors, [tensors[UP].shape[0] // 3] * 3, targets)
