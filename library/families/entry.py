@@ -12,6 +12,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from library.config import UserError
 from library.families.family import Components
 
 # The options that name a family's separate files (kohya's and musubi-tuner's names).
@@ -32,6 +33,15 @@ class LoadRequest:
 
     def file(self, name: str) -> str | None:
         return self.files.get(name)
+
+    def required_files(self, names: tuple[str, ...], family: str, what: str) -> list[str]:
+        """The separate files `names` that a `family` transformer file is loaded with; a UserError names the missing
+        ones (`what` says which files they are)."""
+        files = [self.file(name) for name in names]
+        missing = [name for name, file in zip(names, files, strict=True) if not file]
+        if missing:
+            raise UserError(f"{self.path} is a {family} transformer file: it needs {' and '.join(missing)} ({what})")
+        return [str(file) for file in files]
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,9 +27,9 @@ from library.families.flux import lora as flux_lora
 from library.families.flux.family import image_ids, kohya_flux_fields, pack_latents, unpack_latents
 from library.families.flux.files import BFL_PREFIX, diffusers_state_dict
 from library.families.shared import checks as transformer_checks
-from library.families.shared.diffusers_folder import read_folder, transformer_class
+from library.families.shared.diffusers_folder import load_folder, transformer_class, transformer_components
 from library.families.shared.safetensors_io import read_safetensors
-from library.families.shared.separate_files import assign, load_t5_tokenizer, marked_keys
+from library.families.shared.separate_files import assign, load_t5_tokenizer, marked_keys, reading
 
 logger = logging.getLogger(__name__)
 
@@ -244,15 +243,9 @@ def load_chroma_folder(request: LoadRequest) -> Components:
     from diffusers import AutoencoderKL, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
     from transformers import AutoTokenizer, T5EncoderModel
 
-    path, weight_dtype, vae_dtype = request.path, request.weight_dtype, request.vae_dtype
-
-    parts = read_folder(path, "Chroma", {
-        "transformer": (ChromaTransformer2DModel, weight_dtype), "vae": (AutoencoderKL, vae_dtype),
-        "text_encoder": (T5EncoderModel, weight_dtype), "tokenizer": (AutoTokenizer, None),
-        "scheduler": (FlowMatchEulerDiscreteScheduler, None)})
-    return Components(denoiser=parts["transformer"], vae=parts["vae"], text_encoders=[parts["text_encoder"]],
-                      tokenizers=[parts["tokenizer"]], noise_scheduler=parts["scheduler"], v_prediction=False,
-                      family=Chroma())
+    return load_folder(request, "Chroma", {
+        "transformer": ChromaTransformer2DModel, "vae": AutoencoderKL, "text_encoder": T5EncoderModel,
+        "tokenizer": AutoTokenizer, "scheduler": FlowMatchEulerDiscreteScheduler}, lambda *_: Chroma())
 
 
 def load_chroma_files(request: LoadRequest) -> Components:
@@ -277,7 +270,7 @@ def load_chroma_files(request: LoadRequest) -> Components:
         raise UserError(problems)
     where = ({name: (Path(model_config), name) for name in FOLDERS} if model_config else SHIPPED)
     local = {"local_files_only": True}
-    try:
+    with reading(path, "the Chroma files"):
         state = {k.removeprefix(BFL_PREFIX): v for k, v in read_safetensors(path, dtype=weight_dtype).items()}
         config = dict(ChromaTransformer2DModel.load_config(where["transformer"][0],
                                                            subfolder=where["transformer"][1], **local))
@@ -307,9 +300,4 @@ def load_chroma_files(request: LoadRequest) -> Components:
         tokenizer = load_t5_tokenizer(where["tokenizer"][0] / where["tokenizer"][1])
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(where["scheduler"][0],
                                                                     subfolder=where["scheduler"][1], **local)
-    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
-        raise UserError(f"{path}: cannot load the Chroma files: {e}") from None
-    for module in (transformer, vae, t5):
-        module.eval()
-    return Components(denoiser=transformer, vae=vae, text_encoders=[t5], tokenizers=[tokenizer],
-                      noise_scheduler=scheduler, v_prediction=False, family=Chroma())
+    return transformer_components(transformer, vae, [t5], [tokenizer], scheduler, Chroma())

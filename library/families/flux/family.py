@@ -23,7 +23,7 @@ from library.families.flow_matching import FlowMatchingObjective, unsupported, u
 from library.families.flux import lora as flux_lora
 from library.families.shared import checks as transformer_checks
 from library.families.shared.clip_text import tokenize
-from library.families.shared.diffusers_folder import read_folder, transformer_class
+from library.families.shared.diffusers_folder import load_folder, transformer_class
 
 logger = logging.getLogger(__name__)
 
@@ -259,15 +259,7 @@ def load_flux_folder(request: LoadRequest) -> Components:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import AutoTokenizer, CLIPTextModel, CLIPTokenizer, T5EncoderModel
 
-    path, weight_dtype, vae_dtype = request.path, request.weight_dtype, request.vae_dtype
-
-    parts = read_folder(path, "FLUX", {
-        "transformer": (FluxTransformer2DModel, weight_dtype), "vae": (AutoencoderKL, vae_dtype),
-        "text_encoder": (CLIPTextModel, weight_dtype), "text_encoder_2": (T5EncoderModel, weight_dtype),
-        "tokenizer": (CLIPTokenizer, None), "tokenizer_2": (AutoTokenizer, None),
-        "scheduler": (FlowMatchEulerDiscreteScheduler, None)})
-    transformer = parts["transformer"]
-    return Components(denoiser=transformer, vae=parts["vae"], text_encoders=[parts["text_encoder"],
-                      parts["text_encoder_2"]], tokenizers=[parts["tokenizer"], parts["tokenizer_2"]],
-                      noise_scheduler=parts["scheduler"], v_prediction=False,
-                      family=Flux(schnell=is_schnell(transformer)))
+    return load_folder(request, "FLUX", {
+        "transformer": FluxTransformer2DModel, "vae": AutoencoderKL, "text_encoder": CLIPTextModel,
+        "text_encoder_2": T5EncoderModel, "tokenizer": CLIPTokenizer, "tokenizer_2": AutoTokenizer,
+        "scheduler": FlowMatchEulerDiscreteScheduler}, lambda transformer, _: Flux(schnell=is_schnell(transformer)))

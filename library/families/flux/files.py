@@ -9,7 +9,6 @@ initialised in fp32 first and the file's copy never sits beside the cast one.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +20,9 @@ from library.families.entry import LoadRequest
 from library.families.family import Components
 from library.families.flux.family import Flux
 from library.families.shared.clip_tokenizer import load_tokenizer
+from library.families.shared.diffusers_folder import transformer_components
 from library.families.shared.safetensors_io import read_safetensors
-from library.families.shared.separate_files import assign, load_t5_tokenizer, marked_keys
+from library.families.shared.separate_files import assign, load_t5_tokenizer, marked_keys, reading
 
 BFL_PREFIX = "model.diffusion_model."
 BFL_MARKER = "double_blocks.0.img_attn.norm.key_norm.scale"  # diffusers' test for a FLUX checkpoint
@@ -55,7 +55,7 @@ def load_flux_files(request: LoadRequest) -> Components:
                         "and autoencoder files)")
     config_dir = Path(str(model_config)) if model_config else SHIPPED_CONFIG
     local = {"local_files_only": True}
-    try:
+    with reading(path, "the FLUX files"):
         state = {k.removeprefix(BFL_PREFIX): v for k, v in read_safetensors(path, dtype=weight_dtype).items()}
         guidance = BFL_GUIDANCE in state
         config = dict(FluxTransformer2DModel.load_config(config_dir, subfolder="transformer", **local))
@@ -87,12 +87,7 @@ def load_flux_files(request: LoadRequest) -> Components:
 
         tokenizers = [load_tokenizer(config_dir, "tokenizer"), load_t5_tokenizer(config_dir / "tokenizer_2")]
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(config_dir, subfolder="scheduler", **local)
-    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
-        raise UserError(f"{path}: cannot load the FLUX files: {e}") from None
-    for module in (transformer, vae, clip, t5):
-        module.eval()
-    return Components(denoiser=transformer, vae=vae, text_encoders=[clip, t5], tokenizers=tokenizers,
-                      noise_scheduler=scheduler, v_prediction=False, family=Flux(schnell=not guidance))
+    return transformer_components(transformer, vae, [clip, t5], tokenizers, scheduler, Flux(schnell=not guidance))
 
 
 def _layout(num_layers: int, num_single_layers: int, approximator_layers: int | None = None,

@@ -26,7 +26,7 @@ from library.families.family import Components, Tokenizer
 from library.families.qwen_image import lora as qwen_image_lora
 from library.families.shared import checks as transformer_checks
 from library.families.shared import musubi_flow
-from library.families.shared.diffusers_folder import read_folder, transformer_class
+from library.families.shared.diffusers_folder import load_folder, transformer_class
 
 logger = logging.getLogger(__name__)
 
@@ -225,15 +225,12 @@ def load_qwen_image_folder(request: LoadRequest) -> Components:
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
-    path, weight_dtype, vae_dtype = request.path, request.weight_dtype, request.vae_dtype
+    return load_folder(request, "Qwen-Image", {
+        "transformer": QwenImageTransformer2DModel, "vae": AutoencoderKLQwenImage,
+        "text_encoder": Qwen2_5_VLForConditionalGeneration, "tokenizer": AutoTokenizer,
+        "scheduler": FlowMatchEulerDiscreteScheduler}, family_of, vae_view=QwenImageVae)
 
-    parts = read_folder(path, "Qwen-Image", {
-        "transformer": (QwenImageTransformer2DModel, weight_dtype), "vae": (AutoencoderKLQwenImage, vae_dtype),
-        "text_encoder": (Qwen2_5_VLForConditionalGeneration, weight_dtype), "tokenizer": (AutoTokenizer, None),
-        "scheduler": (FlowMatchEulerDiscreteScheduler, None)})
-    transformer = parts["transformer"]
-    for name in ("transformer", "vae", "text_encoder"):
-        parts[name].eval()
-    return Components(denoiser=transformer, vae=QwenImageVae(parts["vae"]), text_encoders=[parts["text_encoder"]],
-                      tokenizers=[parts["tokenizer"]], noise_scheduler=parts["scheduler"], v_prediction=False,
-                      family=QwenImage(last_block=transformer.config.num_layers - 1))
+
+def family_of(transformer: Any, text_encoders: Sequence[Any]) -> QwenImage:
+    """The family of a loaded Qwen-Image transformer: its last block's index."""
+    return QwenImage(last_block=transformer.config.num_layers - 1)

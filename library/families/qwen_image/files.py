@@ -14,7 +14,6 @@ dtype tensor by tensor.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -23,9 +22,9 @@ from library.config import UserError
 from library.core.memory import return_free_heap
 from library.families.entry import LoadRequest
 from library.families.family import Components
-from library.families.qwen_image.family import QwenImage, QwenImageVae
-from library.families.shared.safetensors_io import read_safetensors
-from library.families.shared.separate_files import assign, load_qwen_tokenizer, marked_keys, shards
+from library.families.qwen_image.family import QwenImageVae, family_of
+from library.families.shared.diffusers_folder import transformer_components
+from library.families.shared.separate_files import assign, load_qwen_tokenizer, marked_keys, read_split, reading
 
 SHIPPED_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "qwen_image"
 SHIPPED_TOKENIZER = Path(__file__).resolve().parents[1] / "configs" / "z_image" / "tokenizer"
@@ -35,17 +34,8 @@ NOT_MARKER = "txt_in.text_norm.weight"  # Qwen-Image 2.1, another architecture
 
 
 def is_qwen_image_file(path: Path) -> bool:
-
     keys = marked_keys(path, COMFY_PREFIX)
     return MARKER in keys and NOT_MARKER not in keys
-
-
-def _read(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-
-    state: dict[str, torch.Tensor] = {}
-    for part in shards(path):
-        state.update(read_safetensors(part, dtype=dtype))
-    return state
 
 
 def text_encoder_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -75,50 +65,44 @@ def load_qwen_image_files(request: LoadRequest) -> Components:
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-
-    path, model_config = request.path, request.model_config
-    weight_dtype, vae_dtype = request.weight_dtype, request.vae_dtype
-    text_encoder, ae = (request.file(name) for name in ("text_encoder", "ae"))
-
-    missing = [name for name, value in (("text_encoder", text_encoder), ("ae", ae)) if not value]
-    if missing:
-        raise UserError(f"{path} is a Qwen-Image transformer file: it needs {' and '.join(missing)} (the "
-                        "Qwen2.5-VL text encoder and the VAE files: ComfyUI's text_encoders/ and vae/)")
+    path, model_config, weight_dtype = request.path, request.model_config, request.weight_dtype
+    text_encoder, ae = request.required_files(("text_encoder", "ae"), "Qwen-Image", "the Qwen2.5-VL text encoder "
+                                              "and the VAE files: ComfyUI's text_encoders/ and vae/")
     config_dir = Path(model_config) if model_config else SHIPPED_CONFIG
     local = {"local_files_only": True}
     family = "Qwen-Image"
-    try:
+    with reading(path, "the Qwen-Image files"):
         config = QwenImageTransformer2DModel.load_config(config_dir, subfolder="transformer", **local)
         with init_empty_weights():
             transformer = QwenImageTransformer2DModel.from_config(config)
-        state = {k.removeprefix(COMFY_PREFIX): v for k, v in _read(path, weight_dtype).items()}
-        scaled = [k for k in state if k == "scaled_fp8" or k.endswith((".scale_weight", ".weight_scale"))]
-        if scaled:  # the weights would load without their scales
-            raise UserError(f"{path}: an fp8 file with per-tensor scales ({scaled[0]}, ...), which cannot be read "
-                            "here (as in musubi-tuner); use the bf16 file")
-        assign(transformer, state, str(path), family=family)
+        assign(transformer, transformer_state_dict(path, weight_dtype), str(path), family=family)
         return_free_heap()
 
         with init_empty_weights():
             vae = AutoencoderKLQwenImage.from_config(
                 AutoencoderKLQwenImage.load_config(config_dir, subfolder="vae", **local))
-        assign(vae, vae_state_dict(_read(Path(ae), vae_dtype)), str(ae), family=family)
+        assign(vae, vae_state_dict(read_split(Path(ae), request.vae_dtype)), ae, family=family)
         return_free_heap()
 
         with init_empty_weights():
             qwen = Qwen2_5_VLForConditionalGeneration(
                 Qwen2_5_VLConfig.from_pretrained(config_dir, subfolder="text_encoder", **local))
-        qwen_state = text_encoder_state_dict(_read(Path(text_encoder), weight_dtype))
+        qwen_state = text_encoder_state_dict(read_split(Path(text_encoder), weight_dtype))
         # The language-model head is never used for the hidden states; a file without it gets zeros.
         qwen_state.setdefault("lm_head.weight", torch.zeros(qwen.lm_head.weight.shape, dtype=weight_dtype))
-        assign(qwen, qwen_state, str(text_encoder), family=family)
+        assign(qwen, qwen_state, text_encoder, family=family)
 
         tokenizer = load_qwen_tokenizer(config_dir / "tokenizer" if model_config else SHIPPED_TOKENIZER)
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(config_dir, subfolder="scheduler", **local)
-    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
-        raise UserError(f"{path}: cannot load the Qwen-Image files: {e}") from None
-    for module in (transformer, vae, qwen):
-        module.eval()
-    return Components(denoiser=transformer, vae=QwenImageVae(vae), text_encoders=[qwen], tokenizers=[tokenizer],
-                      noise_scheduler=scheduler, v_prediction=False,
-                      family=QwenImage(last_block=transformer.config.num_layers - 1))
+    return transformer_components(transformer, vae, [qwen], [tokenizer], scheduler, family_of(transformer, [qwen]),
+                                  vae_view=QwenImageVae)
+
+
+def transformer_state_dict(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The transformer file's weights without ComfyUI's prefix; an fp8 file with per-tensor scales is refused."""
+    state = {k.removeprefix(COMFY_PREFIX): v for k, v in read_split(path, dtype).items()}
+    scaled = [k for k in state if k == "scaled_fp8" or k.endswith((".scale_weight", ".weight_scale"))]
+    if scaled:  # the weights would load without their scales
+        raise UserError(f"{path}: an fp8 file with per-tensor scales ({scaled[0]}, ...), which cannot be read "
+                        "here (as in musubi-tuner); use the bf16 file")
+    return state

@@ -30,7 +30,7 @@ from library.families.objective import per_sample_loss
 from library.families.sd3 import lora as sd3_lora
 from library.families.sd3 import pos_embed
 from library.families.shared import checks as transformer_checks
-from library.families.shared.diffusers_folder import read_folder, transformer_class
+from library.families.shared.diffusers_folder import load_folder, transformer_class
 
 logger = logging.getLogger(__name__)
 
@@ -307,18 +307,8 @@ def load_sd3_folder(request: LoadRequest) -> Components:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from transformers import AutoTokenizer, CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel
 
-    path, weight_dtype, vae_dtype = request.path, request.weight_dtype, request.vae_dtype
-
-    parts = read_folder(path, "SD3 (with its three text encoders)", {
-        "transformer": (SD3Transformer2DModel, weight_dtype), "vae": (AutoencoderKL, vae_dtype),
-        "text_encoder": (CLIPTextModelWithProjection, weight_dtype),
-        "text_encoder_2": (CLIPTextModelWithProjection, weight_dtype),
-        "text_encoder_3": (T5EncoderModel, weight_dtype), "tokenizer": (CLIPTokenizer, None),
-        "tokenizer_2": (CLIPTokenizer, None), "tokenizer_3": (AutoTokenizer, None),
-        "scheduler": (FlowMatchEulerDiscreteScheduler, None)})
-    transformer = parts["transformer"]
-    encoders = [parts[name] for name in ("text_encoder", "text_encoder_2", "text_encoder_3")]
-    return Components(denoiser=transformer, vae=parts["vae"], text_encoders=encoders,
-                      tokenizers=[parts[name] for name in ("tokenizer", "tokenizer_2", "tokenizer_3")],
-                      noise_scheduler=parts["scheduler"], v_prediction=False,
-                      family=family_of(transformer, encoders))
+    return load_folder(request, "SD3 (with its three text encoders)", {
+        "transformer": SD3Transformer2DModel, "vae": AutoencoderKL, "text_encoder": CLIPTextModelWithProjection,
+        "text_encoder_2": CLIPTextModelWithProjection, "text_encoder_3": T5EncoderModel, "tokenizer": CLIPTokenizer,
+        "tokenizer_2": CLIPTokenizer, "tokenizer_3": AutoTokenizer, "scheduler": FlowMatchEulerDiscreteScheduler},
+        family_of)

@@ -9,7 +9,6 @@ a diffusers SD3 folder describing the files (its weights are not read).
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -22,8 +21,9 @@ from library.families.entry import LoadRequest
 from library.families.family import Components
 from library.families.sd3.family import family_of
 from library.families.shared.clip_tokenizer import load_tokenizer
+from library.families.shared.diffusers_folder import transformer_components
 from library.families.shared.safetensors_io import read_safetensors
-from library.families.shared.separate_files import assign, load_t5_tokenizer, marked_keys
+from library.families.shared.separate_files import assign, load_t5_tokenizer, marked_keys, reading
 
 PREFIX = "model.diffusion_model."
 MARKER = "joint_blocks.0.x_block.attn.qkv.weight"
@@ -137,7 +137,7 @@ def load_sd3_files(request: LoadRequest) -> Components:
     if problems:
         raise UserError(problems)
     local = {"local_files_only": True}
-    try:
+    with reading(path, "the SD3 checkpoint"):
         prefixed = any(k.startswith(PREFIX) for k in state)
         mmdit = {k.removeprefix(PREFIX): v for k, v in state.items()
                  if (k.startswith(PREFIX) if prefixed else not k.startswith(("first_stage_model.", "text_encoders.")))}
@@ -177,9 +177,4 @@ def load_sd3_files(request: LoadRequest) -> Components:
         tokenizers.append(load_t5_tokenizer(t5_dir))
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(where["scheduler"][0],
                                                                     subfolder=where["scheduler"][1], **local)
-    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
-        raise UserError(f"{path}: cannot load the SD3 checkpoint: {e}") from None
-    transformer.eval()
-    vae.eval()
-    return Components(denoiser=transformer, vae=vae, text_encoders=encoders, tokenizers=tokenizers,
-                      noise_scheduler=scheduler, v_prediction=False, family=family_of(transformer, encoders))
+    return transformer_components(transformer, vae, encoders, tokenizers, scheduler, family_of(transformer, encoders))

@@ -1,18 +1,22 @@
-"""What the families' separate-file readers share: finding a family's marker keys in a file, the parts of a split
-file, assigning read weights to a model built on the meta device, and the shipped T5 and Qwen tokenizers (stored
+"""What the families' separate-file readers share: finding a family's marker keys in a file, reading a file with
+the parts of a split one, assigning read weights to a model built on
+the meta device, one message for files that cannot be read, and the shipped T5 and Qwen tokenizers (stored
 gzipped)."""
 from __future__ import annotations
 
 import gzip
+import json
 import re
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from library.config import UserError
+from library.families.shared.safetensors_io import read_safetensors
 
 _SHARD = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.safetensors$")
 
@@ -46,6 +50,24 @@ def shards(path: Path) -> list[Path]:
     if missing:
         raise UserError(f"{path}: the split file misses {', '.join(missing)} beside it")
     return parts
+
+
+def read_split(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A .safetensors file's tensors in `dtype`, with those of the other parts of a split file (`shards`)."""
+    state: dict[str, torch.Tensor] = {}
+    for part in shards(path):
+        state.update(read_safetensors(part, dtype=dtype))
+    return state
+
+
+@contextmanager
+def reading(path: Path, what: str) -> Iterator[None]:
+    """A file that cannot be read, or does not fit the configs, while loading `what` (say "the FLUX files") from
+    `path` is a UserError naming both."""
+    try:
+        yield
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: cannot load {what}: {e}") from None
 
 
 def assign(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str,

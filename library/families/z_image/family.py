@@ -22,7 +22,7 @@ from library.families.entry import LoadRequest
 from library.families.family import Components, Tokenizer
 from library.families.shared import checks as transformer_checks
 from library.families.shared import musubi_flow
-from library.families.shared.diffusers_folder import read_folder, transformer_class
+from library.families.shared.diffusers_folder import load_folder, transformer_class
 from library.families.z_image import lora as z_image_lora
 
 logger = logging.getLogger(__name__)
@@ -148,14 +148,6 @@ def load_z_image_folder(request: LoadRequest) -> Components:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
     from transformers import AutoTokenizer, Qwen3Model
 
-    path, weight_dtype, vae_dtype = request.path, request.weight_dtype, request.vae_dtype
-
-    parts = read_folder(path, "Z-Image", {
-        "transformer": (ZImageTransformer2DModel, weight_dtype), "vae": (AutoencoderKL, vae_dtype),
-        "text_encoder": (Qwen3Model, weight_dtype), "tokenizer": (AutoTokenizer, None),
-        "scheduler": (FlowMatchEulerDiscreteScheduler, None)})
-    for name in ("transformer", "vae", "text_encoder"):
-        parts[name].eval()
-    return Components(denoiser=parts["transformer"], vae=parts["vae"], text_encoders=[parts["text_encoder"]],
-                      tokenizers=[parts["tokenizer"]], noise_scheduler=parts["scheduler"], v_prediction=False,
-                      family=ZImage())
+    return load_folder(request, "Z-Image", {
+        "transformer": ZImageTransformer2DModel, "vae": AutoencoderKL, "text_encoder": Qwen3Model,
+        "tokenizer": AutoTokenizer, "scheduler": FlowMatchEulerDiscreteScheduler}, lambda *_: ZImage())

@@ -11,34 +11,25 @@ assigned from the files, cast to the training dtype tensor by tensor.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from library.config import UserError
 from library.core.memory import return_free_heap
 from library.families.entry import LoadRequest
 from library.families.family import Components
-from library.families.shared.safetensors_io import read_safetensors
-from library.families.shared.separate_files import assign, load_qwen_tokenizer, marked_keys, shards
+from library.families.shared.diffusers_folder import transformer_components
+from library.families.shared.separate_files import assign, load_qwen_tokenizer, marked_keys, read_split, reading
 from library.families.z_image.family import ZImage
 
 SHIPPED_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "z_image"
 COMFY_PREFIX = "model.diffusion_model."
 MARKER = "cap_embedder.1.weight"  # the caption projection: only Z-Image's transformer has it
+
+
 def is_z_image_file(path: Path) -> bool:
-
     return MARKER in marked_keys(path, COMFY_PREFIX)
-
-
-def _read(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-
-    state: dict[str, torch.Tensor] = {}
-    for part in shards(path):
-        state.update(read_safetensors(part, dtype=dtype))
-    return state
 
 
 def transformer_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -66,46 +57,35 @@ def load_z_image_files(request: LoadRequest) -> Components:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
 
-
-    path, model_config = request.path, request.model_config
-    weight_dtype, vae_dtype = request.weight_dtype, request.vae_dtype
-    text_encoder, ae = (request.file(name) for name in ("text_encoder", "ae"))
-
-    missing = [name for name, value in (("text_encoder", text_encoder), ("ae", ae)) if not value]
-    if missing:
-        raise UserError(f"{path} is a Z-Image transformer file: it needs {' and '.join(missing)} (the Qwen3 text "
-                        "encoder and the autoencoder files: ComfyUI's text_encoders/ and vae/)")
-    config_dir = Path(model_config) if model_config else SHIPPED_CONFIG
+    path, weight_dtype = request.path, request.weight_dtype
+    text_encoder, ae = request.required_files(("text_encoder", "ae"), "Z-Image", "the Qwen3 text encoder and the "
+                                              "autoencoder files: ComfyUI's text_encoders/ and vae/")
+    config_dir = Path(request.model_config) if request.model_config else SHIPPED_CONFIG
     local = {"local_files_only": True}
-    try:
+    with reading(path, "the Z-Image files"):
         config = ZImageTransformer2DModel.load_config(config_dir, subfolder="transformer", **local)
         with init_empty_weights():
             transformer = ZImageTransformer2DModel.from_config(config)
-        assign(transformer, transformer_state_dict(_read(path, weight_dtype)), str(path))
+        assign(transformer, transformer_state_dict(read_split(path, weight_dtype)), str(path))
         return_free_heap()
 
         vae_config = dict(AutoencoderKL.load_config(config_dir, subfolder="vae", **local))
         with init_empty_weights():
             vae = AutoencoderKL.from_config(vae_config)
-        assign(vae, vae_state_dict(_read(Path(ae), vae_dtype), vae_config), str(ae))
+        assign(vae, vae_state_dict(read_split(Path(ae), request.vae_dtype), vae_config), ae)
         return_free_heap()
 
         with init_empty_weights():
             qwen = Qwen3Model(Qwen3Config.from_pretrained(config_dir, subfolder="text_encoder", **local))
         # ComfyUI's and the official files hold Qwen3ForCausalLM's weights: the model under "model.", and the
         # language-model head, which the hidden states do not use.
-        qwen_state = {k.removeprefix("model."): v for k, v in _read(Path(text_encoder), weight_dtype).items()
+        qwen_state = {k.removeprefix("model."): v for k, v in read_split(Path(text_encoder), weight_dtype).items()
                       if not k.startswith("lm_head.")}
-        assign(qwen, qwen_state, str(text_encoder))
+        assign(qwen, qwen_state, text_encoder)
 
         tokenizer = load_qwen_tokenizer(config_dir / "tokenizer")
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(config_dir, subfolder="scheduler", **local)
-    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
-        raise UserError(f"{path}: cannot load the Z-Image files: {e}") from None
-    for module in (transformer, vae, qwen):
-        module.eval()
-    return Components(denoiser=transformer, vae=vae, text_encoders=[qwen], tokenizers=[tokenizer],
-                      noise_scheduler=scheduler, v_prediction=False, family=ZImage())
+    return transformer_components(transformer, vae, [qwen], [tokenizer], scheduler, ZImage())
 
 
 def comfy_state_dict(transformer: Any) -> dict[str, torch.Tensor]:
