@@ -105,26 +105,15 @@ class QwenImage(musubi_flow.MusubiFamily):
     display_name = "Qwen-Image"
     implementation = "https://github.com/QwenLM/Qwen-Image"
     default_sampling_scale = DEFAULT_CFG
-
-    def configured(self, config: Any) -> QwenImage:
-        problems = [f"{name}: not for Qwen-Image ({why})" for name, why in (
-            ("clip_skip", "Qwen-Image reads Qwen2.5-VL's last hidden states, as musubi-tuner and QwenImagePipeline do"),
-            ("max_token_length", f"prompts are up to {MAX_TOKENS} Qwen2.5-VL tokens after the template, musubi's "
-                                 "fixed length"),
-            ("t5xxl_max_token_length", "Qwen-Image has no T5"),
-            ("apply_t5_attn_mask", "Qwen-Image has no T5; Qwen2.5-VL's padding is always masked"),
-            ("clip_l", "Qwen-Image has no CLIP-L"), ("t5xxl", "Qwen-Image has no T5"),
-            ("vae", "Qwen-Image's VAE comes with the model (its vae/ folder, or ae for the separate files)"),
-            ("network_train_text_encoder_only", "musubi-tuner trains Qwen-Image's transformer only"))
-            if getattr(config, name)]
-        if config.is_set("guidance_scale"):
-            problems.append("guidance_scale: not for Qwen-Image (its transformer has no guidance input)")
-        problems += transformer_checks.size_problems(config, "Qwen-Image")
-        if problems:
-            raise UserError(problems)
-        if not config.network_train_unet_only:
-            logger.info("Qwen-Image: the text encoder is not trained (musubi-tuner trains the transformer only)")
-        return self
+    refused_options = (
+        ("clip_skip", "Qwen-Image reads Qwen2.5-VL's last hidden states, as musubi-tuner and QwenImagePipeline do"),
+        ("max_token_length", f"prompts are up to {MAX_TOKENS} Qwen2.5-VL tokens after the template, musubi's "
+                             "fixed length"),
+        ("t5xxl_max_token_length", "Qwen-Image has no T5"),
+        ("apply_t5_attn_mask", "Qwen-Image has no T5; Qwen2.5-VL's padding is always masked"),
+        ("clip_l", "Qwen-Image has no CLIP-L"), ("t5xxl", "Qwen-Image has no T5"),
+        ("vae", "Qwen-Image's VAE comes with the model (its vae/ folder, or ae for the separate files)"),
+        ("network_train_text_encoder_only", "musubi-tuner trains Qwen-Image's transformer only"))
 
     # --- prompts ----------------------------------------------------------------------------------------------
     def tokenizer(self, components: Components, max_token_length: int | None) -> Tokenizer:

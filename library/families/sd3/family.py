@@ -31,6 +31,7 @@ from library.families.sd3 import lora as sd3_lora
 from library.families.sd3 import pos_embed
 from library.families.shared import checks as transformer_checks
 from library.families.shared.diffusers_folder import load_folder, transformer_class
+from library.families.shared.sampling import flow_euler_scheduler, pooled_prompt_embeds, unscaled_latents
 
 logger = logging.getLogger(__name__)
 
@@ -276,18 +277,14 @@ class SD3(Family):
 
     def sampling_scheduler(self, scheduler_config: Mapping[str, Any]) -> Any:
         """Euler on the flow with the model's shift (kohya's SD3 sampler)."""
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        return FlowMatchEulerDiscreteScheduler.from_config(dict(scheduler_config))
+        return flow_euler_scheduler(scheduler_config)
 
     def vae_latents(self, latents: torch.Tensor, vae_config: Any, width: int, height: int) -> torch.Tensor:
-        return latents / vae_config.scaling_factor + vae_config.shift_factor
+        return unscaled_latents(latents, vae_config)
 
     def prompt_embeds(self, positive: Mapping[str, torch.Tensor],
                       negative: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {"prompt_embeds": positive["encoder_hidden_states"], "pooled_prompt_embeds": positive["pooled"],
-                "negative_prompt_embeds": negative["encoder_hidden_states"],
-                "negative_pooled_prompt_embeds": negative["pooled"]}
+        return pooled_prompt_embeds(positive, negative)
 
 
 def is_sd3_folder(path: Path) -> bool:

@@ -10,6 +10,7 @@ as for FLUX.
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,10 @@ from library.families.flow_matching import (
     sigmas_of,
 )
 from library.families.objective import per_sample_loss
+from library.families.shared import checks as transformer_checks
+from library.families.shared.sampling import flow_euler_scheduler
+
+logger = logging.getLogger(__name__)
 
 SAMPLINGS = MUSUBI_TIMESTEP_SAMPLINGS  # what musubi_sigmas draws by
 DEFAULT_FLOW_SHIFT = 1.0  # musubi's --discrete_flow_shift default
@@ -160,6 +165,22 @@ class MusubiFamily(Family):
     trains_text_encoders = False
     display_name = ""
     implementation = ""
+    refused_options: tuple[tuple[str, str], ...] = ()  # the options `configured` refuses when set, each with why
+
+    def configured(self, config: Any) -> Family:
+        """Refuses the options that do not apply (`refused_options`, a guidance scale: musubi's image transformers
+        have no guidance input) and sizes that do not fit the patches; nothing in the prompts depends on the
+        config."""
+        family = self.display_name
+        problems = [f"{name}: not for {family} ({why})" for name, why in self.refused_options if getattr(config, name)]
+        if config.is_set("guidance_scale"):
+            problems.append(f"guidance_scale: not for {family} (its transformer has no guidance input)")
+        problems += transformer_checks.size_problems(config, family)
+        if problems:
+            raise UserError(problems)
+        if not config.network_train_unet_only:
+            logger.info("%s: the text encoder is not trained (musubi-tuner trains the transformer only)", family)
+        return self
 
     def objective(self, components: Components, config: Any, device: torch.device) -> Any:
         problems = unsupported(config, self.display_name)
@@ -185,6 +206,4 @@ class MusubiFamily(Family):
     def sampling_scheduler(self, scheduler_config: Mapping[str, Any]) -> Any:
         """Euler on the flow with the model's own scheduler config (Z-Image's fixed shift 3, Qwen-Image's
         resolution-dependent shift), as musubi samples without --fs; sample_sampler / --ss do not apply."""
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        return FlowMatchEulerDiscreteScheduler.from_config(dict(scheduler_config))
+        return flow_euler_scheduler(scheduler_config)

@@ -23,6 +23,7 @@ from library.families.family import Components, Tokenizer
 from library.families.shared import checks as transformer_checks
 from library.families.shared import musubi_flow
 from library.families.shared.diffusers_folder import load_folder, transformer_class
+from library.families.shared.sampling import unscaled_latents
 from library.families.z_image import lora as z_image_lora
 
 logger = logging.getLogger(__name__)
@@ -48,24 +49,13 @@ class ZImage(musubi_flow.MusubiFamily):
     display_name = "Z-Image"
     implementation = "https://github.com/Tongyi-MAI/Z-Image"
     default_sampling_scale = DEFAULT_CFG
-
-    def configured(self, config: Any) -> ZImage:
-        problems = [f"{name}: not for Z-Image ({why})" for name, why in (
-            ("clip_skip", "Z-Image reads Qwen3's second-to-last layer, as musubi-tuner and ZImagePipeline do"),
-            ("max_token_length", f"prompts are {MAX_SEQUENCE_LENGTH} Qwen3 tokens, musubi-tuner's fixed length"),
-            ("t5xxl_max_token_length", "Z-Image has no T5"),
-            ("apply_t5_attn_mask", "Z-Image has no T5; Qwen3's padding is always left out"),
-            ("clip_l", "Z-Image has no CLIP-L"), ("t5xxl", "Z-Image has no T5"),
-            ("network_train_text_encoder_only", "musubi-tuner trains Z-Image's transformer only"))
-            if getattr(config, name)]
-        if config.is_set("guidance_scale"):
-            problems.append("guidance_scale: not for Z-Image (its transformer has no guidance input)")
-        problems += transformer_checks.size_problems(config, "Z-Image")
-        if problems:
-            raise UserError(problems)
-        if not config.network_train_unet_only:
-            logger.info("Z-Image: the text encoder is not trained (musubi-tuner trains the transformer only)")
-        return self
+    refused_options = (
+        ("clip_skip", "Z-Image reads Qwen3's second-to-last layer, as musubi-tuner and ZImagePipeline do"),
+        ("max_token_length", f"prompts are {MAX_SEQUENCE_LENGTH} Qwen3 tokens, musubi-tuner's fixed length"),
+        ("t5xxl_max_token_length", "Z-Image has no T5"),
+        ("apply_t5_attn_mask", "Z-Image has no T5; Qwen3's padding is always left out"),
+        ("clip_l", "Z-Image has no CLIP-L"), ("t5xxl", "Z-Image has no T5"),
+        ("network_train_text_encoder_only", "musubi-tuner trains Z-Image's transformer only"))
 
     # --- prompts ----------------------------------------------------------------------------------------------
     def tokenizer(self, components: Components, max_token_length: int | None) -> Tokenizer:
@@ -129,7 +119,7 @@ class ZImage(musubi_flow.MusubiFamily):
         return {"guidance_scale": scale if scale > 1 else 0.0}
 
     def vae_latents(self, latents: torch.Tensor, vae_config: Any, width: int, height: int) -> torch.Tensor:
-        return latents / vae_config.scaling_factor + vae_config.shift_factor
+        return unscaled_latents(latents, vae_config)
 
     def prompt_embeds(self, positive: Mapping[str, torch.Tensor],
                       negative: Mapping[str, torch.Tensor]) -> dict[str, Any]:
