@@ -21,10 +21,8 @@ from library.config import UserError
 from library.config.network_args import network_args_of
 from library.core.memory import return_free_heap
 from library.families.entry import LoadRequest
-from library.families.family import Components, Family, Tokenizer
-from library.families.flow_matching import FlowMatchingObjective, unsupported, user_settings
-from library.families.flux import lora as flux_lora
-from library.families.flux.family import image_ids, kohya_flux_fields, pack_latents, unpack_latents
+from library.families.family import Components, Tokenizer
+from library.families.flux.family import FluxArchitecture, joint_attention_mask, transformer_inputs, unpack_latents
 from library.families.flux.files import BFL_PREFIX, diffusers_state_dict
 from library.families.shared import checks as transformer_checks
 from library.families.shared.diffusers_folder import load_folder, transformer_class, transformer_components
@@ -74,12 +72,14 @@ def _single_blocks_masked(denoiser: torch.nn.Module, mask: torch.Tensor) -> Iter
 
 
 @dataclasses.dataclass(frozen=True)
-class Chroma(Family):
+class Chroma(FluxArchitecture):
     """Chroma; the T5 settings come from the config (`configured`)."""
     t5_max_length: int | None = None  # None: kohya's default, 512
     train_t5xxl: bool = False  # kohya's network_args train_t5xxl: T5 gets LoRA when the text encoder trains
 
     name = "chroma"
+    display_name = "Chroma"
+    model_type = "chroma"  # kohya's --model_type
     base_model_version = "chroma"  # kohya's ss_base_model_version for --model_type chroma
     text_encoder_folders = ("text_encoder",)
     tokenizer_folders = ("tokenizer",)
@@ -141,52 +141,21 @@ class Chroma(Family):
     # --- the denoiser ------------------------------------------------------------------------------------------
     def denoise(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 text: Mapping[str, torch.Tensor], conditioning: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        batch, _, height, width = noisy.shape
+        _, _, height, width = noisy.shape
         transformer_checks.check_latent_size("Chroma", height, width)
-        dtype, device = noisy.dtype, noisy.device
-        states = text["encoder_hidden_states"].to(dtype)
-        # Text tokens come first in the joint attention; image tokens are never masked.
-        image = torch.ones(batch, (height // 2) * (width // 2), dtype=torch.bool, device=device)
-        mask = torch.cat([text_mask(text["t5_attn_mask"].to(device)), image], dim=1)
+        mask = joint_attention_mask(text_mask(text["t5_attn_mask"].to(noisy.device)), height, width)
         with _single_blocks_masked(denoiser, mask):
-            out = denoiser(hidden_states=pack_latents(noisy), encoder_hidden_states=states,
-                           timestep=(timesteps.float() / 1000).to(dtype),
-                           img_ids=image_ids(height, width, device, dtype),
-                           txt_ids=torch.zeros(states.shape[1], 3, device=device, dtype=dtype), attention_mask=mask,
-                           return_dict=False)[0]
+            out = denoiser(**transformer_inputs(noisy, timesteps, text["encoder_hidden_states"].to(noisy.dtype)),
+                           attention_mask=mask)[0]
         return unpack_latents(out, height, width)
-
-    def objective(self, components: Components, config: Any, device: torch.device) -> FlowMatchingObjective:
-        problems = unsupported(user_settings(config), "Chroma")
-        if problems:
-            raise UserError(problems)
-        return FlowMatchingObjective.from_config(config)
 
     # --- LoRA files and metadata -------------------------------------------------------------------------------
     def lora_text_encoders(self, text_encoders: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
         return list(text_encoders) if self.train_t5xxl else []  # T5 only when asked, as kohya
 
-    def denoiser_lora_targets(self, denoiser: torch.nn.Module, rank: int, alpha: float,
-                              net: Any) -> tuple[list[str], dict[str, tuple[int, float]]]:
-        """kohya's lora_flux targets, which in Chroma's blocks are the attention and MLP layers (8 per double
-        block, linear1 and linear2 per single block): the modulation layers are not there."""
-        try:
-            return flux_lora.targets(denoiser, rank, alpha, net)
-        except ValueError as e:
-            raise UserError(str(e).replace("FLUX", "Chroma")) from None
-
-    def export_lora_keys(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return flux_lora.to_kohya(state_dict)
-
-    def import_lora_keys(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return flux_lora.from_kohya(state_dict)
-
     def metadata_flags(self, v_prediction: bool) -> dict[str, Any]:
         return {"base_model": "chroma", "architecture": "chroma/lora",
                 "implementation": "https://huggingface.co/lodestones/Chroma"}
-
-    def metadata_fields(self, config: Any) -> dict[str, Any]:
-        return kohya_flux_fields(config, "chroma")
 
     # --- sampling ----------------------------------------------------------------------------------------------
     def pipeline(self, denoiser: Any, vae: Any, text_encoders: Sequence[Any], tokenizers: Sequence[Any],
@@ -196,12 +165,6 @@ class Chroma(Family):
         return ChromaPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoders[0], tokenizer=tokenizers[0],
                               transformer=denoiser)
 
-    def sampling_scheduler(self, scheduler_config: Mapping[str, Any]) -> Any:
-        """Euler on the flow with the resolution-dependent shift (kohya's get_schedule for Chroma)."""
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        return FlowMatchEulerDiscreteScheduler.from_config(dict(scheduler_config))
-
     def sampling_guidance(self, scale: float, guidance: float | None, positive: Mapping[str, torch.Tensor],
                           width: int, height: int) -> dict[str, Any]:
         """--l above 1 is CFG with the negative prompt (--n, else the empty one): neg + (pos - neg) * scale, as
@@ -210,12 +173,6 @@ class Chroma(Family):
             logger.warning("sample prompt --g %g: Chroma has no guidance input (kohya's docs: --g 0); ignored",
                            guidance)
         return {"guidance_scale": scale}
-
-    def vae_latents(self, latents: torch.Tensor, vae_config: Any, width: int, height: int) -> torch.Tensor:
-        # ChromaPipeline's latent side, as FluxPipeline's: 2 * (side // (2 * VAE factor)).
-        factor = 2 * 2 ** (len(vae_config.block_out_channels) - 1)
-        unpacked = unpack_latents(latents, 2 * (height // factor), 2 * (width // factor))
-        return unpacked / vae_config.scaling_factor + vae_config.shift_factor
 
     def prompt_embeds(self, positive: Mapping[str, torch.Tensor],
                       negative: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -24,6 +24,7 @@ from library.families.flux import lora as flux_lora
 from library.families.shared import checks as transformer_checks
 from library.families.shared.clip_text import tokenize
 from library.families.shared.diffusers_folder import load_folder, transformer_class
+from library.families.shared.sampling import flow_euler_scheduler, pooled_prompt_embeds, unscaled_latents
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +49,6 @@ def unpack_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tenso
     return patches.reshape(b, c, height, width)
 
 
-def kohya_flux_fields(config: Any, model_type: str) -> dict[str, Any]:
-    """The ss_* fields kohya's FLUX trainer writes (for FLUX.1 and for Chroma, told apart by ss_model_type)."""
-    return {"ss_model_type": model_type, "ss_apply_t5_attn_mask": config.apply_t5_attn_mask,
-            **{f"ss_{name}": getattr(config, name) for name in (
-                "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale",
-                "timestep_sampling", "sigmoid_scale", "model_prediction_type", "discrete_flow_shift")}}
-
-
 def image_ids(height: int, width: int, device: torch.device | str = "cpu",
               dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[(H/2)(W/2), 3] positions of the packed tokens: axis 0 zero, axis 1 the row, axis 2 the column."""
@@ -65,8 +58,74 @@ def image_ids(height: int, width: int, device: torch.device | str = "cpu",
     return ids.reshape(-1, 3).to(device=device, dtype=dtype)
 
 
+def transformer_inputs(noisy: torch.Tensor, timesteps: torch.Tensor, states: torch.Tensor) -> dict[str, Any]:
+    """What every call of a FLUX.1-architecture transformer (FLUX.1's, Chroma's) takes: the packed latents, the text
+    states, the timestep as a fraction, the image and text tokens' positions."""
+    _, _, height, width = noisy.shape
+    dtype, device = noisy.dtype, noisy.device
+    return {"hidden_states": pack_latents(noisy), "encoder_hidden_states": states,
+            "timestep": (timesteps.float() / 1000).to(dtype), "img_ids": image_ids(height, width, device, dtype),
+            "txt_ids": torch.zeros(states.shape[1], 3, device=device, dtype=dtype), "return_dict": False}
+
+
+def joint_attention_mask(text_mask: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """[B, text + image tokens] for latents of (height, width): the text tokens come first in the joint attention,
+    as boolean `text_mask` says; image tokens are never masked."""
+    image = torch.ones(text_mask.shape[0], (height // 2) * (width // 2), dtype=torch.bool, device=text_mask.device)
+    return torch.cat([text_mask, image], dim=1)
+
+
+class FluxArchitecture(Family):
+    """What the families of FLUX.1's architecture share, as kohya's flux_train_network.py trains them (FLUX.1, and
+    Chroma with --model_type chroma): its flow-matching objective, kohya's FLUX LoRA keys (lora_flux) and ss_*
+    fields (told apart by ss_model_type), Euler sampling and the pipelines' packed latents. A subclass names its
+    `display_name` (in messages) and `model_type` (kohya's)."""
+    display_name = "FLUX"
+    model_type = "flux"
+    default_sampling_scale = 1.0  # kohya's: no (true) CFG unless a prompt asks with --l
+
+    def objective(self, components: Components, config: Any, device: torch.device) -> FlowMatchingObjective:
+        problems = unsupported(user_settings(config), self.display_name)
+        if problems:
+            raise UserError(problems)
+        return FlowMatchingObjective.from_config(config)
+
+    def denoiser_lora_targets(self, denoiser: torch.nn.Module, rank: int, alpha: float,
+                              net: Any) -> tuple[list[str], dict[str, tuple[int, float]]]:
+        """kohya's lora_flux targets; in Chroma's blocks those are the attention and MLP layers (8 per double
+        block, linear1 and linear2 per single block): the modulation layers are not there."""
+        try:
+            return flux_lora.targets(denoiser, rank, alpha, net)
+        except ValueError as e:
+            raise UserError(str(e).replace("FLUX", self.display_name)) from None
+
+    def export_lora_keys(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return flux_lora.to_kohya(state_dict)
+
+    def import_lora_keys(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return flux_lora.from_kohya(state_dict)
+
+    def metadata_fields(self, config: Any) -> dict[str, Any]:
+        """The ss_* fields kohya's FLUX trainer writes."""
+        return {"ss_model_type": self.model_type, "ss_apply_t5_attn_mask": config.apply_t5_attn_mask,
+                **{f"ss_{name}": getattr(config, name) for name in (
+                    "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale",
+                    "timestep_sampling", "sigmoid_scale", "model_prediction_type", "discrete_flow_shift")}}
+
+    def sampling_scheduler(self, scheduler_config: Mapping[str, Any]) -> Any:
+        """Euler on the flow (kohya's FLUX sampler; sample_sampler / --ss do not apply), with the model's
+        resolution-dependent shift, which is kohya's get_schedule."""
+        return flow_euler_scheduler(scheduler_config)
+
+    def vae_latents(self, latents: torch.Tensor, vae_config: Any, width: int, height: int) -> torch.Tensor:
+        # FluxPipeline's and ChromaPipeline's latent side: 2 * (side // (2 * VAE factor)); FLUX's VAE is 8x, a tiny
+        # one may be 4x.
+        factor = 2 * 2 ** (len(vae_config.block_out_channels) - 1)
+        return unscaled_latents(unpack_latents(latents, 2 * (height // factor), 2 * (width // factor)), vae_config)
+
+
 @dataclasses.dataclass(frozen=True)
-class Flux(Family):
+class Flux(FluxArchitecture):
     """FLUX.1 dev (guidance input) or schnell; the prompt settings come from the config (`configured`)."""
     schnell: bool = False
     t5_max_length: int | None = None  # None: kohya's default, 256 for schnell and 512 for dev
@@ -77,7 +136,6 @@ class Flux(Family):
     text_encoder_folders = ("text_encoder", "text_encoder_2")
     tokenizer_folders = ("tokenizer", "tokenizer_2")
     lora_text_prefixes = ("lora_te1", "lora_te3")  # CLIP-L, T5 (kohya's names)
-    default_sampling_scale = 1.0  # kohya's: no true CFG unless a prompt asks with --l
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -136,30 +194,16 @@ class Flux(Family):
                 text: Mapping[str, torch.Tensor], conditioning: Mapping[str, torch.Tensor]) -> torch.Tensor:
         batch, _, height, width = noisy.shape
         transformer_checks.check_latent_size("FLUX", height, width)
-        dtype, device = noisy.dtype, noisy.device
-        states = text["encoder_hidden_states"].to(dtype)
         extra: dict[str, Any] = {}
         if self.apply_t5_attn_mask:
-            # Text tokens come first in the joint attention; image tokens are never masked.
-            image_mask = torch.ones(batch, (height // 2) * (width // 2), dtype=torch.bool, device=device)
-            mask = torch.cat([text["t5_attn_mask"].to(device=device, dtype=torch.bool), image_mask], dim=1)
+            mask = joint_attention_mask(text["t5_attn_mask"].to(device=noisy.device, dtype=torch.bool), height, width)
             extra["joint_attention_kwargs"] = {"attention_mask": mask[:, None, None, :]}
         guidance = None
         if denoiser.config.guidance_embeds:
-            guidance = torch.full((batch,), self.guidance_scale, device=device, dtype=torch.float32)
-        out = denoiser(hidden_states=pack_latents(noisy), encoder_hidden_states=states,
-                       pooled_projections=text["pooled"].to(dtype),
-                       timestep=(timesteps.float() / 1000).to(dtype), guidance=guidance,
-                       img_ids=image_ids(height, width, device, dtype),
-                       txt_ids=torch.zeros(states.shape[1], 3, device=device, dtype=dtype), return_dict=False,
-                       **extra)[0]
+            guidance = torch.full((batch,), self.guidance_scale, device=noisy.device, dtype=torch.float32)
+        out = denoiser(**transformer_inputs(noisy, timesteps, text["encoder_hidden_states"].to(noisy.dtype)),
+                       pooled_projections=text["pooled"].to(noisy.dtype), guidance=guidance, **extra)[0]
         return unpack_latents(out, height, width)
-
-    def objective(self, components: Components, config: Any, device: torch.device) -> FlowMatchingObjective:
-        problems = unsupported(user_settings(config))
-        if problems:
-            raise UserError(problems)
-        return FlowMatchingObjective.from_config(config)
 
     def block_swap_plan(self, denoiser: torch.nn.Module, blocks_to_swap: int) -> list[tuple[Any, int]]:
         """kohya's split: half (rounded down) of the count in double blocks, twice the rest in single blocks, each
@@ -177,25 +221,9 @@ class Flux(Family):
     def lora_text_encoders(self, text_encoders: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
         return list(text_encoders) if self.train_t5xxl else [text_encoders[0]]  # T5 only when asked, as kohya
 
-    def denoiser_lora_targets(self, denoiser: torch.nn.Module, rank: int, alpha: float,
-                              net: Any) -> tuple[list[str], dict[str, tuple[int, float]]]:
-        try:
-            return flux_lora.targets(denoiser, rank, alpha, net)
-        except ValueError as e:
-            raise UserError(str(e)) from None
-
-    def export_lora_keys(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return flux_lora.to_kohya(state_dict)
-
-    def import_lora_keys(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return flux_lora.from_kohya(state_dict)
-
     def metadata_flags(self, v_prediction: bool) -> dict[str, Any]:
         return {"base_model": "flux1", "architecture": f"flux-1-{'schnell' if self.schnell else 'dev'}/lora",
                 "implementation": "https://github.com/black-forest-labs/flux"}
-
-    def metadata_fields(self, config: Any) -> dict[str, Any]:
-        return kohya_flux_fields(config, "flux")
 
     # --- sampling ----------------------------------------------------------------------------------------------
     def pipeline(self, denoiser: Any, vae: Any, text_encoders: Sequence[Any], tokenizers: Sequence[Any],
@@ -204,13 +232,6 @@ class Flux(Family):
 
         return FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoders[0], tokenizer=tokenizers[0],
                             text_encoder_2=text_encoders[1], tokenizer_2=tokenizers[1], transformer=denoiser)
-
-    def sampling_scheduler(self, scheduler_config: Mapping[str, Any]) -> Any:
-        """Euler on the flow (kohya's FLUX sampler; sample_sampler / --ss do not apply), with the model's
-        resolution-dependent shift, which is kohya's get_schedule."""
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        return FlowMatchEulerDiscreteScheduler.from_config(dict(scheduler_config))
 
     def sampling_guidance(self, scale: float, guidance: float | None, positive: Mapping[str, torch.Tensor],
                           width: int, height: int) -> dict[str, Any]:
@@ -232,17 +253,9 @@ class Flux(Family):
                 positive["t5_attn_mask"].device)}
         return arguments
 
-    def vae_latents(self, latents: torch.Tensor, vae_config: Any, width: int, height: int) -> torch.Tensor:
-        # FluxPipeline's latent side: 2 * (side // (2 * VAE factor)); FLUX's VAE is 8x, a tiny one may be 4x.
-        factor = 2 * 2 ** (len(vae_config.block_out_channels) - 1)
-        unpacked = unpack_latents(latents, 2 * (height // factor), 2 * (width // factor))
-        return unpacked / vae_config.scaling_factor + vae_config.shift_factor
-
     def prompt_embeds(self, positive: Mapping[str, torch.Tensor],
                       negative: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {"prompt_embeds": positive["encoder_hidden_states"], "pooled_prompt_embeds": positive["pooled"],
-                "negative_prompt_embeds": negative["encoder_hidden_states"],
-                "negative_pooled_prompt_embeds": negative["pooled"]}
+        return pooled_prompt_embeds(positive, negative)
 
 
 def is_flux_folder(path: Path) -> bool:
