@@ -88,3 +88,53 @@ def test_no_import_circles_between_modules():
     for name in sorted(graph):
         visit(name, [])
     assert circles == []
+
+
+FAMILIES = LIBRARY / "families"
+
+
+def private_imports(path: Path) -> list[str]:
+    """`from library.x import _name` in `path`, for names private to a module of another package or family."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("library."):
+            found += [f"{node.module}.{alias.name}" for alias in node.names if alias.name.startswith("_")]
+    return found
+
+
+def family_of(module: str) -> str | None:
+    parts = module.split(".")
+    family = len(parts) > 3 and parts[1] == "families" and parts[2] != "shared" and (FAMILIES / parts[2]).is_dir()
+    return parts[2] if family else None
+
+
+def test_no_module_imports_private_names_of_another_family_or_package():
+    wrong = []
+    for path in sorted(LIBRARY.rglob("*.py")):
+        here = module_name(path)
+        for name in private_imports(path):
+            owner = name.rsplit(".", 1)[0]
+            same_family = family_of(here) is not None and family_of(here) == family_of(owner)
+            if not same_family and owner.split(".")[:2] != here.split(".")[:2] or family_of(owner) != family_of(here):
+                wrong.append(f"{path.relative_to(LIBRARY)} imports {name}")
+    assert wrong == []
+
+
+def test_families_import_only_shared_code_their_own_package_and_what_they_build_on():
+    # Chroma is FLUX.1's transformer with its modulation replaced: it reuses FLUX.1's public packing, keys and files.
+    builds_on = {"chroma": {"flux"}}
+    wrong = []
+    for package in sorted(p for p in FAMILIES.iterdir() if p.is_dir() and p.name not in ("shared", "configs",
+                                                                                          "__pycache__")):
+        for path in sorted(package.rglob("*.py")):
+            for module in module_imports(path):
+                other = family_of(module)
+                if other not in (None, package.name) and other not in builds_on.get(package.name, set()):
+                    wrong.append(f"{path.relative_to(LIBRARY)} imports {module}")
+    assert wrong == []
+
+
+def test_shared_family_code_imports_no_family():
+    wrong = [f"{path.relative_to(LIBRARY)} imports {module}" for path in sorted((FAMILIES / "shared").rglob("*.py"))
+             for module in module_imports(path) if family_of(module) is not None]
+    assert wrong == []
