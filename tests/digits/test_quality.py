@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from library import digits
 from library.config import parse_config
@@ -89,6 +90,7 @@ def test_quickstart_trains_what_the_recorded_config_trains(monkeypatch):
     assert {name for name in best if best[name] != quick[name]} == {"config_file", "output_dir", "output_name"}
 
 
+@pytest.mark.slow  # 150 steps: about 100 s on 2 CPU cores
 def test_a_lora_learns_the_held_out_digit(tmp_path):
     """A short run of the recorded config (150 of its 800 steps): the trigger prompt goes from (almost) never the
     held-out digit to mostly it, judged on the same 100 seeds before and after."""

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from library import digits
 from library.config import parse_config
 from library.digits import judge
@@ -46,6 +48,7 @@ def test_flux_base_draws_the_digit_it_is_asked_for_and_not_the_held_out_one():
     family_checks.assert_draws_the_asked_digit_and_not_the_held_out_one(BASE)
 
 
+@pytest.mark.slow  # about 130 s on 2 CPU cores
 def test_a_flux_lora_learns_the_held_out_digit(tmp_path):
     """The recorded config as it stands (it trains in about a minute at one thread): the trigger prompt goes from
     (almost) never the held-out digit to at least 80 % of it, and no other digit's prompt loses more than 10

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from library.network.kohya_format import load_kohya_lora, read_metadata
@@ -30,6 +31,7 @@ def saving_now(output_dir: Path) -> bool:
     return output_dir.is_dir() and any(p.name.startswith(".") for p in output_dir.iterdir())
 
 
+@pytest.mark.slow  # a run killed and resumed again and again: about 60 s on 2 CPU cores
 def test_sigkill_at_random_moments_then_resume_latest(tiny_sd1_dir, sample_data_dir, tmp_path):
     data = tmp_path / "data" / "1_sks shape"
     data.mkdir(parents=True)

@@ -16,6 +16,8 @@ from library.training.accelerator import async_io_available
 from tests.helpers.cli import launch
 from tests.helpers.datasets import copy_images
 
+pytestmark = pytest.mark.slow  # DeepSpeed on two processes: 50-110 s a test on 2 CPU cores
+
 # 12 images, batch 2 per process, 2 processes: 3 batches per process in an epoch.
 STEPS = 6
 

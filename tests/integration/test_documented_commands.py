@@ -258,6 +258,7 @@ def quickstart_command() -> list[list[str]]:
     return [words for words in parts if words[0] != "pip"]
 
 
+@pytest.mark.slow  # the quickstart's three commands: about 23 s on 2 CPU cores
 def test_quickstart_runs_as_written_with_smaller_counts(tmp_path):
     """The README's Quickstart, from a folder that looks like the repository root (so its outputs stay out of the
     repository), with 4 training steps and 2 judged images of 2 sampling steps per prompt."""

@@ -10,6 +10,8 @@ from safetensors.torch import load_file
 from tests.helpers.cli import launch
 from tests.helpers.datasets import copy_images
 
+pytestmark = pytest.mark.slow  # two-process FLUX launches (DDP, then DeepSpeed): 20-28 s a test on 2 CPU cores
+
 
 @pytest.fixture(scope="module")
 def data(sample_data_dir, tmp_path_factory):

@@ -31,6 +31,7 @@ def data_with_validation(sample_data_dir, tmp_path_factory) -> Path:
 VALIDATION = ["--validation_split", "0.27", "--log_with", "tensorboard"]
 
 
+@pytest.mark.slow  # two launches of two and one process: about 23 s on 2 CPU cores
 def test_ddp_ranks_agree_and_match_one_process_with_the_same_global_batch(tiny_sd1_dir, data_with_validation,
                                                                          tmp_path):
     data = data_with_validation
@@ -76,6 +77,7 @@ def test_launcher_and_accelerate_disagreeing_on_process_count_exits_2(tiny_sd1_d
     assert "cannot start 2 process(es) as launched" in result.stderr and "torchrun --nproc_per_node" in result.stderr
 
 
+@pytest.mark.slow  # DeepSpeed, two two-process launches: about 43 s on 2 CPU cores
 def test_deepspeed_zero2_cpu_offload_saves_adapter_only_and_resumes_exactly(tiny_sd1_dir, data, tmp_path):
     # Input-axis DoRA and conv LoRA on top of plain LoRA: the DoRA magnitude is one more ordinary parameter that
     # ZeRO-2 must shard, offload, save and restore. (FLUX's ZeRO-2 test covers plain LoRA alone.)

@@ -85,6 +85,7 @@ def one_line_and_no_traceback(run: Run, expected: str) -> None:
     assert re.fullmatch(expected, lines[-1]), lines[-1]
 
 
+@pytest.mark.slow  # a reference, a preempted and a resumed run: about 24 s on 2 CPU cores
 def test_sigterm_saves_a_state_and_resume_latest_is_bit_exact(configs):
     reference = Run(configs["reference"])
     assert reference.finish() == 0, reference.text()
@@ -137,6 +138,7 @@ def test_sigint_while_the_model_loads_is_one_line(configs):
     one_line_and_no_traceback(run, r"stopped by SIGINT .*")
 
 
+@pytest.mark.slow  # three two-process launches: about 50 s on 2 CPU cores
 def test_sigterm_to_the_launcher_stops_both_processes_at_one_step_and_resume_is_bit_exact(configs, tmp_path):
     """torchrun passes SIGTERM on to every process; they agree on the step to stop at and save one state."""
     def launch(config: Path, *extra: str) -> Run:

@@ -28,9 +28,9 @@ except ImportError:
     selenium = None
 
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     selenium is None or CHROMIUM is None or CHROMEDRIVER is None,
-    reason=f"a real-browser test needs Debian's chromium and chromedriver and selenium: {INSTALL}")
+    reason=f"a real-browser test needs Debian's chromium and chromedriver and selenium: {INSTALL}")]
 
 
 def free_port() -> int:
