@@ -65,6 +65,14 @@ def tiny_sd1_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_sd1(tmp_path_factory.mktemp("tiny_sd1") / "model", size="tiny", seed=0)
 
 
+@pytest.fixture(scope="session")
+def tiny_sdxl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny SDXL-shaped diffusers pipeline folder (seed 0), written once per session. Read-only."""
+    from library.families.sd.tiny import save_tiny_sdxl
+
+    return save_tiny_sdxl(tmp_path_factory.mktemp("tiny_sdxl") / "model")
+
+
 @pytest.fixture
 def fresh_accelerator_state():
     """accelerate keeps process-wide state: each in-process training run starts from scratch."""

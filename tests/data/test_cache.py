@@ -5,12 +5,11 @@ import copy
 import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from library.config import UserError, parse_config
+from library.config import UserError
 from library.data.cache import (
     LATENT_SUFFIX,
     cache_latents,
@@ -21,6 +20,8 @@ from library.data.cache import (
 )
 from library.data.dataset import build_training_data
 from library.data.images import prepare_image
+from tests.helpers.datasets import noise_image
+from tests.helpers.runs import make_config
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +55,6 @@ class CountingVAE(torch.nn.Module):
         return output
 
 
-def noise_image(path: Path, size=(32, 32), seed: int = 0) -> Path:
-    array = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(array).save(path)
-    return path
-
-
 @pytest.fixture()
 def images(tmp_path) -> Path:
     root = tmp_path / "train"
@@ -70,12 +64,13 @@ def images(tmp_path) -> Path:
     return root
 
 
+# 32 px buckets from 16 to 64 px in steps of 16; the model and output are never read.
+BUCKETS = {"resolution": 32, "enable_bucket": True, "min_bucket_reso": 16, "max_bucket_reso": 64,
+           "bucket_reso_steps": 16}
+
+
 def build(tmp_path: Path, root: Path, *args: str, tokenize=None):
-    config, _ = parse_config(["--pretrained_model_name_or_path", str(tmp_path), "--output_dir", str(tmp_path / "o"),
-                              "--train_data_dir", str(root), "--resolution", "32", "--enable_bucket",
-                              "--min_bucket_reso", "16", "--max_bucket_reso", "64", "--bucket_reso_steps", "16",
-                              *args])
-    return build_training_data(config, tokenize, seed=0)
+    return build_training_data(make_config(tmp_path, root, tmp_path / "o", *args, run=BUCKETS), tokenize, seed=0)
 
 
 def test_disk_cache_is_reused_without_calling_the_vae(tmp_path, images, tiny_vae):

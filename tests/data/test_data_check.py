@@ -13,17 +13,11 @@ from library.config import UserError
 from library.data.check import dataset_report
 from library.data.dataset import build_training_data
 from library.data.images import open_image
+from tests.helpers.datasets import noise_image
 from tests.helpers.runs import make_config
 
 # The dataset's options these tests read: 32 px buckets and .txt captions; the model and output are never read.
 CHECK = {"resolution": 32, "caption_extension": ".txt"}
-
-
-def noise_image(path: Path, size=(32, 32), fmt: str | None = None, seed: int = 0) -> Path:
-    array = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(array).save(path, format=fmt)
-    return path
 
 
 def caption(image: Path, text: str | bytes) -> None:

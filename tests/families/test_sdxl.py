@@ -10,15 +10,8 @@ from library.config import parse_config
 from library.data.dataset import build_training_data, collate
 from library.families.registry import load_components
 from library.families.sd.sdxl import time_ids as sdxl_time_ids
-from library.families.sd.tiny import save_tiny_sdxl
 from library.network.kohya_format import read_metadata
 from library.training import loop
-
-
-@pytest.fixture(scope="module")
-def tiny_sdxl_dir(tmp_path_factory):
-    return save_tiny_sdxl(tmp_path_factory.mktemp("sdxl") / "tiny-sdxl")
-
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
 

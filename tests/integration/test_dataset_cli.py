@@ -6,19 +6,11 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from library.network.kohya_format import read_metadata
 from tests.helpers.cli import run_cli
-
-
-def noise_image(path: Path, size: tuple[int, int], seed: int) -> Path:
-    array = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(array).save(path)
-    return path
+from tests.helpers.datasets import noise_image
 
 
 @pytest.fixture()

@@ -16,13 +16,6 @@ TINY = ["--max_train_steps", "2", "--max_train_epochs", "0", "--resolution", "64
         "--max_bucket_reso", "64", "--bucket_reso_steps", "64", "--max_data_loader_n_workers", "0"]
 
 
-@pytest.fixture(scope="module")
-def tiny_sdxl_dir(tmp_path_factory):
-    from library.families.sd.tiny import save_tiny_sdxl
-
-    return save_tiny_sdxl(tmp_path_factory.mktemp("sdxl") / "tiny-sdxl")
-
-
 def gui_config(name: str, tmp_path: Path, model: Path, data: Path, prompts: str = "") -> Path:
     (tmp_path / "prompt.txt").write_text(prompts, encoding="utf-8")
     text = (PRESETS / name).read_text(encoding="utf-8")

@@ -5,10 +5,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from library.config import UserError, parse_config
+from library.config import UserError
 from library.config.options import OPTIONS
 from library.config.parse import Config
 from library.training.start import initial_position
+from tests.helpers.runs import train
 
 
 def config_of(**values) -> Config:
@@ -27,35 +28,25 @@ def test_initial_position_follows_kohyas_rules():
         initial_position(config_of(initial_step=20), 4, 2, 20)
 
 
-def run_args(model, data, out, *extra):
-    # SGD keeps no state between steps, so a LoRA saved at step 2 holds all there is to continue from
-    return ["--pretrained_model_name_or_path", str(model), "--train_data_dir", str(data), "--output_dir", str(out),
-            "--resolution", "64", "--caption_extension", ".txt", "--seed", "3", "--optimizer_type", "SGD",
-            "--learning_rate", "0.5", "--lr_scheduler", "linear", "--max_train_steps", "4", "--output_name", "r",
-            *extra]
+# SGD keeps no state between steps, so a LoRA saved at step 2 holds all there is to continue from (batches of 1).
+SGD_RUN = {"resolution": 64, "caption_extension": ".txt", "seed": 3, "optimizer_type": "SGD", "learning_rate": "0.5",
+           "lr_scheduler": "linear", "max_train_steps": 4, "output_name": "r"}
 
 
 @pytest.mark.usefixtures("fresh_accelerator_state")
 def test_continuing_from_a_saved_lora_at_initial_step_reproduces_the_run(tiny_sd1_dir, small_dataset, tmp_path):
-    from accelerate.state import AcceleratorState
-
-    from library.training import loop
-
     data = small_dataset(tmp_path / "d")
-    whole = loop.run(parse_config(run_args(tiny_sd1_dir, data, tmp_path / "a", "--save_every_n_steps", "2"))[0])
-    AcceleratorState._reset_state(reset_partial_state=True)
+    whole = train(tiny_sd1_dir, data, tmp_path / "a", "--save_every_n_steps", "2", run=SGD_RUN)
     # the step-2 LoRA, started at step 2 with the data skipped there: the same batches, noise and learning rates
-    continued = loop.run(parse_config(run_args(
-        tiny_sd1_dir, data, tmp_path / "b", "--network_weights", str(tmp_path / "a" / "r-step00000002.safetensors"),
-        "--initial_step", "2", "--skip_until_initial_step"))[0])
+    continued = train(tiny_sd1_dir, data, tmp_path / "b", "--network_weights",
+                      str(tmp_path / "a" / "r-step00000002.safetensors"), "--initial_step", "2",
+                      "--skip_until_initial_step", run=SGD_RUN)
     assert continued.global_step == 4 and len(continued.losses) == 2
     assert continued.losses == whole.losses[2:]
     expected, got = load_file(whole.output_file), load_file(continued.output_file)
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], rtol=0, atol=0, msg=key)
-    AcceleratorState._reset_state(reset_partial_state=True)
     # without the skip the data starts at the beginning of the epoch (4 images, batch 1: epoch 0, other batches)
-    fresh_data = loop.run(parse_config(run_args(
-        tiny_sd1_dir, data, tmp_path / "c", "--network_weights", str(tmp_path / "a" / "r-step00000002.safetensors"),
-        "--initial_step", "2"))[0])
+    fresh_data = train(tiny_sd1_dir, data, tmp_path / "c", "--network_weights",
+                       str(tmp_path / "a" / "r-step00000002.safetensors"), "--initial_step", "2", run=SGD_RUN)
     assert fresh_data.global_step == 4 and fresh_data.losses != whole.losses[2:]

@@ -6,14 +6,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState
 from PIL import Image
 
 from library.config import UserError, parse_config
 from library.network import kohya_format
-from library.training import loop
+from tests.helpers.runs import TINY_RUN, train
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
+
+RUN = {**TINY_RUN, "seed": 9, "learning_rate": "1e-2", "network_dropout": 0.2}
 
 
 @pytest.fixture
@@ -23,23 +24,14 @@ def prompts(tmp_path) -> Path:
     return path
 
 
-def run(tiny_sd1_dir: Path, data_dir: Path, output_dir: Path, *extra: str):
-    config, _ = parse_config([
-        "--pretrained_model_name_or_path", str(tiny_sd1_dir), "--train_data_dir", str(data_dir),
-        "--output_dir", str(output_dir), "--resolution", "64", "--caption_extension", ".txt",
-        "--train_batch_size", "2", "--seed", "9", "--learning_rate", "1e-2", "--network_dropout", "0.2", *extra])
-    AcceleratorState._reset_state(reset_partial_state=True)
-    return loop.run(config)
-
-
 def test_sampling_writes_and_logs_images_without_changing_training(tiny_sd1_dir, sample_data_dir, tmp_path,
                                                                    prompts):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    plain = run(tiny_sd1_dir, sample_data_dir, tmp_path / "plain", "--max_train_steps", "4")
-    sampled = run(tiny_sd1_dir, sample_data_dir, tmp_path / "sampled", "--max_train_steps", "4",
-                  "--sample_prompts", str(prompts), "--sample_every_n_steps", "2", "--sample_at_first",
-                  "--log_with", "tensorboard")
+    plain = train(tiny_sd1_dir, sample_data_dir, tmp_path / "plain", "--max_train_steps", "4", run=RUN)
+    sampled = train(tiny_sd1_dir, sample_data_dir, tmp_path / "sampled", "--max_train_steps", "4",
+                    "--sample_prompts", str(prompts), "--sample_every_n_steps", "2", "--sample_at_first",
+                    "--log_with", "tensorboard", run=RUN)
 
     assert sampled.losses == plain.losses
     a, b = (kohya_format.load_kohya_lora(tmp_path / d / "last.safetensors")[0] for d in ("plain", "sampled"))
@@ -68,8 +60,8 @@ def test_epoch_rounds_are_named_by_epoch_and_override_step_rounds(tiny_sd1_dir, 
     for image in sorted((sample_data_dir / "10_sks shape").glob("*.png"))[:4]:
         shutil.copy(image, data / "1_sks shape" / image.name)
         shutil.copy(image.with_suffix(".txt"), data / "1_sks shape" / image.with_suffix(".txt").name)
-    run(tiny_sd1_dir, data, tmp_path / "out", "--max_train_epochs", "2", "--sample_prompts", str(prompts),
-        "--sample_every_n_epochs", "1", "--sample_every_n_steps", "1")
+    train(tiny_sd1_dir, data, tmp_path / "out", "--max_train_epochs", "2", "--sample_prompts", str(prompts),
+          "--sample_every_n_epochs", "1", "--sample_every_n_steps", "1", run=RUN)
     names = sorted(p.name for p in (tmp_path / "out" / "sample").iterdir())
     assert names == sorted(f"last_e{epoch:06d}_{index:02d}_{seed}.png" for epoch in (1, 2)
                            for index, seed in ((0, 11), (1, 12)))
@@ -79,8 +71,8 @@ def test_prompt_file_problems_stop_before_training(tiny_sd1_dir, sample_data_dir
     bad = tmp_path / "bad.txt"
     bad.write_text("a shape --w abc\nanother --s 0\n")
     with pytest.raises(UserError) as e:
-        run(tiny_sd1_dir, sample_data_dir, tmp_path / "out", "--max_train_steps", "1", "--sample_prompts", str(bad),
-            "--sample_every_n_steps", "1")
+        train(tiny_sd1_dir, sample_data_dir, tmp_path / "out", "--max_train_steps", "1", "--sample_prompts", str(bad),
+              "--sample_every_n_steps", "1", run=RUN)
     assert "line 1" in str(e.value) and "line 2" in str(e.value)
     assert not (tmp_path / "out" / "last.safetensors").exists()
     with pytest.raises(UserError, match="sample_sampler"):
