@@ -9,6 +9,7 @@ import torch
 from library import digits
 from library.config import parse_config
 from library.digits import judge
+from library.families.entry import LoadRequest
 from library.families.z_image import family as z_image
 from tests.helpers import family_checks
 from tools import pretrain_z_image_base
@@ -22,7 +23,7 @@ def test_z_image_base_is_what_the_recipe_builds_and_holds_the_digit_out():
     pipe = family_checks.load_small_base(BASE)
     assert judge.is_z_image(pipe) and not judge.is_flux(pipe) and judge.is_z_image(BASE)
     # The folder loads as the trainer loads a Z-Image folder.
-    assert isinstance(z_image.load_z_image_folder(BASE, torch.float32, torch.float32).family, z_image.ZImage)
+    assert isinstance(z_image.load_z_image_folder(LoadRequest(BASE)).family, z_image.ZImage)
     built = pretrain_z_image_base.build_parts(0)
     for name in ("transformer", "vae", "text_encoder"):
         saved, fresh = family_checks.config_dict(getattr(pipe, name)), family_checks.config_dict(built[name])
