@@ -3,7 +3,7 @@ utilisation, over a grid of precision, gradient checkpointing, torch.compile and
 
     python bench/gpu.py [--models sd15,sdxl,flux] [--resolution 512,1024,1024] [--batch_size 1] [--steps 10]
                         [--warmup 3] [--cells NAME ...] [--peak_tflops T] [--json PATH]
-    python bench/gpu.py --tiny      # the tiny models on the CPU, a reduced grid (what tests/bench/test_bench_gpu.py runs)
+    python bench/gpu.py --tiny      # the tiny models on the CPU, a reduced grid (tests/bench/test_bench_gpu.py)
 
 Each cell trains the denoiser the way `train_network.py` does with cached latents and text-encoder outputs: the
 Config comes from `library.config.parse_config`, the Accelerator from `prepare_accelerator` (autocast, and the
