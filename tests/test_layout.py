@@ -16,7 +16,8 @@ ALLOWED = {
     "monitoring": {"config", "core"},
     "training": {"config", "core", "data", "families", "memory", "network", "monitoring"},
     "digits": {"config", "core", "families", "monitoring"},  # families: the registry and FLUX LoRA keys
-    "ui": {"config", "core", "data", "monitoring"},  # runs train_network.py as a process, never training's code
+    # runs train_network.py as a process, never training's code; the family registry tells a model's family
+    "ui": {"config", "core", "data", "families", "monitoring"},
 }
 
 

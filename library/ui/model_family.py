@@ -1,26 +1,24 @@
-"""The family of a base-model folder, told cheaply (one small JSON file read, no torch), so that the editor can
-offer that family's options. A diffusers folder's transformer class is named after its family
-(FluxTransformer2DModel, SD3Transformer2DModel, QwenImageTransformer2DModel, ...) and SD's folders have a unet/, as
-the registry's detectors read them. A single file or anything else: None (the trainer tells it from the weights)."""
+"""The family of the model the editor names, as the trainer's registry tells it (a folder's transformer class, a
+file's marker keys: a small read, no weights), so that the editor can offer that family's options."""
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 
-from library.config.option_types import FAMILIES
+from library.families.registry import ENTRIES, entry_for
+
+FAMILIES: tuple[str, ...] = tuple(entry.name for entry in ENTRIES)  # the editor's filter, in the registry's order
 
 
-def folder_family(path: Path) -> str | None:
-    """The registry's name of the family whose diffusers folder `path` is, or None when that is not cheap to tell."""
-    if not path.is_dir():
+def model_family(path: Path) -> str | None:
+    """The registry's name of the family whose folder or file `path` is; None when no family recognises it (the
+    trainer's own check then says what it is)."""
+    if not path.exists():
         return None
-    if (path / "unet").is_dir():
-        return "sd"
     try:
-        name = json.loads((path / "transformer" / "config.json").read_text(encoding="utf-8"))["_class_name"]
-    except (OSError, ValueError, KeyError, TypeError):
+        entry = entry_for(path)
+        recognised = entry.is_file(path) if path.is_file() else entry.is_folder(path)
+    except (OSError, ValueError):
         return None
-    squashed = re.sub(r"[^a-z0-9]", "", str(name).lower())
-    named = [family for family in FAMILIES if squashed.startswith(family.replace("_", ""))]
-    return max(named, key=len, default=None)  # sd3 rather than sd
+    if entry.reads_unrecognised and path.is_file():
+        return None  # any file nobody else claims goes to that entry: not a sign of its family
+    return entry.name if recognised else None

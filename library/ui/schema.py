@@ -15,9 +15,9 @@ from typing import Any, Callable, Mapping
 
 from library.config import ConfigError, parse_config, read_toml
 from library.config.dump import config_toml
-from library.config.option_types import FAMILIES
 from library.config.options import ALIASES, GROUPS, OPTIONS, Option
 from library.data.dataset_config import dataset_toml_problems
+from library.ui import model_family
 
 COMMAND_LINE_ONLY = ("config_file", "output_config")  # the UI passes --config itself
 
@@ -67,7 +67,7 @@ def fields_by_group() -> dict[str, list[Field]]:
 
 def families() -> tuple[str, ...]:
     """The families the editor's filter offers, by the registry's names."""
-    return FAMILIES
+    return model_family.FAMILIES
 
 
 def display(option: Option, value: Any) -> str:

@@ -8,10 +8,9 @@ from fastapi import Depends, Request
 from fastapi.responses import HTMLResponse
 from starlette.datastructures import FormData
 
-from library.config.option_types import FAMILIES
 from library.config.options import GROUPS
 from library.ui import schema, security
-from library.ui.model_family import folder_family
+from library.ui.model_family import FAMILIES, model_family
 from library.ui.runs import RunManager
 from library.ui.settings import Settings
 
@@ -50,14 +49,14 @@ def form_context(request: Request, state: schema.FormState, message: str = "", c
 
 
 def chosen_family(model: str, form: Mapping[str, Any], roots: security.Roots) -> str:
-    """The family filter's choice: the one picked for this model in the page, else the model folder's family when
-    that is cheap to tell (under the roots only), else the one picked; "" for every family."""
+    """The family filter's choice: the one picked for this model in the page, else the family of the model's folder
+    or file (under the roots only), else the one picked; "" for every family."""
     picked = str(form.get("_family", ""))
     picked = picked if picked in FAMILIES else ""
     if "_family" in form and str(form.get("_family_model", "")) == model:
         return picked
     folder = roots.resolve(model) if model.strip() else None
-    return (folder_family(folder) if folder is not None else None) or picked
+    return (model_family(folder) if folder is not None else None) or picked
 
 
 def form_page(request: Request, state: schema.FormState, message: str = "", status_code: int = 200,
