@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from library.config import Config, UserError
+from library.config import UserError
 from library.families.chroma.family import Chroma, text_mask
 from tests.helpers.family_checks import (
     assert_comfyui_key_rule_patches_our_change,
@@ -16,6 +16,7 @@ from tests.helpers.family_checks import (
     sample,
     sampling_models,
 )
+from tests.helpers.runs import given_config
 
 RANK, ALPHA = 4, 2.0
 
@@ -28,11 +29,7 @@ def components(tiny_chroma_dir):
 
 
 def settings(**changes):
-    from library.config.options import OPTIONS
-
-    chroma = {"apply_t5_attn_mask": True, "guidance_scale": 0.0}  # kohya's required Chroma settings
-    given = {**chroma, **changes}
-    return Config({**{name: o.default for name, o in OPTIONS.items()}, **given}, explicit=given)
+    return given_config(**{"apply_t5_attn_mask": True, "guidance_scale": 0.0, **changes})  # kohya's for Chroma
 
 
 def test_the_bfl_files_load_to_the_folders_weights(components, tiny_chroma_dir, tmp_path):

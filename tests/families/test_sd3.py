@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from library.config import Config, UserError
+from library.config import UserError
 from library.families.sd3 import lora as sd3_lora
 from library.families.sd3.family import SD3
 from tests.helpers.family_checks import (
@@ -20,6 +20,7 @@ from tests.helpers.family_checks import (
     sampling_models,
 )
 from tests.helpers.lora_files import attached, deltas, file_delta
+from tests.helpers.runs import given_config
 
 RANK, ALPHA = 4, 2.0
 
@@ -31,10 +32,7 @@ def components(tiny_sd3_dir):
     return load_components(tiny_sd3_dir)
 
 
-def settings(**changes):
-    from library.config.options import OPTIONS
-
-    return Config({**{name: o.default for name, o in OPTIONS.items()}, **changes}, explicit=changes)
+settings = given_config
 
 
 def encode(family, components, captions):

@@ -65,3 +65,10 @@ def train_lora(model: Path | str, data: Path | str, output_dir: Path | str, *ext
     from safetensors.torch import load_file
 
     return load_file(train(model, data, output_dir, *extra, run=run, **options).output_file)
+
+
+def given_config(**given: Any) -> Config:
+    """A Config of the schema's defaults with `given` set as if the user had written them, without parsing."""
+    from library.config.options import OPTIONS
+
+    return Config({**{name: o.default for name, o in OPTIONS.items()}, **given}, explicit=given)
