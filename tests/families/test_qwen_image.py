@@ -33,12 +33,7 @@ def components(tiny_qwen_image_dir):
 
 
 def encode(components, captions):
-    family = components.family
-    tokenize = family.tokenizer(components, None)
-    tokens = [tokenize(c) for c in captions]
-    batch = {k: torch.stack([t[k] for t in tokens]) for k in tokens[0]}
-    with torch.no_grad():
-        return family.encode_text(components.text_encoders, batch, None)
+    return musubi_lora.encode_captions(components, captions)[1]
 
 
 # --- musubi's formulas, written from its code --------------------------------------------------------------------

@@ -104,13 +104,7 @@ def components(tiny_z_image_dir):
     return load_components(tiny_z_image_dir)
 
 
-def encode(components, captions):
-    family = components.family
-    tokenize = family.tokenizer(components, None)
-    tokens = [tokenize(c) for c in captions]
-    batch = {k: torch.stack([t[k] for t in tokens]) for k in tokens[0]}
-    with torch.no_grad():
-        return batch, family.encode_text(components.text_encoders, batch, None)
+encode = musubi_lora.encode_captions
 
 
 def test_prompts_are_qwen3s_penultimate_states_through_the_chat_template(components):

@@ -70,3 +70,13 @@ def assert_same_weights(loaded, components) -> None:
                             (loaded.text_encoders[0], components.text_encoders[0])):
         a, b = ours.state_dict(), reference.state_dict()
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def encode_captions(components, captions: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The batched token ids of `captions` as the family tokenizes them, and its text encoder's outputs for them."""
+    family = components.family
+    tokenize = family.tokenizer(components, None)
+    tokens = [tokenize(c) for c in captions]
+    batch = {k: torch.stack([t[k] for t in tokens]) for k in tokens[0]}
+    with torch.no_grad():
+        return batch, family.encode_text(components.text_encoders, batch, None)
