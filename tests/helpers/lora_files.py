@@ -26,3 +26,17 @@ def file_delta(state_dict, name):
     """The weight change a kohya file's `name` entry holds."""
     down, up = state_dict[f"{name}.lora_down.weight"], state_dict[f"{name}.lora_up.weight"]
     return up @ down * (state_dict[f"{name}.alpha"] / down.shape[0])  # what every reader computes
+
+
+def randomize_adapters(models, generator: torch.Generator, scale: float, magnitude_spread: float) -> None:
+    """Every adapter tensor of `models` random, as after training, so that each factor shows in a comparison: a
+    DoRA magnitude scaled by 1 + spread * U(0, 1) (it stays positive), every other tensor N(0, scale^2)."""
+
+    with torch.no_grad():
+        for model in models:
+            for _, layer in lora.lora_layers(model):
+                for role, param in lora.layer_parameters(layer).items():
+                    if role == "dora_scale":
+                        param.mul_(1 + magnitude_spread * torch.rand(param.shape, generator=generator))
+                    else:
+                        param.copy_(torch.randn(param.shape, generator=generator) * scale)

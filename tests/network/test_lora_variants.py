@@ -18,6 +18,7 @@ from library.config import ConfigError, parse_config
 from library.config.network_args import NetworkArgs, parse_network_args
 from library.network import kohya_format, lora
 from library.network import targets as network_setup
+from tests.helpers.lora_files import randomize_adapters
 from tests.helpers.runs import make_config
 
 RANK = 4
@@ -43,15 +44,7 @@ def attached(tiny, net: NetworkArgs, rank: int = RANK, alpha: float = 2.0, seed:
     unet, te = copy.deepcopy(tiny["unet"]), copy.deepcopy(tiny["text_encoder"])
     network_setup.attach_network(unet, "unet", rank, alpha, 0.0, net)
     network_setup.attach_network(te, "text_encoder", rank, alpha, 0.0, net)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for model in (unet, te):
-            for _, layer in lora.lora_layers(model):
-                for role, param in lora.layer_parameters(layer).items():
-                    if role == "dora_scale":
-                        param.mul_(1 + 0.2 * torch.rand(param.shape, generator=gen))  # a magnitude stays positive
-                    else:
-                        param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    randomize_adapters((unet, te), torch.Generator().manual_seed(seed), scale=0.1, magnitude_spread=0.2)
     return unet, te
 
 

@@ -12,6 +12,7 @@ from library.config import parse_config
 from library.config.network_args import NetworkArgs, parse_network_args
 from library.network import kohya_format, lora, presets
 from library.network import targets as network_setup
+from tests.helpers.lora_files import randomize_adapters
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -167,13 +168,7 @@ def test_lycoris_loads_the_file_strictly_and_computes_the_same(tiny, network_arg
     ours = copy.deepcopy(tiny["unet"])
     network_setup.attach_network(ours, "unet", 8, 4.0, 0.0, settings)
     gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for _, layer in lora.lora_layers(ours):
-            for role, param in lora.layer_parameters(layer).items():
-                if role == "dora_scale":
-                    param.mul_(1 + 0.3 * torch.rand(param.shape, generator=gen))
-                else:
-                    param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    randomize_adapters((ours,), gen, scale=0.2, magnitude_spread=0.3)
     theirs, te = copy.deepcopy(tiny["unet"]), copy.deepcopy(tiny["text_encoder"])
     kwargs = dict(arg.split("=", 1) for arg in network_args)
     network = lycoris_kohya.create_network(1.0, 8, 4.0, tiny["vae"], te, theirs, **kwargs)

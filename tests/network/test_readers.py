@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from library.config.network_args import NetworkArgs
-from library.network import kohya_format, lora
+from library.network import kohya_format
 from library.network import targets as network_setup
+from tests.helpers.lora_files import randomize_adapters
 
 RANK = 4
 
@@ -33,15 +34,7 @@ def trained(tiny, net: NetworkArgs, seed: int = 1) -> dict[str, nn.Module]:
     unet, te = copy.deepcopy(tiny["unet"]), copy.deepcopy(tiny["text_encoder"])
     network_setup.attach_network(unet, "unet", RANK, 2.0, 0.0, net)
     network_setup.attach_network(te, "text_encoder", RANK, 2.0, 0.0, net)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for model in (unet, te):
-            for _, layer in lora.lora_layers(model):
-                for role, param in lora.layer_parameters(layer).items():
-                    if role == "dora_scale":
-                        param.mul_(1 + 0.3 * torch.rand(param.shape, generator=gen))
-                    else:
-                        param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    randomize_adapters((unet, te), torch.Generator().manual_seed(seed), scale=0.2, magnitude_spread=0.3)
     return {"lora_unet": unet.eval(), "lora_te": te.eval()}
 
 
