@@ -4,6 +4,7 @@ the meta device, one message for files that cannot be read, and the shipped T5 a
 gzipped)."""
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import re
@@ -22,10 +23,18 @@ _SHARD = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.safetensors$")
 
 
 def file_keys(path: Path) -> list[str]:
+    """The tensor names of a .safetensors file. Telling a file's family asks each family's detector in turn: the
+    header is read once per file version (path, modification time, size), not once per detector."""
+    stat = path.stat()
+    return list(_header_keys(str(path.resolve()), stat.st_mtime_ns, stat.st_size))
+
+
+@functools.lru_cache(maxsize=16)
+def _header_keys(path: str, mtime_ns: int, size: int) -> tuple[str, ...]:
     from safetensors import safe_open
 
-    with safe_open(str(path), "pt") as f:
-        return list(f.keys())
+    with safe_open(path, "pt") as f:
+        return tuple(f.keys())
 
 
 def marked_keys(path: Path, prefix: str) -> set[str]:
