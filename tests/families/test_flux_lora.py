@@ -82,6 +82,25 @@ def trained(transformer, *args, seed=0):
     return attached(transformer, modules, overrides, seed)
 
 
+def pipelines_and_kohya_file(tiny_flux_dir, *network_args):
+    """Two FluxPipelines of the tiny folder; the second's transformer (trained with `network_args`) and CLIP-L get
+    random LoRA, written as kohya's FLUX file: (untouched pipe, ours, our transformer, the file's tensors)."""
+    from diffusers import FluxPipeline
+
+    from library.families.flux.family import Flux
+
+    pipe = FluxPipeline.from_pretrained(tiny_flux_dir, local_files_only=True)
+    ours = FluxPipeline.from_pretrained(tiny_flux_dir, local_files_only=True)
+    model = trained(ours.transformer, *network_args)
+    lora.attach_lora(ours.text_encoder, lora.text_encoder_target_modules(ours.text_encoder), RANK, ALPHA)
+    with torch.no_grad():
+        for _, layer in lora.lora_layers(ours.text_encoder):
+            layer.lora_B["default"].weight.normal_()
+    state = Flux().export_lora_keys(kohya_format.kohya_state_dict({"lora_unet": model,
+                                                                   "lora_te1": ours.text_encoder}, ALPHA))
+    return pipe, ours, model, state
+
+
 def test_fused_keys_carry_exactly_the_split_deltas(transformer):
     model = trained(transformer)
     exported = flux_lora.to_kohya(kohya_format.kohya_state_dict({"lora_unet": model}, ALPHA))
@@ -146,17 +165,8 @@ def test_diffusers_load_lora_weights_consumes_every_key_and_matches_our_output(t
     checked above). Outputs agree to rtol 1e-4 / atol 1e-5 (diffusers folds alpha / rank into both matrices)."""
     from diffusers import FluxPipeline
 
-    from library.families.flux.family import Flux
 
-    pipe = FluxPipeline.from_pretrained(tiny_flux_dir, local_files_only=True)
-    ours = FluxPipeline.from_pretrained(tiny_flux_dir, local_files_only=True)
-    model = trained(ours.transformer, "train_blocks=double")
-    lora.attach_lora(ours.text_encoder, lora.text_encoder_target_modules(ours.text_encoder), RANK, ALPHA)
-    with torch.no_grad():
-        for _, layer in lora.lora_layers(ours.text_encoder):
-            layer.lora_B["default"].weight.normal_()
-    state = Flux().export_lora_keys(kohya_format.kohya_state_dict({"lora_unet": model,
-                                                                   "lora_te1": ours.text_encoder}, ALPHA))
+    pipe, ours, model, state = pipelines_and_kohya_file(tiny_flux_dir, "train_blocks=double")
     path = tmp_path / "flux_lora.safetensors"
     kohya_format.save_lora_file(path, state, {})
     # Every key of the file becomes exactly one of our modules' A / B (diffusers raises on keys it cannot place).
@@ -219,19 +229,9 @@ def test_block_indices_choose_blocks(two_block_transformer):
 def test_to_peft_loads_single_blocks_too_and_matches_our_output(tiny_flux_dir, tmp_path):
     """diffusers cannot read kohya's single-block keys at the tiny model's widths; to_peft hands it peft keys that
     give every trained layer (double, single, CLIP-L) the delta the trainer's LoRA has."""
-    from diffusers import FluxPipeline
 
-    from library.families.flux.family import Flux
 
-    pipe = FluxPipeline.from_pretrained(tiny_flux_dir, local_files_only=True)
-    ours = FluxPipeline.from_pretrained(tiny_flux_dir, local_files_only=True)
-    model = trained(ours.transformer)  # all blocks
-    lora.attach_lora(ours.text_encoder, lora.text_encoder_target_modules(ours.text_encoder), RANK, ALPHA)
-    with torch.no_grad():
-        for _, layer in lora.lora_layers(ours.text_encoder):
-            layer.lora_B["default"].weight.normal_()
-    state = Flux().export_lora_keys(kohya_format.kohya_state_dict({"lora_unet": model,
-                                                                   "lora_te1": ours.text_encoder}, ALPHA))
+    pipe, ours, model, state = pipelines_and_kohya_file(tiny_flux_dir)  # all blocks
     assert any(key.startswith("lora_unet_single_blocks_0_linear1") for key in state)
     converted = flux_lora.to_peft(state, {"transformer": pipe.transformer, "text_encoder": pipe.text_encoder})
     assert len(converted) == 2 * (len(lora_names(model)) + len(lora_names(ours.text_encoder)))
