@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from typing import Any
 
 from library.config import Config, ConfigError
@@ -10,6 +11,18 @@ from library.data.dataset import collect_training_data
 from library.data.scan import listing
 
 logger = logging.getLogger(__name__)
+
+
+def _control_lines(data: Any, dataset_index: int) -> list[str]:
+    """How a dataset's control images are fed: per target bucket, the controls' sizes (a batch shares both)."""
+    paired = [r for r in data.records if r.dataset_index == dataset_index and r.controls]
+    if not paired:
+        return []
+    shapes = Counter((r.bucket, tuple(c.target for c in r.controls)) for r in paired)
+    return ([f"  control images: {sum(len(r.controls) for r in paired)} for {len(paired)} images; target bucket "
+             "with the controls' sizes: images"]
+            + [f"    {b[0]}x{b[1]} with {', '.join(f'{w}x{h}' for w, h in sizes)}: {n}"
+               for (b, sizes), n in sorted(shapes.items())])
 
 
 def dataset_report(config: Config, tokenizer: Any = None, num_processes: int = 1) -> tuple[str, bool]:
@@ -49,6 +62,7 @@ def dataset_report(config: Config, tokenizer: Any = None, num_processes: int = 1
         if histogram:
             lines.append("  buckets (width x height: samples per epoch / images):")
             lines.extend(f"    {b[0]}x{b[1]}: {n} / {m}" for _, b, n, m in histogram)
+        lines.extend(_control_lines(data, d))
     batches = data.batches_per_epoch // num_processes
     steps = math.ceil(batches / config.gradient_accumulation_steps) if batches else 0
     lines.append(f"per epoch: {data.num_train_images} training samples, "

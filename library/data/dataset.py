@@ -21,6 +21,7 @@ import torch
 from library.config import Config, UserError
 from library.core.seeds import derive_seed
 from library.data.captions import process_caption
+from library.data.controls import control_inputs
 from library.data.dataset_config import DatasetSpec, resolve_datasets
 from library.data.face_crop import face_crop, face_from_name
 from library.data.images import color_augment, prepare_image, prepare_mask
@@ -48,7 +49,8 @@ class TrainingDataset(torch.utils.data.Dataset):
     """Each image once per repeat. Items are dicts; see `collate` for the batch layout.
 
     `latents` (set by library.data.cache.cache_latents) replaces the pixels with the VAE posterior parameters;
-    `text_encoder_outputs` (set by cache_text_encoder_outputs) replaces token ids with hidden states.
+    `control_latents` (set there too, for edit datasets) replaces the control images' pixels with their posterior
+    means; `text_encoder_outputs` (set by cache_text_encoder_outputs) replaces token ids with hidden states.
     """
 
     def __init__(self, records: list[ImageRecord], samples: list[int], seed: int,
@@ -59,6 +61,7 @@ class TrainingDataset(torch.utils.data.Dataset):
         self.tokenize = tokenize
         self.prior_loss_weight = prior_loss_weight
         self.latents: Any = None  # object with get(record_index, flipped) -> (mean, logvar)
+        self.control_latents: Any = None  # object with get(control, flipped, interpolation) -> mean
         self.text_encoder_outputs: dict[str, torch.Tensor] | None = None
         self.total_steps = 0  # the run's optimizer steps, for a token warm-up given as a fraction of them
 
@@ -99,6 +102,8 @@ class TrainingDataset(torch.utils.data.Dataset):
                 augment = lambda image: color_augment(image, rng)  # noqa: E731 (one use, right here)
             item["pixels"] = prepare_image(record.path, record.size, resized, record.bucket, (left, top),
                                            flipped, subset.resize_interpolation, augment)
+        if record.controls:
+            item.update(control_inputs(record.controls, subset, flipped, self.control_latents))
         # Read from the files each time, also with cached latents, so a cache never holds a stale mask.
         if subset.conditioning_data_dir is not None:  # kohya prefers these masks to the alpha channel
             item["loss_mask"] = prepare_mask(subset.conditioning_data_dir / record.path.name, record.size,
@@ -123,8 +128,16 @@ _STACKED = ("pixels", "latent_mean", "latent_logvar")
 
 def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
     """Stack tensors (and each tensor of the `text` dicts); per-item sizes as (B, 2) long tensors in
-    (height, width) / (top, left) order."""
+    (height, width) / (top, left) order.
+
+    Edit datasets add, per control index i (a batch's items share their controls' count and sizes), either
+    `control_pixels[i]`: (B, 3, H_i, W_i) in [-1, 1], or, with cached latents, `control_latents[i]`: (B, C, h_i, w_i)
+    VAE posterior means (the mode, as diffusers' edit pipelines encode references), before the family's scaling.
+    """
     batch: dict[str, Any] = {key: torch.stack([item[key] for item in items]) for key in _STACKED if key in items[0]}
+    for key in ("control_pixels", "control_latents"):
+        if key in items[0]:
+            batch[key] = [torch.stack([item[key][i] for item in items]) for i in range(len(items[0][key]))]
     if "text" in items[0]:
         batch["text"] = {key: torch.stack([item["text"][key] for item in items]) for key in items[0]["text"]}
     batch["loss_weight"] = torch.tensor([item["loss_weight"] for item in items], dtype=torch.float32)
@@ -269,6 +282,7 @@ class TrainingData:
         dataset, sampler = _assemble(self.specs, self.records, self.seed, self.num_processes,
                                      self.dataset.tokenize, self.dataset.prior_loss_weight)
         dataset.latents, dataset.text_encoder_outputs = self.dataset.latents, self.dataset.text_encoder_outputs
+        dataset.control_latents = self.dataset.control_latents
         self.dataset, self.sampler = dataset, sampler
         if not self.sampler.num_batches:
             raise UserError(["the dataset has no usable images left"] + list(reasons))
@@ -279,8 +293,10 @@ class TrainingData:
         digest = hashlib.blake2b(digest_size=16)
         digest.update(repr([(s.batch_size, s.resolution) for s in self.specs]).encode())
         for r in self.records:
-            digest.update(repr((str(r.path), r.size, r.bucket, r.resized, r.repeats, r.is_reg, r.caption,
-                                r.subset)).encode())
+            entry: tuple = (str(r.path), r.size, r.bucket, r.resized, r.repeats, r.is_reg, r.caption, r.subset)
+            if r.controls:  # only here, so a dataset without control images keeps its fingerprint
+                entry += (r.controls, r.subset.no_resize_control, r.subset.control_resolution)
+            digest.update(repr(entry).encode())
         return digest.hexdigest()
 
     def kohya_metadata(self) -> dict[str, str]:
@@ -323,14 +339,15 @@ def _assemble(specs: Sequence[DatasetSpec], records: list[ImageRecord], seed: in
                 r.repeats = r.subset.num_repeats
         balance_regularisation(in_dataset)
     samples: list[int] = []
-    groups: dict[tuple[int, tuple[int, int]], list[int]] = {}
+    # A batch's items share their bucket and their controls' count and sizes, so controls stack too.
+    groups: dict[tuple[int, tuple[int, int], tuple[tuple[int, int], ...]], list[int]] = {}
     for record_index, r in enumerate(records):
-        members = groups.setdefault((r.dataset_index, r.bucket), [])
+        members = groups.setdefault((r.dataset_index, r.bucket, tuple(c.target for c in r.controls)), [])
         for _ in range(r.repeats):
             members.append(len(samples))
             samples.append(record_index)
     dataset = TrainingDataset(records, samples, seed, tokenize, prior_loss_weight)
-    sampler = BucketBatchSampler([(specs[d].batch_size, groups[(d, b)]) for d, b in sorted(groups)], seed,
+    sampler = BucketBatchSampler([(specs[key[0]].batch_size, groups[key]) for key in sorted(groups)], seed,
                                  num_processes)
     return dataset, sampler
 

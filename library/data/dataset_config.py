@@ -6,8 +6,9 @@ read and checked strictly by library.data.dataset_toml.
 from __future__ import annotations
 
 import logging
+import math
 import re
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -49,6 +50,11 @@ class SubsetSpec:
     token_warmup_step: float = 0.0  # ... growing to all of them by this step (a fraction of the run when below 1)
     metadata_file: Path | None = None  # kohya's fine-tuning metadata: the images and captions (no caption files)
     face_crop_aug_range: tuple[float, float] | None = None  # kohya's: face size range for crops around faces
+    # musubi-tuner's edit datasets (library.data.controls). Left out of the repr, which the data fingerprint hashes,
+    # so a dataset without control images keeps its fingerprint; the fingerprint adds them where they are used.
+    control_directory: Path | None = field(default=None, repr=False)  # control images paired by file stem
+    no_resize_control: bool = field(default=False, repr=False)  # keep their own size, rounded to bucket_reso_steps
+    control_resolution: tuple[int, int] | None = field(default=None, repr=False)  # their own bucket at this area
 
     @property
     def caption_ops(self) -> bool:
@@ -113,7 +119,7 @@ def _resolve_subset(layers: list[Mapping[str, Any]], config: Config | None,
         values["caption_extension"] = "." + extension  # kohya adds the dot
     if values["class_tokens"] is not None and not values["class_tokens"].strip():
         values["class_tokens"] = None
-    for name in ("conditioning_data_dir", "metadata_file"):
+    for name in ("conditioning_data_dir", "metadata_file", "control_directory"):
         if values[name] is not None:
             values[name] = Path(values[name])
     face = values["face_crop_aug_range"]
@@ -235,6 +241,7 @@ def check_dataset_spec(spec: DatasetSpec, config: Config | None, where: str) -> 
             # kohya reads these masks only for masked_loss and refuses the key otherwise.
             need(config is None or config.masked_loss,
                  f"{at}: conditioning_data_dir holds loss masks, which need masked_loss = true")
+        problems += _control_problems(subset, spec.bucket_reso_steps, f"{where}: {at}")
         for cached, changing, why in (
                 (caching_latents, subset.color_aug, "color_aug changes the pixels each time and cannot use cached "
                  "latents; turn off color_aug or cache_latents / cache_latents_to_disk"),
@@ -246,6 +253,20 @@ def check_dataset_spec(spec: DatasetSpec, config: Config | None, where: str) -> 
                  "token_warmup_step change the caption each time and cannot use cache_text_encoder_outputs; turn "
                  "off one")):
             need(not (cached and changing), f"{at}: {why}")
+    return problems
+
+
+def _control_problems(subset: SubsetSpec, steps: int, at: str) -> list[str]:
+    problems = []
+    directory = subset.control_directory
+    if directory is not None and not directory.is_dir():
+        problems.append(f"{at}: control_directory {directory} " + ("is not a folder" if directory.exists() else
+                                                                     "not found"))
+    if subset.control_resolution is not None:
+        width, height = subset.control_resolution
+        if math.isqrt(width * height) < steps:
+            problems.append(f"{at}: control_resolution {width}x{height} is smaller than bucket_reso_steps {steps}: "
+                            "no control size fits")
     return problems
 
 

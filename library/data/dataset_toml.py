@@ -81,14 +81,21 @@ SUBSET_KEYS: dict[str, Callable[[Any], Any]] = {
     "color_aug": _bool,
     "secondary_separator": _str, "enable_wildcard": _bool, "resize_interpolation": _str,
     "token_warmup_min": _int, "token_warmup_step": _float, "face_crop_aug_range": _float_pair,
+    # musubi-tuner's edit datasets: how control images are sized (library.data.controls)
+    "no_resize_control": _bool, "control_resolution": _resolution,
 }
 SUBSET_ONLY_KEYS: dict[str, Callable[[Any], Any]] = {"image_dir": _str, "is_reg": _bool,
-                                                     "conditioning_data_dir": _str, "metadata_file": _str}
+                                                     "conditioning_data_dir": _str, "metadata_file": _str,
+                                                     "control_directory": _str}
 DATASET_KEYS: dict[str, Callable[[Any], Any]] = {
     "resolution": _resolution, "batch_size": _int, "enable_bucket": _bool, "min_bucket_reso": _int,
     "max_bucket_reso": _int, "bucket_reso_steps": _int, "bucket_no_upscale": _bool,
 }
-_ALIASES = {"caption_extention": "caption_extension"}  # kohya's misspelling, accepted on its command line
+_ALIASES = {"caption_extention": "caption_extension",  # kohya's misspelling, accepted on its command line
+            # musubi-tuner's older names, which it still reads
+            "flux_kontext_no_resize_control": "no_resize_control",
+            "qwen_image_edit_no_resize_control": "no_resize_control",
+            "qwen_image_edit_control_resolution": "control_resolution"}
 # kohya dataset keys this trainer does not offer; named so the user knows exactly what to change.
 UNSUPPORTED_KEYS = (
     "cache_info", "network_multiplier", "max_token_length", "debug_dataset",

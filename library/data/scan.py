@@ -8,6 +8,15 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from library.data.captions import CaptionRead, read_caption
+from library.data.controls import (
+    ControlImage,
+    metadata_controls,
+    missing_control,
+    pair_by_stem,
+    place_controls,
+    read_controls,
+    unpaired_control,
+)
 from library.data.dataset_config import DatasetSpec, SubsetSpec
 from library.data.images import (
     FORMATS_BY_EXTENSION,
@@ -57,6 +66,7 @@ class ImageRecord:
     repeats: int  # per epoch; for regularisation images after balancing against the training images
     is_reg: bool
     alpha: bool = False
+    controls: tuple[ControlImage, ...] = ()  # edit datasets: the target's control images, in order
 
     @property
     def crop(self) -> tuple[int, int]:
@@ -91,10 +101,11 @@ def listing(paths: Sequence[Any]) -> str:
     return shown + (f" ... and {len(paths) - _SHOWN} more" if len(paths) > _SHOWN else "")
 
 
-def _check_image(path: Path, subset: SubsetSpec, bucketer: Bucketer,
-                 given_caption: str | None = None) -> tuple[dict[str, Any] | None, list[str], list[str]]:
+def _check_image(path: Path, subset: SubsetSpec, bucketer: Bucketer, given_caption: str | None = None,
+                 controls: tuple[Path, ...] | None = None) -> tuple[dict[str, Any] | None, list[str], list[str]]:
     """(record fields or None, problems, notes) for one image file; runs in a worker thread. `given_caption`:
-    the caption from fine-tuning metadata, instead of a caption file."""
+    the caption from fine-tuning metadata, instead of a caption file; `controls`: its control images (None in a
+    subset without them, empty when they are missing)."""
     problems: list[str] = []
     notes: list[str] = []
     facts = None
@@ -110,6 +121,8 @@ def _check_image(path: Path, subset: SubsetSpec, bucketer: Bucketer,
         problems.append(f"{path}: no caption file ({subset.caption_extension}"
                         f"{', .txt' if subset.caption_extension != '.txt' else ''}) and the subset has no class "
                         "tokens; it would train with an empty caption")
+    control_sizes, control_problems = read_controls(controls or ())
+    problems += control_problems if controls != () else [missing_control(path, subset)]
     if facts is None or problems:
         return None, problems, notes
     if subset.conditioning_data_dir is not None:
@@ -134,6 +147,11 @@ def _check_image(path: Path, subset: SubsetSpec, bucketer: Bucketer,
     fields_ = {"path": path, "caption": caption.text if caption.text is not None else subset.class_tokens,
                "caption_from_file": caption.text is not None, "size": facts.size, "bucket": placement.bucket,
                "resized": placement.resized, "alpha": facts.alpha}
+    if controls:
+        fields_["controls"], problems = place_controls(controls, control_sizes, placement.bucket, subset,
+                                                       bucketer.spec.bucket_reso_steps)
+        if problems:
+            return None, problems, notes
     return fields_, problems, notes
 
 
@@ -143,7 +161,7 @@ def scan_datasets(specs: Sequence[DatasetSpec], threads: int | None = None) -> S
     jobs = _list_jobs(specs, scan)
     workers = threads or min(8, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        results = list(pool.map(lambda job: _check_image(job[1], job[0].spec, job[2], job[3]), jobs))
+        results = list(pool.map(lambda job: _check_image(job[1], job[0].spec, *job[2:]), jobs))
     notes: dict[str, list[str]] = {}
     class_token_users: dict[int, list[Path]] = {}
     for job, result in zip(jobs, results, strict=True):
@@ -152,8 +170,11 @@ def scan_datasets(specs: Sequence[DatasetSpec], threads: int | None = None) -> S
     return scan
 
 
-# One image to check: its subset's report, the image, its dataset's bucketer, its caption from metadata (or None).
-_Job = tuple[SubsetReport, Path, Bucketer, str | None]
+# One image to check: its subset's report, the image, its dataset's bucketer, its caption from metadata (or None),
+# its control images (None in a subset without them).
+_Job = tuple[SubsetReport, Path, Bucketer, str | None, tuple[Path, ...] | None]
+# One image of a subset: the image, its caption from metadata (or None), the control images its entry names (or None).
+_Listed = tuple[Path, str | None, tuple[Path, ...] | None]
 
 
 def _list_jobs(specs: Sequence[DatasetSpec], scan: Scan) -> list[_Job]:
@@ -170,14 +191,13 @@ def _list_jobs(specs: Sequence[DatasetSpec], scan: Scan) -> list[_Job]:
                 report.used = False
                 continue
             report.images = len(listed)
-            jobs.extend((report, path, bucketer, caption) for path, caption in listed)
+            jobs.extend((report, path, bucketer, caption, controls) for path, caption, controls in listed)
     return jobs
 
 
-def _subset_images(subset: SubsetSpec, dataset_index: int, seen: set[Path],
-                   scan: Scan) -> Sequence[tuple[Path, str | None]]:
-    """(image, caption from fine-tuning metadata or None) of one subset; none when the subset is not used, with
-    the warning or problem that says why. `seen`: the dataset's folders so far."""
+def _subset_images(subset: SubsetSpec, dataset_index: int, seen: set[Path], scan: Scan) -> Sequence[_Listed]:
+    """(image, caption from fine-tuning metadata or None, its control images or None) of one subset; none when the
+    subset is not used, with the warning or problem that says why. `seen`: the dataset's folders so far."""
     directory = subset.image_dir
     if directory.resolve() in seen:
         scan.warnings.append(f"{directory}: the same folder is already a subset of dataset {dataset_index}; "
@@ -194,18 +214,47 @@ def _subset_images(subset: SubsetSpec, dataset_index: int, seen: set[Path],
         scan.problems.append(f"{directory}: not a folder")
         return []
     if subset.metadata_file is not None:
-        return _metadata_jobs(subset, scan.problems)
-    images = list_images(directory)
-    scan.problems.extend(dangling_links(directory))
-    if not images:
-        scan.problems.append(f"{directory}: no images (extensions {', '.join(IMAGE_EXTENSIONS)})")
-    return [(path, None) for path in images]
+        listed = _metadata_jobs(subset, scan.problems)
+    else:
+        listed = [(path, None, None) for path in list_images(directory)]
+        scan.problems.extend(dangling_links(directory))
+        if not listed:
+            scan.problems.append(f"{directory}: no images (extensions {', '.join(IMAGE_EXTENSIONS)})")
+    return _pair_controls(subset, listed, scan.problems)
+
+
+def _pair_controls(subset: SubsetSpec, listed: list[_Listed], problems: list[str]) -> list[_Listed]:
+    """The subset's images with their control images: those their metadata entry names, else those paired by stem
+    in control_directory. Every image of a subset with control images needs some (an empty tuple: missing)."""
+    named = {path: controls for path, _, controls in listed if controls is not None}
+    if subset.control_directory is None and not named:
+        return listed
+    changing = [name for name, on in (("random_crop", subset.random_crop), ("color_aug", subset.color_aug),
+                                      ("face_crop_aug_range", subset.face_crop_aug_range)) if on]
+    if changing:
+        problems.append(f"{subset.image_dir}: {', '.join(changing)} would change the target image alone and "
+                        "break its match with its control images; turn it off for a subset with control images")
+        return []
+    paired: dict[Path, tuple[Path, ...]] = {}
+    if subset.control_directory is not None:
+        files = list_images(subset.control_directory)
+        problems.extend(dangling_links(subset.control_directory))
+        if not files:
+            problems.append(f"{subset.control_directory}: control_directory holds no images (extensions "
+                            f"{', '.join(IMAGE_EXTENSIONS)})")
+            return []
+        paired, unpaired, clashes = pair_by_stem([p for p, _, _ in listed if p not in named], files)
+        problems.extend(clashes.values())
+        used = {c.resolve() for controls in named.values() for c in controls}
+        problems.extend(unpaired_control(c, subset) for c in unpaired if c.resolve() not in used)
+    return [(path, caption, named.get(path, paired.get(path, ()))) for path, caption, _ in listed
+            if path not in clashes]
 
 
 def _add_result(scan: Scan, job: _Job, result: tuple[dict[str, Any] | None, list[str], list[str]],
                 notes: dict[str, list[str]], class_token_users: dict[int, list[Path]]) -> None:
     """One checked image: its problems, its notes by kind, and its record when it is usable."""
-    report, path, _, _ = job
+    report, path = job[0], job[1]
     fields_, problems, image_notes = result
     scan.problems.extend(problems)
     for note in image_notes:
@@ -252,8 +301,9 @@ def _summary_warnings(subsets: list[SubsetReport], class_token_users: dict[int, 
     return warnings
 
 
-def _metadata_jobs(subset: SubsetSpec, problems: list[str]) -> list[tuple[Path, str]]:
-    """(image, caption) of each entry of a subset's fine-tuning metadata; missing images are problems."""
+def _metadata_jobs(subset: SubsetSpec, problems: list[str]) -> list[_Listed]:
+    """(image, caption, control images or None) of each entry of a subset's fine-tuning metadata; missing images
+    are problems."""
     assert subset.metadata_file is not None
     entries, found = read_metadata(subset.metadata_file)
     problems.extend(found)
@@ -264,7 +314,9 @@ def _metadata_jobs(subset: SubsetSpec, problems: list[str]) -> list[tuple[Path, 
             problems.append(f"{subset.metadata_file}: {key!r}: no image {subset.image_dir / key} (with or without "
                             f"an extension {', '.join(IMAGE_EXTENSIONS)})")
             continue
-        listed.append((path, metadata_caption(entry, subset.caption_separator, subset.enable_wildcard)))
+        controls, key_problems = metadata_controls(entry, subset.image_dir)
+        problems.extend(f"{subset.metadata_file}: {key!r}: {p}" for p in key_problems)
+        listed.append((path, metadata_caption(entry, subset.caption_separator, subset.enable_wildcard), controls))
     return listed
 
 
