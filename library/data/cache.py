@@ -5,29 +5,38 @@ posterior sample with its own generator at every step. A disk entry `<image file
 the image and records, for each variant (plain, flipped), a key made of the image file's content hash and every
 setting that changes the latent: resized size, bucket, crop, flip, the VAE (config + weights hash) and its dtype.
 An entry whose key differs is re-encoded; files are written atomically (temporary file, then os.replace).
+Control images of edit datasets are cached alongside, the same way (library.data.control_cache).
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
 import random
 import time
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
 from library.config import UserError
-from library.core.atomic import write_atomically
 from library.data.captions import process_caption
+from library.data.control_cache import ControlLatents, cache_control_latents
 from library.data.dataset import TrainingData
+from library.data.encoding import (
+    CacheStats,
+    DiskShare,
+    InlineExecutor,
+    VaeEncoder,
+    file_digest,
+    finite,
+    read_entries,
+    vae_fingerprint,
+    write_entries,
+)
 from library.data.images import prepare_image
 from library.data.scan import ImageRecord
 
@@ -36,26 +45,6 @@ logger = logging.getLogger(__name__)
 CACHE_FORMAT = 1  # bump when the pixels fed to the VAE change for the same settings
 LATENT_SUFFIX = ".latents.safetensors"
 _NAMES = {False: "plain", True: "flipped"}
-
-
-def file_digest(path: Path) -> str:
-    digest = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def vae_fingerprint(vae: torch.nn.Module) -> str:
-    """Hash of the VAE's config and weights: another VAE, or changed weights, never reuse a cache entry."""
-    digest = hashlib.blake2b(digest_size=16)
-    config = getattr(vae, "config", None)
-    digest.update(json.dumps(dict(config) if config is not None else {}, sort_keys=True, default=str).encode())
-    for name, tensor in sorted(vae.state_dict().items()):
-        tensor = tensor.detach().cpu().contiguous().reshape(-1)
-        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-        digest.update(tensor.view(torch.uint8).numpy())
-    return digest.hexdigest()
 
 
 def latent_cache_path(image_path: Path) -> Path:
@@ -100,110 +89,10 @@ class DiskLatents:
             return f.get_tensor(f"{name}.mean"), f.get_tensor(f"{name}.logvar")
 
 
-def _read_entries(path: Path) -> dict[str, dict[str, Any]]:
-    """{variant name: {"key": ..., "finite": bool}} from a cache file's header (tensors are not read)."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(path, framework="pt") as f:
-            metadata = f.metadata() or {}
-        return json.loads(metadata.get("entries", "{}"))
-    except (OSError, ValueError, json.JSONDecodeError, Exception):  # noqa: BLE001 - a broken file is a stale file
-        return {}
-
-
-def _write_entries(path: Path, new: dict[str, tuple[str, torch.Tensor, torch.Tensor, bool]]) -> None:
-    """Write the new variants plus still-valid old ones, atomically."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    entries: dict[str, dict[str, Any]] = {}
-    old = _read_entries(path) if path.exists() else {}
-    if old:
-        keep = [name for name in old if name not in new]
-        if keep:
-            with safe_open(path, framework="pt") as f:
-                for name in keep:
-                    tensors[f"{name}.mean"] = f.get_tensor(f"{name}.mean")
-                    tensors[f"{name}.logvar"] = f.get_tensor(f"{name}.logvar")
-                    entries[name] = old[name]
-    for name, (key, mean, logvar, finite) in new.items():
-        tensors[f"{name}.mean"], tensors[f"{name}.logvar"] = mean.contiguous(), logvar.contiguous()
-        entries[name] = {"key": key, "finite": finite}
-    write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata={"entries": json.dumps(entries)}),
-                     durable=False)
-
-
-class _InlineExecutor:
-    """Runs submitted work at once in the calling thread."""
-
-    _max_workers = 1
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        future: Future = Future()
-        try:
-            future.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - re-raised by result()
-            future.set_exception(e)
-        return future
-
-    def map(self, fn: Callable[..., Any], items: Iterable[Any]) -> Iterable[Any]:
-        return map(fn, items)
-
-
-@dataclass
-class CacheStats:
-    encoded: int = 0  # variants encoded by this process
-    reused: int = 0  # variants found valid on disk
-    vae_batches: int = 0
-    seconds: float = 0.0
-
-
-def _finite(*tensors: torch.Tensor) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
-
-
 def _nan_message(record: ImageRecord, flipped: bool) -> str:
     return (f"{record.path}: the VAE gave NaN or inf latents (bucket {record.bucket[0]}x{record.bucket[1]}"
             f"{', flipped' if flipped else ''}); the image may be broken, or the VAE overflows in half precision "
             "(try no_half_vae)")
-
-
-def _encode(items: list[tuple[int, bool]], records: Sequence[ImageRecord], vae: torch.nn.Module,
-            device: torch.device, dtype: torch.dtype, vae_batch_size: int, pool: ThreadPoolExecutor,
-            on_encoded: Callable[[int, bool, torch.Tensor, torch.Tensor], None], stats: CacheStats) -> None:
-    """Encode (record, flipped) items in VAE batches of one bucket each; pixels are prepared ahead in threads."""
-    by_bucket: dict[tuple[int, int], list[tuple[int, bool]]] = {}
-    for item in items:
-        by_bucket.setdefault(records[item[0]].bucket, []).append(item)
-    batches = [group[i:i + vae_batch_size] for _, group in sorted(by_bucket.items())
-               for i in range(0, len(group), vae_batch_size)]
-
-    def pixels(batch: list[tuple[int, bool]]) -> torch.Tensor:
-        return torch.stack([prepare_image(records[i].path, records[i].size, records[i].resized, records[i].bucket,
-                                          records[i].crop, flipped, records[i].subset.resize_interpolation)
-                            for i, flipped in batch])
-
-    ahead = max(2, getattr(pool, "_max_workers", 2))
-    pending: deque[tuple[list[tuple[int, bool]], Future]] = deque()
-    queue = iter(batches)
-    for batch in queue:
-        pending.append((batch, pool.submit(pixels, batch)))
-        if len(pending) >= ahead:
-            break
-    while pending:
-        batch, future = pending.popleft()
-        next_batch = next(queue, None)
-        if next_batch is not None:
-            pending.append((next_batch, pool.submit(pixels, next_batch)))
-        with torch.inference_mode():
-            distribution = vae.encode(future.result().to(device=device, dtype=dtype)).latent_dist
-            mean, logvar = distribution.mean.float().cpu(), distribution.logvar.float().cpu()
-        stats.vae_batches += 1
-        for j, (record_index, flipped) in enumerate(batch):
-            on_encoded(record_index, flipped, mean[j].clone(), logvar[j].clone())
-            stats.encoded += 1
 
 
 def cache_latents(data: TrainingData, vae: torch.nn.Module, device: torch.device | str | None = None,
@@ -234,30 +123,22 @@ def cache_latents(data: TrainingData, vae: torch.nn.Module, device: torch.device
         # Preparing pixels in threads overlaps it with a GPU encode; when the VAE itself runs on the CPU, threads
         # only compete with its intra-op threads (measured slower than preparing in line; bench/cache_throughput.py).
         threads = 0 if device.type == "cpu" else min(8, os.cpu_count() or 1)
-    vae_id = vae_fingerprint(vae) if to_disk else ""
+    share = DiskShare(vae_fingerprint(vae) if to_disk else "", {}, process_index, num_processes, wait_for_everyone)
     memory = MemoryLatents()
-    digests: dict[Path, str] = {}
-    with (ThreadPoolExecutor(max_workers=threads) if threads else nullcontext(_InlineExecutor())) as pool:
+    controls = ControlLatents(to_disk) if any(r.controls for r in data.records) else None
+    with (ThreadPoolExecutor(max_workers=threads) if threads else nullcontext(InlineExecutor())) as pool:
+        encoder = VaeEncoder(vae, device, dtype, vae_batch_size, pool, stats)
         while True:
             records = data.records
             needed = [(i, flipped) for i, r in enumerate(records) if r.repeats
                       for flipped in ((False, True) if r.subset.flip_aug else (False,))]
-            if to_disk:
-                problems = _cache_to_disk(records, needed, vae, device, dtype, vae_batch_size, vae_id, digests,
-                                          pool, process_index, num_processes, wait_for_everyone, stats)
-            else:
-                missing = [item for item in needed if not memory.has(*item)]
-                problems = []
-
-                def keep(record_index: int, flipped: bool, mean: torch.Tensor, logvar: torch.Tensor) -> None:
-                    memory.put(record_index, flipped, mean, logvar)
-                    if not _finite(mean, logvar):  # called by _encode below, within this pass
-                        problems.append((records[record_index], flipped))  # noqa: B023
-
-                _encode(missing, records, vae, device, dtype, vae_batch_size, pool, keep, stats)
+            problems = (_cache_to_disk(records, needed, encoder, share) if to_disk
+                        else _cache_in_memory(records, needed, memory, encoder))
+            if controls is not None:
+                problems += cache_control_latents(records, controls, encoder, share)
             if not problems:
                 break
-            messages = sorted({_nan_message(r, f) for r, f in problems})
+            messages = sorted({message for _, message in problems})
             if not skip_bad_images:
                 raise UserError(messages)
             # Leaving images out re-balances regularisation repeats; any image that now needs a latent gets it
@@ -269,21 +150,41 @@ def cache_latents(data: TrainingData, vae: torch.nn.Module, device: torch.device
             remap = {old[id(r)]: i for i, r in enumerate(data.records)}
             memory.entries = {(remap[i], f): v for (i, f), v in memory.entries.items() if i in remap}
     data.dataset.latents = DiskLatents(data.records) if to_disk else memory
+    data.dataset.control_latents = controls
     stats.seconds = time.perf_counter() - started
     logger.info("latents: %d reused from disk, %d encoded in %d VAE batches (%.1f s)", stats.reused, stats.encoded,
                 stats.vae_batches, stats.seconds)
     return stats
 
 
-def _cache_to_disk(records: Sequence[ImageRecord], needed: list[tuple[int, bool]], vae: torch.nn.Module,
-                   device: torch.device, dtype: torch.dtype, vae_batch_size: int, vae_id: str,
-                   digests: dict[Path, str], pool: ThreadPoolExecutor, process_index: int, num_processes: int,
-                   wait_for_everyone: Callable[[], Any] | None,
-                   stats: CacheStats) -> list[tuple[ImageRecord, bool]]:
-    """Bring every needed disk entry up to date; returns the (record, flipped) entries that are not finite."""
+def _target_pixels(record: ImageRecord, flipped: bool) -> torch.Tensor:
+    return prepare_image(record.path, record.size, record.resized, record.bucket, record.crop, flipped,
+                         record.subset.resize_interpolation)
+
+
+def _cache_in_memory(records: Sequence[ImageRecord], needed: list[tuple[int, bool]], memory: MemoryLatents,
+                     encoder: VaeEncoder) -> list[tuple[ImageRecord, str]]:
+    """Encode the needed entries not yet in memory; returns (record, message) for those that are not finite."""
+    problems: list[tuple[ImageRecord, str]] = []
+
+    def keep(record_index: int, flipped: bool, mean: torch.Tensor, logvar: torch.Tensor) -> None:
+        memory.put(record_index, flipped, mean, logvar)
+        if not finite(mean, logvar):
+            problems.append((records[record_index], _nan_message(records[record_index], flipped)))
+
+    encoder.encode([item for item in needed if not memory.has(*item)], lambda i: records[i].bucket,
+                   lambda i, flipped: _target_pixels(records[i], flipped), keep)
+    return problems
+
+
+def _cache_to_disk(records: Sequence[ImageRecord], needed: list[tuple[int, bool]], encoder: VaeEncoder,
+                   share: DiskShare) -> list[tuple[ImageRecord, str]]:
+    """Bring every needed disk entry up to date; returns (record, message) for the entries that are not finite."""
+    digests, pool = share.digests, encoder.pool
     paths = sorted({records[i].path for i, _ in needed} - digests.keys())
     digests.update(zip(paths, pool.map(file_digest, paths), strict=True))
-    keys = {(i, f): variant_key(records[i], f, digests[records[i].path], vae_id, dtype) for i, f in needed}
+    keys = {(i, f): variant_key(records[i], f, digests[records[i].path], share.vae_id, encoder.dtype)
+            for i, f in needed}
 
     def stale(items: Iterable[tuple[int, bool]]) -> list[tuple[int, bool]]:
         by_record: dict[int, list[bool]] = {}
@@ -291,14 +192,14 @@ def _cache_to_disk(records: Sequence[ImageRecord], needed: list[tuple[int, bool]
             by_record.setdefault(i, []).append(f)
         out = []
         for i, flips in by_record.items():
-            entries = _read_entries(latent_cache_path(records[i].path))
+            entries = read_entries(latent_cache_path(records[i].path))
             out += [(i, f) for f in flips if entries.get(_NAMES[f], {}).get("key") != keys[(i, f)]]
         return out
 
-    mine = [(i, f) for i, f in needed if i % num_processes == process_index]
+    mine = [(i, f) for i, f in needed if i % share.num_processes == share.process_index]
     to_encode = stale(mine)
-    stats.reused += len(mine) - len(to_encode)
-    pending: dict[int, dict[str, tuple[str, torch.Tensor, torch.Tensor, bool]]] = {}
+    encoder.stats.reused += len(mine) - len(to_encode)
+    pending: dict[int, dict[str, tuple[str, dict[str, torch.Tensor], bool]]] = {}
     expected: dict[int, int] = {}
     for i, _ in to_encode:
         expected[i] = expected.get(i, 0) + 1
@@ -306,29 +207,37 @@ def _cache_to_disk(records: Sequence[ImageRecord], needed: list[tuple[int, bool]
 
     def write(record_index: int, flipped: bool, mean: torch.Tensor, logvar: torch.Tensor) -> None:
         variants = pending.setdefault(record_index, {})
-        variants[_NAMES[flipped]] = (keys[(record_index, flipped)], mean, logvar, _finite(mean, logvar))
+        variants[_NAMES[flipped]] = (keys[(record_index, flipped)], {"mean": mean, "logvar": logvar},
+                                     finite(mean, logvar))
         if len(variants) == expected[record_index]:
-            writes.append(pool.submit(_write_entries, latent_cache_path(records[record_index].path),
+            writes.append(pool.submit(write_entries, latent_cache_path(records[record_index].path),
                                       pending.pop(record_index)))
 
-    _encode(to_encode, records, vae, device, dtype, vae_batch_size, pool, write, stats)
+    encoder.encode(to_encode, lambda i: records[i].bucket, lambda i, flipped: _target_pixels(records[i], flipped),
+                   write)
     for future in writes:
         future.result()
-    if num_processes > 1 and wait_for_everyone is not None:
-        wait_for_everyone()
+    if share.num_processes > 1 and share.wait_for_everyone is not None:
+        share.wait_for_everyone()
+    return _check_disk_entries(records, needed, keys)
+
+
+def _check_disk_entries(records: Sequence[ImageRecord], needed: list[tuple[int, bool]],
+                        keys: dict[tuple[int, bool], str]) -> list[tuple[ImageRecord, str]]:
+    """(record, message) for the needed entries that are not finite; an error for any missing or stale."""
     problems, missing = [], []
     by_record: dict[int, list[bool]] = {}
     for i, f in needed:
         by_record.setdefault(i, []).append(f)
     for i, flips in by_record.items():
-        entries = _read_entries(latent_cache_path(records[i].path))
+        entries = read_entries(latent_cache_path(records[i].path))
         for f in flips:
             entry = entries.get(_NAMES[f], {})
             if entry.get("key") != keys[(i, f)]:
                 missing.append(f"{latent_cache_path(records[i].path)}: latent cache entry missing or stale after "
                                "caching (was the file changed by another run?)")
             elif not entry.get("finite", False):
-                problems.append((records[i], f))
+                problems.append((records[i], _nan_message(records[i], f)))
     if missing:
         raise UserError(missing)
     return problems
