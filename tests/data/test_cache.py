@@ -24,18 +24,6 @@ from tests.helpers.datasets import noise_image
 from tests.helpers.runs import make_config
 
 
-@pytest.fixture(scope="module")
-def tiny_vae():
-    from diffusers import AutoencoderKL
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-                            up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(32,) * 4,
-                            layers_per_block=1, latent_channels=4, norm_num_groups=32, sample_size=32)
-    return vae.eval().requires_grad_(False)
-
-
 class CountingVAE(torch.nn.Module):
     """Counts the images the VAE encodes; optionally returns NaN latents for all-white inputs."""
 
