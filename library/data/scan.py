@@ -236,6 +236,7 @@ def _pair_controls(subset: SubsetSpec, listed: list[_Listed], problems: list[str
                         "break its match with its control images; turn it off for a subset with control images")
         return []
     paired: dict[Path, tuple[Path, ...]] = {}
+    clashes: dict[Path, str] = {}
     if subset.control_directory is not None:
         files = list_images(subset.control_directory)
         problems.extend(dangling_links(subset.control_directory))
