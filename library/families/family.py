@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
 
 from library.config import UserError
 from library.families.objective import Objective
+from library.families.settings import FamilySettings
 
 Tokenizer = Callable[[str], dict[str, torch.Tensor]]
 
@@ -60,6 +61,8 @@ class Family(ABC):
     default_sampling_scale: float = 7.5  # a sample prompt's CFG scale without --l (kohya's)
     trains_text_encoders: bool = True  # False: the reference trainer never trains them; only the denoiser gets LoRA
     offers_weighted_captions: bool = False  # kohya's weighted_captions: SD1.x / SD2.x / SDXL's CLIP encoders only
+    # The options configured / objective / metadata_fields read (library.families.settings builds them from a run)
+    settings_type: ClassVar[type[FamilySettings]] = FamilySettings
 
     def configured(self, config: Any) -> Family:
         """This family with the run's settings that shape its prompts and conditioning (FLUX's T5 length, mask,
