@@ -112,9 +112,10 @@ def family_and_scheduler(model: str, config: Any) -> tuple[Any, Any]:
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         from library.families.flux.family import Flux
+        from library.families.settings import settings_from
 
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(CONFIGS / "flux1", subfolder="scheduler")
-        return Flux(schnell=False).configured(config), scheduler
+        return Flux(schnell=False).configured(settings_from(Flux.settings_type, config)), scheduler
     from diffusers import DDPMScheduler
 
     from library.families.sd.family import SD1
@@ -198,6 +199,7 @@ def run_cell(model: str, cell: dict[str, Any], args: argparse.Namespace, device:
     from accelerate.state import AcceleratorState
 
     from library.families.family import Components
+    from library.families.settings import settings_from
     from library.training.accelerator import prepare_accelerator
     from library.training.model import WEIGHT_DTYPES, NetworkSpec, build_model, diffusion_loss
     from library.training.optim import build_optimizer
@@ -215,7 +217,7 @@ def run_cell(model: str, cell: dict[str, Any], args: argparse.Namespace, device:
     family, scheduler = family_and_scheduler(model, config)
     components = Components(denoiser=denoiser, vae=torch.nn.Module(), text_encoders=[], tokenizers=[],
                             noise_scheduler=scheduler, v_prediction=False, family=family)
-    objective = family.objective(components, config, device)
+    objective = family.objective(components, settings_from(family.settings_type, config), device)
     trained, groups = build_model(config, components, device, NetworkSpec(config.network_dim, config.network_alpha))
     latents, text, conditioning = make_inputs(model, denoiser, args.batch_size, resolution, args.tiny, dtype, device)
     if cell["channels_last"]:

@@ -64,7 +64,7 @@ class Family(ABC):
     # The options configured / objective / metadata_fields read (library.families.settings builds them from a run)
     settings_type: ClassVar[type[FamilySettings]] = FamilySettings
 
-    def configured(self, config: Any) -> Family:
+    def configured(self, settings: FamilySettings) -> Family:
         """This family with the run's settings that shape its prompts and conditioning (FLUX's T5 length, mask,
         guidance); called once after loading. Raises UserError for options that do not apply."""
         return self
@@ -105,7 +105,7 @@ class Family(ABC):
         """The denoiser's prediction for the noisy latents, from encoded text and the batch's conditioning."""
 
     @abstractmethod
-    def objective(self, components: Components, config: Any, device: torch.device) -> Objective:
+    def objective(self, components: Components, settings: FamilySettings, device: torch.device) -> Objective:
         """The training objective (what is predicted, how timesteps are drawn and losses weighted)."""
 
     def block_swap_plan(self, denoiser: torch.nn.Module, blocks_to_swap: int) -> list[tuple[Any, int]]:
@@ -156,7 +156,7 @@ class Family(ABC):
         """The fields of the LoRA metadata's FamilyFlags that name this family (v2, v_parameterization, sdxl, or
         base_model / architecture / implementation)."""
 
-    def metadata_fields(self, config: Any) -> dict[str, Any]:
+    def metadata_fields(self, settings: FamilySettings) -> dict[str, Any]:
         """Family-specific ss_* fields of the LoRA's metadata."""
         return {}
 

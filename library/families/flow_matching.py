@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import torch
 
 from library.families.objective import LossOptions, NoiseOptions, per_sample_loss, perturb_noise
+from library.families.settings import FamilySettings
 
 logger = logging.getLogger(__name__)
 NUM_TRAIN_TIMESTEPS = 1000
@@ -32,9 +33,15 @@ class FlowOptions:
     logit_std: float = 1.0
     mode_scale: float = 1.29
 
-    @classmethod
-    def from_config(cls, config: Any) -> FlowOptions:
-        return cls(**{name: getattr(config, name) for name in cls.__dataclass_fields__})
+
+@dataclass(frozen=True)
+class FlowSettings(FamilySettings):
+    """What a flow-matching family's objective reads from a run: kohya's option groups, and the options the user
+    set (`unsupported` notes or refuses those of the DDPM objective)."""
+    user_set: Mapping[str, Any]
+    flow: FlowOptions
+    noise: NoiseOptions
+    loss: LossOptions
 
 
 def shifted_sigmas(shift: float, num_timesteps: int = NUM_TRAIN_TIMESTEPS) -> torch.Tensor:
@@ -118,11 +125,6 @@ _IGNORED_AS_KOHYA = (
 )
 
 
-def user_settings(config: Any) -> dict[str, Any]:
-    """The options the user set (in the TOML or on the command line), with their values."""
-    return {name: value for name, value in config.as_dict().items() if config.is_set(name)}
-
-
 def ignored_notes(settings: Mapping[str, Any], family: str = "FLUX") -> list[str]:
     """Notes for the DDPM-objective options among the user's `settings` that, as in kohya's FLUX trainer, do
     nothing here."""
@@ -135,7 +137,7 @@ def ignored_notes(settings: Mapping[str, Any], family: str = "FLUX") -> list[str
 
 
 def unsupported(settings: Mapping[str, Any], family: str = "FLUX") -> list[str]:
-    """The options of the DDPM objective among the user's `settings` (user_settings) that flow matching cannot
+    """The options of the DDPM objective among the user's `settings` (FlowSettings.user_set) that flow matching cannot
     take. Those kohya's FLUX trainer accepts and ignores are logged (ignored_notes) and ignored; `family` names the
     model in the messages."""
     for note in ignored_notes(settings, family):
@@ -207,7 +209,3 @@ class FlowMatchingObjective:
                               device=timesteps.device)
         exponent = timesteps.to(torch.float32) / NUM_TRAIN_TIMESTEPS
         return torch.exp(math.log(options.huber_c) * exponent) * options.huber_scale
-
-    @classmethod
-    def from_config(cls, config: Any) -> FlowMatchingObjective:
-        return cls(FlowOptions.from_config(config), NoiseOptions.from_config(config), LossOptions.from_config(config))

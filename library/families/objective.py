@@ -5,10 +5,9 @@ on the global random stream (which a resume cannot restore exactly and which oth
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -30,10 +29,6 @@ class NoiseOptions:
     ip_noise_gamma: float | None = None
     ip_noise_gamma_random_strength: bool = False
 
-    @classmethod
-    def from_config(cls, config: Any) -> NoiseOptions:
-        return cls(**{field.name: getattr(config, field.name) for field in dataclasses.fields(cls)})
-
 
 @dataclass(frozen=True)
 class LossOptions:
@@ -45,10 +40,6 @@ class LossOptions:
     scale_v_pred_loss_like_noise_pred: bool = False
     v_pred_like_loss: float | None = None
     debiased_estimation_loss: bool = False
-
-    @classmethod
-    def from_config(cls, config: Any) -> LossOptions:
-        return cls(**{field.name: getattr(config, field.name) for field in dataclasses.fields(cls)})
 
     def problems(self, v_prediction: bool) -> list[str]:
         """What kohya refuses for the model's prediction type (known only once the model is loaded)."""
@@ -340,8 +331,3 @@ class DiffusionObjective:
         loss = per_sample_loss(prediction, target, self.loss.loss_type, huber_c, mask)
         weight = timestep_weight(timesteps, self.alphas_cumprod, self.v_prediction, self.min_snr_gamma, self.loss)
         return loss if weight is None else loss * weight
-
-    @classmethod
-    def from_config(cls, alphas_cumprod: torch.Tensor, v_prediction: bool, config: Any) -> DiffusionObjective:
-        return cls(alphas_cumprod, v_prediction, config.min_timestep, config.max_timestep, config.noise_offset,
-                   config.min_snr_gamma, NoiseOptions.from_config(config), LossOptions.from_config(config))

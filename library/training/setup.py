@@ -23,6 +23,7 @@ from library.data.dataset import TrainingData, build_training_data
 from library.families.family import Components
 from library.families.objective import Objective
 from library.families.registry import load_components
+from library.families.settings import FamilySettings, settings_from
 from library.families.shared.vae_file import load_vae
 from library.memory.check import check_memory
 from library.memory.precision import BasePrecision, reading
@@ -111,6 +112,7 @@ class Session:
     prompts: list[SamplePrompt]
     data: TrainingData
     components: Components
+    settings: FamilySettings  # what the family reads from the config
     objective: Objective
     model: torch.nn.Module  # the prepared (wrapped) model
     unwrapped: DiffusionModel
@@ -146,9 +148,10 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     data = build_training_data(config, None, seed, accelerator.num_processes)
     components = load_base(config, accelerator, data, weight_dtype, vae_dtype)
     family = components.family
+    settings = settings_from(family.settings_type, config)
     spec = network_spec(config, family)
     data.set_tokenizer(family.tokenizer(components, config.max_token_length))
-    objective = family.objective(components, config, accelerator.device)
+    objective = family.objective(components, settings, accelerator.device)
     model, groups = build_model(config, components, accelerator.device, spec)
     trainable = [p for group in groups for p in group["params"]]
     prepare_inputs(config, accelerator, output_dir, data, components, model, trainable, vae_dtype, bool(prompts))
@@ -177,8 +180,8 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     if resumed is not None:
         restore(config, accelerator, resume_dir, resumed, state, checkpointer, metrics, optimizer)
     return Session(config, accelerator, output_dir, seed, started_at, weight_dtype, vae_dtype, spec, prompts, data,
-                   components, objective, model, unwrapped, trainable, lr_names(groups), optimizer, lr_scheduler,
-                   dataloader, plan, state, metrics, ema, checkpointer)
+                   components, settings, objective, model, unwrapped, trainable, lr_names(groups), optimizer,
+                   lr_scheduler, dataloader, plan, state, metrics, ema, checkpointer)
 
 
 def resume_point(config: Config, accelerator: Accelerator, output_dir: Path) -> tuple[Path | None, TrainState | None]:
@@ -212,7 +215,7 @@ def load_base(config: Config, accelerator: Accelerator, data: TrainingData, weig
                                      text_encoder=config.text_encoder, clip_g=config.clip_g)
     if config.vae is not None:  # kohya's separate VAE file
         components.vae = load_vae(config.vae, components.vae, vae_dtype)
-    family = components.family = components.family.configured(config)
+    family = components.family = components.family.configured(settings_from(components.family.settings_type, config))
     family.prepare_denoiser(components.denoiser, [spec.resolution for spec in data.specs])
     merge_base_weights(components, config.base_weights, config.base_weights_multiplier)  # before any cache
     if config.weighted_captions and not family.offers_weighted_captions:
@@ -423,7 +426,6 @@ def training_metadata(session: Session) -> dict[str, str]:
     model = Path(config.pretrained_model_name_or_path)
     # A folder has no single file to hash; kohya writes "IsADirectory" there, which helps nobody.
     model_hashes = model_file_hashes(str(model.resolve())) if model.is_file() else {}
-    family = session.components.family
     return lora_metadata(
         NetworkFacts.from_config(config, session.spec.dim, session.spec.alpha),
         training=TrainingFacts.from_config(config, seed=session.seed, sd_model_name=model.name,
@@ -432,8 +434,8 @@ def training_metadata(session: Session) -> dict[str, str]:
                              max_train_steps=plan.total_steps, started_at=session.started_at, finished_at=time.time()),
         dataset=DatasetFacts(data.num_train_images, data.num_reg_images, plan.batches_per_epoch,
                              config.train_batch_size, config.resolution),
-        family=FamilyFlags(**family.metadata_flags(session.components.v_prediction)),
-        card=ModelCard.from_config(config), family_fields=family.metadata_fields(config),
+        family=FamilyFlags(**session.components.family.metadata_flags(session.components.v_prediction)),
+        card=ModelCard.from_config(config), family_fields=session.components.family.metadata_fields(session.settings),
         extra={**data.kohya_metadata(), **model_hashes, **precision_metadata(config)},
     )
 

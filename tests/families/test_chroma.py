@@ -16,7 +16,7 @@ from tests.helpers.family_checks import (
     sample,
     sampling_models,
 )
-from tests.helpers.runs import given_config
+from tests.helpers.runs import family_settings
 
 RANK, ALPHA = 4, 2.0
 
@@ -29,7 +29,7 @@ def components(tiny_chroma_dir):
 
 
 def settings(**changes):
-    return given_config(**{"apply_t5_attn_mask": True, "guidance_scale": 0.0, **changes})  # kohya's for Chroma
+    return family_settings(Chroma, **{"apply_t5_attn_mask": True, "guidance_scale": 0.0, **changes})  # kohya's
 
 
 def test_the_bfl_files_load_to_the_folders_weights(components, tiny_chroma_dir, tmp_path):

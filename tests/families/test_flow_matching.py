@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from library.families.flow_matching import FlowMatchingObjective, FlowOptions, unsupported
+from library.families.flux.family import Flux
 from library.families.objective import LossOptions
+from tests.helpers.runs import family_settings
 
 B = 64
 
@@ -185,10 +187,7 @@ def test_options_kohyas_flux_trainer_ignores_are_noted(caplog, name, value, why)
     with caplog.at_level("WARNING", logger="library.families.flow_matching"):
         assert unsupported(vars(config(**{name: value}))) == []
     assert name.split("_timestep")[0] in caplog.text and "no effect for FLUX" in caplog.text and why in caplog.text
-    objective = FlowMatchingObjective.from_config(SimpleNamespace(**{
-        **vars(config(**{name: value})), **{f: getattr(FlowOptions(), f) for f in FlowOptions.__dataclass_fields__},
-        **{f: None for f in ("ip_noise_gamma",)}, "noise_offset_random_strength": False,
-        "multires_noise_discount": 0.3, "ip_noise_gamma_random_strength": False, "huber_c": 0.1, "huber_scale": 1.0}))
+    objective = Flux().objective(None, family_settings(Flux, **{name: value}), torch.device("cpu"))
     plain = FlowMatchingObjective()
     latents, noise = torch.randn(2, 4, 8, 8), torch.randn(2, 4, 8, 8)
     timesteps = torch.tensor([100.0, 800.0])

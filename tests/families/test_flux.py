@@ -8,6 +8,8 @@ import torch
 
 from library.config import UserError
 from library.families.flux.family import Flux, image_ids, is_schnell, pack_latents, unpack_latents
+from library.families.settings import settings_from
+from tests.helpers.runs import family_settings
 
 
 def test_packing_puts_each_2x2_patch_in_one_token_channel_major():
@@ -58,11 +60,8 @@ def test_schnell_is_told_by_the_missing_guidance_embedding():
 
 
 def settings(**changes):
-    from types import SimpleNamespace
-
-    from library.config.options import OPTIONS
-
-    return SimpleNamespace(**{**{name: option.default for name, option in OPTIONS.items()}, **changes})
+    """What FLUX.1 reads from a config of the schema's defaults and `changes`."""
+    return family_settings(Flux, **changes)
 
 
 def test_configured_takes_the_t5_settings_and_refuses_what_does_not_apply(components, caplog):
@@ -177,7 +176,7 @@ def test_t5_stays_in_eval_mode_while_clip_l_trains(tiny_flux_dir):
     config, _ = parse_config(["--pretrained_model_name_or_path", str(tiny_flux_dir), "--train_data_dir", ".",
                               "--output_dir", "."])
     components = load_components(tiny_flux_dir)
-    components.family = components.family.configured(config)
+    components.family = components.family.configured(settings_from(components.family.settings_type, config))
     model, _ = build_model(config, components, torch.device("cpu"))
     clip, t5 = model.text_encoders
     assert clip.training and not t5.training and model.denoiser.training

@@ -10,6 +10,7 @@ import torch
 
 from library.config import UserError, parse_config
 from library.families.qwen_image import lora as qwen_image_lora
+from library.families.settings import settings_from
 from library.families.shared import musubi_flow
 from tests.helpers import musubi_lora
 from tests.helpers.family_checks import assert_same_image, pipeline_scheduler, sample, sampling_models
@@ -23,6 +24,11 @@ TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shap
 def config(*args: str):
     return parse_config(["--pretrained_model_name_or_path", ".", "--train_data_dir", ".", "--output_dir", ".",
                          *args])[0]
+
+
+def settings(*args: str) -> musubi_flow.MusubiSettings:
+    """What Qwen-Image reads from the config of these arguments."""
+    return settings_from(musubi_flow.MusubiSettings, config(*args))
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +130,7 @@ def test_loss_and_qwen_shift_are_musubis():
     """The raw prediction against noise - latents; qwen_shift from the latent's size in 2x2 patches."""
     g = torch.Generator().manual_seed(0)
     latents, noise, prediction = (torch.randn(3, 16, 4, 4, generator=g) for _ in range(3))
-    objective = musubi_flow.MusubiFlowObjective.from_config(config("--timestep_sampling", "qwen_shift"))
+    objective = musubi_flow.MusubiFlowObjective.from_settings(settings("--timestep_sampling", "qwen_shift"))
     loss = objective.per_sample_loss(prediction, latents, noise, torch.tensor([100.0, 500.0, 900.0]))
     torch.testing.assert_close(loss, ((prediction - (noise - latents)) ** 2).mean(dim=(1, 2, 3)))
     t = objective.sample_timesteps(64, torch.Generator().manual_seed(3), "cpu", (128, 96)) / 1000
@@ -136,14 +142,14 @@ def test_loss_and_qwen_shift_are_musubis():
 
 def test_configured_refuses_what_does_not_apply(components, tiny_qwen_image_dir):
     family = components.family
-    assert family.configured(config("--resolution", "64")) is family
+    assert family.configured(settings("--resolution", "64")) is family
     with pytest.raises(UserError) as error:
-        family.configured(config("--clip_skip", "2", "--guidance_scale", "1.0", "--resolution", "72",
-                                 "--vae", str(tiny_qwen_image_dir / "vae")))
+        family.configured(settings("--clip_skip", "2", "--guidance_scale", "1.0", "--resolution", "72",
+                                   "--vae", str(tiny_qwen_image_dir / "vae")))
     text = str(error.value)
     assert "clip_skip" in text and "guidance_scale" in text and "multiples of 16" in text and "vae:" in text
     with pytest.raises(UserError, match="noise_offset"):
-        family.objective(None, config("--noise_offset", "0.1"), torch.device("cpu"))
+        family.objective(None, settings("--noise_offset", "0.1"), torch.device("cpu"))
 
 
 # --- LoRA keys --------------------------------------------------------------------------------------------------
@@ -300,7 +306,7 @@ def test_fp8_base_stores_the_transformer_in_fp8_and_trains_the_lora(tiny_qwen_im
     run = config("--fp8_base", "--mixed_precision", "bf16", "--network_module", "networks.lora_qwen_image",
                  "--network_train_unet_only", "--resolution", "64")
     loaded = load_components(tiny_qwen_image_dir, weight_dtype=torch.bfloat16, vae_dtype=torch.bfloat16)
-    loaded.family = loaded.family.configured(run)
+    loaded.family = loaded.family.configured(settings_from(loaded.family.settings_type, run))
     model, groups = build_model(run, loaded, torch.device("cpu"))
     assert model.denoiser.transformer_blocks[0].attn.to_q.base_layer.weight.dtype == torch.float8_e4m3fn
     encoded = encode(loaded, ["a photo of sks dog"])

@@ -20,7 +20,7 @@ from tests.helpers.family_checks import (
     sampling_models,
 )
 from tests.helpers.lora_files import attached, deltas, file_delta
-from tests.helpers.runs import given_config
+from tests.helpers.runs import family_settings
 
 RANK, ALPHA = 4, 2.0
 
@@ -32,7 +32,9 @@ def components(tiny_sd3_dir):
     return load_components(tiny_sd3_dir)
 
 
-settings = given_config
+def settings(**given):
+    """What SD3 reads from a config of the schema's defaults and `given`."""
+    return family_settings(SD3, **given)
 
 
 def encode(family, components, captions):
@@ -70,9 +72,9 @@ def test_the_objective_is_kohyas_sd3_formula(components):
     """sd3_train_utils.get_noisy_model_input_and_timesteps: u from the density (logit_normal here), shifted by
     training_shift, t = long(u * (t_max - t_min) + t_min), sigma = t / 1000, noisy = sigma noise + (1 - sigma) x0;
     get_noise_pred_and_target: output * -sigma + noisy against x0, weighted (cosmap here is a loss weighting too)."""
-    config = settings(weighting_scheme="logit_normal", logit_mean=0.2, logit_std=1.1, training_shift=3.0,
-                      min_timestep=100, max_timestep=900)
-    objective = components.family.objective(components, config, torch.device("cpu"))
+    given = settings(weighting_scheme="logit_normal", logit_mean=0.2, logit_std=1.1, training_shift=3.0,
+                     min_timestep=100, max_timestep=900)
+    objective = components.family.objective(components, given, torch.device("cpu"))
     timesteps = objective.sample_timesteps(64, torch.Generator().manual_seed(4), "cpu")
     u = torch.sigmoid(torch.randn(64, generator=torch.Generator().manual_seed(4)) * 1.1 + 0.2)
     u = u * 3 / (1 + 2 * u)

@@ -9,6 +9,7 @@ import torch
 
 from library.config import UserError, parse_config
 from library.families.flow_matching import FlowOptions
+from library.families.settings import settings_from
 from library.families.shared import musubi_flow
 from library.families.z_image import lora as z_image_lora
 from tests.helpers import musubi_lora
@@ -19,6 +20,11 @@ from tests.helpers.lora_files import file_delta
 def config(*args: str):
     return parse_config(["--pretrained_model_name_or_path", ".", "--train_data_dir", ".", "--output_dir", ".",
                          *args])[0]
+
+
+def settings(*args: str) -> musubi_flow.MusubiSettings:
+    """What Z-Image reads from the config of these arguments."""
+    return settings_from(musubi_flow.MusubiSettings, config(*args))
 
 
 # --- the objective, against musubi's get_noisy_model_input_and_timesteps ----------------------------------------
@@ -66,16 +72,16 @@ def test_min_max_timestep_scale_the_continuous_draw_as_musubi_does():
 
 
 def test_musubi_defaults_and_refusals():
-    objective = musubi_flow.MusubiFlowObjective.from_config(config())
+    objective = musubi_flow.MusubiFlowObjective.from_settings(settings())
     assert objective.options.discrete_flow_shift == 1.0 and objective.options.timestep_sampling == "sigma"
     assert objective.options.weighting_scheme == "none"
-    assert musubi_flow.MusubiFlowObjective.from_config(
-        config("--discrete_flow_shift", "2.5")).options.discrete_flow_shift == 2.5
-    problems = musubi_flow.unsupported(config("--min_snr_gamma", "5", "--model_prediction_type", "raw",
-                                              "--max_timestep", "500"), "Z-Image")
+    assert musubi_flow.MusubiFlowObjective.from_settings(
+        settings("--discrete_flow_shift", "2.5")).options.discrete_flow_shift == 2.5
+    problems = musubi_flow.unsupported(settings("--min_snr_gamma", "5", "--model_prediction_type", "raw",
+                                                "--max_timestep", "500"), "Z-Image")
     assert any("min_snr_gamma" in p for p in problems) and any("model_prediction_type" in p for p in problems)
     assert any("mirrored" in p for p in problems)  # min/max with sigma sampling
-    assert not musubi_flow.unsupported(config("--timestep_sampling", "shift", "--max_timestep", "500"), "Z-Image")
+    assert not musubi_flow.unsupported(settings("--timestep_sampling", "shift", "--max_timestep", "500"), "Z-Image")
 
 
 @pytest.mark.parametrize("scheme", ["none", "cosmap", "sigma_sqrt"])
@@ -139,14 +145,14 @@ def test_denoise_is_musubis_call_negated(components):
 
 def test_configured_refuses_what_does_not_apply(components):
     family = components.family
-    assert family.configured(config("--resolution", "64")) is family
+    assert family.configured(settings("--resolution", "64")) is family
     with pytest.raises(UserError) as error:
-        family.configured(config("--clip_skip", "2", "--guidance_scale", "1.0", "--resolution", "72"))
+        family.configured(settings("--clip_skip", "2", "--guidance_scale", "1.0", "--resolution", "72"))
     text = str(error.value)
     assert "clip_skip" in text and "guidance_scale" in text and "multiples of 16" in text
-    from library.families.flow_matching import unsupported, user_settings
+    from library.families.flow_matching import unsupported
 
-    assert any("qwen_shift" in p for p in unsupported(user_settings(config("--timestep_sampling", "qwen_shift"))))
+    assert any("qwen_shift" in p for p in unsupported(settings("--timestep_sampling", "qwen_shift").user_set))
 
 
 # --- LoRA keys --------------------------------------------------------------------------------------------------
@@ -308,7 +314,7 @@ def test_fp8_base_stores_the_transformer_in_fp8_and_trains_the_lora(tiny_z_image
     run = config("--fp8_base", "--mixed_precision", "bf16", "--network_module", "networks.lora_zimage",
                  "--network_train_unet_only", "--resolution", "64")
     loaded = load_components(tiny_z_image_dir, weight_dtype=torch.bfloat16, vae_dtype=torch.bfloat16)
-    loaded.family = loaded.family.configured(run)
+    loaded.family = loaded.family.configured(settings_from(loaded.family.settings_type, run))
     model, groups = build_model(run, loaded, torch.device("cpu"))
     assert model.denoiser.layers[0].feed_forward.w1.base_layer.weight.dtype == torch.float8_e4m3fn
     _, encoded = encode(loaded, ["a photo of sks dog"])

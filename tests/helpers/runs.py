@@ -72,3 +72,10 @@ def given_config(**given: Any) -> Config:
     from library.config.options import OPTIONS
 
     return Config({**{name: o.default for name, o in OPTIONS.items()}, **given}, explicit=given)
+
+
+def family_settings(family: Any, **given: Any) -> Any:
+    """What `family` (a Family or its class) reads from a given_config of `given` (library.families.settings)."""
+    from library.families.settings import settings_from
+
+    return settings_from(family.settings_type, given_config(**given))

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from library.families.shared.clip_text import parse_prompt_weights, tokenize, tokenize_weighted
+from tests.helpers.runs import family_settings
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +53,12 @@ def test_weighted_tokens_are_the_plain_tokens_with_their_weights(tiny_sdxl_parts
 
 
 def test_weighted_captions_scale_the_text_encoder_outputs_sd_and_sdxl(tiny_sdxl_parts):
-    from types import SimpleNamespace
-
     from library.families.family import Components
     from library.families.sd.family import SD1
     from library.families.sd.sdxl import SDXL
 
     def encode(family, tokenizers, encoders, caption):
-        family = family.configured(SimpleNamespace(weighted_captions=True))
+        family = family.configured(family_settings(family, weighted_captions=True))
         components = Components(None, None, encoders, tokenizers, None, False, family)
         tokens = {k: v[None] for k, v in family.tokenizer(components, None)(caption).items()}
         with torch.no_grad():

@@ -17,6 +17,7 @@ from library.core import seeds
 from library.families import objective
 from library.families.objective import DiffusionObjective as Objective
 from library.families.objective import LossOptions, NoiseOptions
+from library.families.settings import settings_from
 from library.training.model import diffusion_loss
 
 # SNR a / (1 - a): 1999 (capped to 1000 where kohya caps it), 4, 1, 0.25.
@@ -276,11 +277,11 @@ debiased_estimation_loss = true
 v_pred_like_loss = 0.2
 """, encoding="utf-8")
     config, _ = parse_config(["--config", str(config_file)] + required)
-    assert NoiseOptions.from_config(config) == NoiseOptions(True, 0.01, 6, 0.3, 0.1, True)
-    assert LossOptions.from_config(config) == LossOptions("smooth_l1", "exponential", 0.2, 1.5, False, 0.2, True)
+    assert settings_from(NoiseOptions, config) == NoiseOptions(True, 0.01, 6, 0.3, 0.1, True)
+    assert settings_from(LossOptions, config) == LossOptions("smooth_l1", "exponential", 0.2, 1.5, False, 0.2, True)
     defaults, _ = parse_config(required)
-    assert NoiseOptions.from_config(defaults) == NoiseOptions()
-    assert LossOptions.from_config(defaults) == LossOptions()
+    assert settings_from(NoiseOptions, defaults) == NoiseOptions()
+    assert settings_from(LossOptions, defaults) == LossOptions()
 
 
 @pytest.mark.parametrize("text, message", [

@@ -18,11 +18,16 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from library.config import UserError
-from library.config.network_args import network_args_of
 from library.core.memory import return_free_heap
 from library.families.entry import LoadRequest
 from library.families.family import Components, Tokenizer
-from library.families.flux.family import FluxArchitecture, joint_attention_mask, transformer_inputs, unpack_latents
+from library.families.flux.family import (
+    FluxArchitecture,
+    FluxSettings,
+    joint_attention_mask,
+    transformer_inputs,
+    unpack_latents,
+)
 from library.families.flux.files import BFL_PREFIX, diffusers_state_dict
 from library.families.shared import checks as transformer_checks
 from library.families.shared.diffusers_folder import load_folder, transformer_class, transformer_components
@@ -72,6 +77,12 @@ def _single_blocks_masked(denoiser: torch.nn.Module, mask: torch.Tensor) -> Iter
 
 
 @dataclasses.dataclass(frozen=True)
+class ChromaSettings(FluxSettings):
+    """FLUX.1's settings and clip_l, which Chroma does not read (`configured` notes it)."""
+    clip_l: str | None
+
+
+@dataclasses.dataclass(frozen=True)
 class Chroma(FluxArchitecture):
     """Chroma; the T5 settings come from the config (`configured`)."""
     t5_max_length: int | None = None  # None: kohya's default, 512
@@ -85,37 +96,38 @@ class Chroma(FluxArchitecture):
     tokenizer_folders = ("tokenizer",)
     lora_text_prefixes = ("lora_te3",)  # T5 (kohya's name; Chroma has no CLIP-L, lora_te1)
     default_sampling_scale = 1.0  # kohya's: no CFG unless a prompt asks with --l (its docs suggest --l 4)
+    settings_type = ChromaSettings
 
-    def configured(self, config: Any) -> Chroma:
+    def configured(self, settings: ChromaSettings) -> Chroma:
         for name, why in (("clip_l", "Chroma has no CLIP-L text encoder; kohya's --model_type chroma does not read "
                                      "one"),
                           ("clip_skip", "Chroma's only text encoder is T5"),
                           ("max_token_length", "the T5 length is t5xxl_max_token_length")):
-            if getattr(config, name):  # kohya's FLUX trainer accepts them for Chroma and uses none
+            if getattr(settings, name):  # kohya's FLUX trainer accepts them for Chroma and uses none
                 logger.warning("%s has no effect for Chroma, as in kohya's FLUX trainer: %s", name, why)
         problems = []
-        if config.model_type not in (None, "chroma"):
-            problems.append(f"model_type {config.model_type}: the weights are Chroma's (they have its approximator, "
+        if settings.model_type not in (None, "chroma"):
+            problems.append(f"model_type {settings.model_type}: the weights are Chroma's (they have its approximator, "
                             "distilled_guidance_layer); set model_type = \"chroma\" or leave it out")
-        if not config.apply_t5_attn_mask:
+        if not settings.apply_t5_attn_mask:
             problems.append("apply_t5_attn_mask: Chroma needs it true (kohya requires it): the model was trained with "
                             "T5's padding masked; set apply_t5_attn_mask = true")
-        if config.guidance_scale != 0:
-            problems.append(f"guidance_scale {config.guidance_scale}: Chroma is not guidance-distilled and its "
+        if settings.guidance_scale != 0:
+            problems.append(f"guidance_scale {settings.guidance_scale}: Chroma is not guidance-distilled and its "
                             "approximator takes guidance 0 (kohya's docs require guidance_scale = 0.0); set "
                             "guidance_scale = 0")
-        problems += transformer_checks.size_problems(config, "Chroma")
-        net = network_args_of(config)
+        problems += transformer_checks.size_problems(settings.sizes, "Chroma")
+        net = settings.network_args
         problems += [f"network_args {key}: Chroma has no modulation layers (its approximator replaces them)"
                      for key in MOD_DIMS if getattr(net, key) is not None]
         train_t5xxl = bool(net.train_t5xxl)
-        if not config.network_train_unet_only and not train_t5xxl:
+        if not settings.network_train_unet_only and not train_t5xxl:
             logger.info("Chroma's only text encoder, T5, gets LoRA only with network_args train_t5xxl=True (kohya's); "
                         "training the transformer only")
-        problems += transformer_checks.train_t5xxl_problems(config, train_t5xxl)
+        problems += transformer_checks.train_t5xxl_problems(settings.network_train_unet_only, train_t5xxl)
         if problems:
             raise UserError(problems)
-        return dataclasses.replace(self, t5_max_length=config.t5xxl_max_token_length, train_t5xxl=train_t5xxl)
+        return dataclasses.replace(self, t5_max_length=settings.t5xxl_max_token_length, train_t5xxl=train_t5xxl)
 
     @property
     def t5_length(self) -> int:

@@ -16,11 +16,12 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from library.config import UserError
-from library.config.network_args import network_args_of
+from library.config.network_args import NetworkArgs
 from library.families.entry import LoadRequest
 from library.families.family import Components, Family, Tokenizer
-from library.families.flow_matching import FlowMatchingObjective, unsupported, user_settings
+from library.families.flow_matching import FlowMatchingObjective, FlowSettings, unsupported
 from library.families.flux import lora as flux_lora
+from library.families.settings import value_of
 from library.families.shared import checks as transformer_checks
 from library.families.shared.clip_text import tokenize
 from library.families.shared.diffusers_folder import load_folder, transformer_class
@@ -75,6 +76,20 @@ def joint_attention_mask(text_mask: torch.Tensor, height: int, width: int) -> to
     return torch.cat([text_mask, image], dim=1)
 
 
+@dataclasses.dataclass(frozen=True)
+class FluxSettings(FlowSettings):
+    """What the families of FLUX.1's architecture read from a run, besides their objective's options."""
+    sizes: transformer_checks.ImageSizes
+    clip_skip: int | None
+    max_token_length: int | None
+    model_type: str | None
+    network_args: NetworkArgs
+    network_train_unet_only: bool
+    t5xxl_max_token_length: int | None
+    apply_t5_attn_mask: bool
+    guidance_scale: float
+
+
 class FluxArchitecture(Family):
     """What the families of FLUX.1's architecture share, as kohya's flux_train_network.py trains them (FLUX.1, and
     Chroma with --model_type chroma): its flow-matching objective, kohya's FLUX LoRA keys (lora_flux) and ss_*
@@ -83,12 +98,14 @@ class FluxArchitecture(Family):
     display_name = "FLUX"
     model_type = "flux"
     default_sampling_scale = 1.0  # kohya's: no (true) CFG unless a prompt asks with --l
+    settings_type = FluxSettings
 
-    def objective(self, components: Components, config: Any, device: torch.device) -> FlowMatchingObjective:
-        problems = unsupported(user_settings(config), self.display_name)
+    def objective(self, components: Components, settings: FluxSettings,
+                  device: torch.device) -> FlowMatchingObjective:
+        problems = unsupported(settings.user_set, self.display_name)
         if problems:
             raise UserError(problems)
-        return FlowMatchingObjective.from_config(config)
+        return FlowMatchingObjective(settings.flow, settings.noise, settings.loss)
 
     def denoiser_lora_targets(self, denoiser: torch.nn.Module, rank: int, alpha: float,
                               net: Any) -> tuple[list[str], dict[str, tuple[int, float]]]:
@@ -105,10 +122,10 @@ class FluxArchitecture(Family):
     def import_lora_keys(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return flux_lora.from_kohya(state_dict)
 
-    def metadata_fields(self, config: Any) -> dict[str, Any]:
+    def metadata_fields(self, settings: FluxSettings) -> dict[str, Any]:
         """The ss_* fields kohya's FLUX trainer writes."""
-        return {"ss_model_type": self.model_type, "ss_apply_t5_attn_mask": config.apply_t5_attn_mask,
-                **{f"ss_{name}": getattr(config, name) for name in (
+        return {"ss_model_type": self.model_type, "ss_apply_t5_attn_mask": settings.apply_t5_attn_mask,
+                **{f"ss_{name}": value_of(settings, name) for name in (
                     "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale",
                     "timestep_sampling", "sigmoid_scale", "model_prediction_type", "discrete_flow_shift")}}
 
@@ -145,23 +162,23 @@ class Flux(FluxArchitecture):
     def base_model_version(self) -> str:  # type: ignore[override]
         return "flux1"
 
-    def configured(self, config: Any) -> Flux:
+    def configured(self, settings: FluxSettings) -> Flux:
         for name, why in (("clip_skip", "kohya's FLUX trainer uses CLIP-L's pooled output only"),
                           ("max_token_length", "CLIP-L reads 77 tokens; the T5 length is t5xxl_max_token_length")):
-            if getattr(config, name):  # kohya's FLUX trainer accepts both and uses neither
+            if getattr(settings, name):  # kohya's FLUX trainer accepts both and uses neither
                 logger.warning("%s has no effect for FLUX, as in kohya's FLUX trainer: %s", name, why)
         problems = []
-        if config.model_type == "chroma":
+        if settings.model_type == "chroma":
             problems.append("model_type chroma: the weights are FLUX.1's (they have its modulation layers, which "
                             "Chroma's approximator replaces); set model_type = \"flux\" or leave it out")
-        problems += transformer_checks.size_problems(config, "FLUX")
-        train_t5xxl = bool(network_args_of(config).train_t5xxl)
-        problems += transformer_checks.train_t5xxl_problems(config, train_t5xxl)
+        problems += transformer_checks.size_problems(settings.sizes, "FLUX")
+        train_t5xxl = bool(settings.network_args.train_t5xxl)
+        problems += transformer_checks.train_t5xxl_problems(settings.network_train_unet_only, train_t5xxl)
         if problems:
             raise UserError(problems)
-        return dataclasses.replace(self, t5_max_length=config.t5xxl_max_token_length,
-                                   apply_t5_attn_mask=config.apply_t5_attn_mask, guidance_scale=config.guidance_scale,
-                                   train_t5xxl=train_t5xxl)
+        return dataclasses.replace(self, t5_max_length=settings.t5xxl_max_token_length,
+                                   apply_t5_attn_mask=settings.apply_t5_attn_mask,
+                                   guidance_scale=settings.guidance_scale, train_t5xxl=train_t5xxl)
 
     @property
     def t5_length(self) -> int:

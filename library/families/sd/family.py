@@ -3,16 +3,31 @@ from __future__ import annotations
 
 import copy
 import functools
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, TypeVar
 
 import torch
 
 from library.config import UserError
 from library.families.family import Components, Family, Tokenizer
-from library.families.objective import DiffusionObjective
+from library.families.objective import DiffusionObjective, LossOptions, NoiseOptions
+from library.families.settings import FamilySettings
 from library.families.shared.clip_text import apply_weights, encode_prompt, tokenize, tokenize_weighted
 
 F = TypeVar("F", bound=Family)
+
+
+@dataclass(frozen=True)
+class SDSettings(FamilySettings):
+    """What SD1.x, SD2.x and SDXL read from a run: kohya's caption weights and its DDPM objective's options."""
+    weighted_captions: bool
+    zero_terminal_snr: bool
+    min_timestep: int
+    max_timestep: int
+    noise_offset: float | None
+    min_snr_gamma: float | None
+    noise: NoiseOptions
+    loss: LossOptions
 
 
 class StableDiffusion(Family):
@@ -20,6 +35,7 @@ class StableDiffusion(Family):
     tokenizer_folders = ("tokenizer",)
     lora_text_prefixes = ("lora_te",)
     offers_weighted_captions = True
+    settings_type = SDSettings
 
     def __init__(self, name: str, base_model_version: str, v2: bool):
         self.name = name
@@ -27,8 +43,8 @@ class StableDiffusion(Family):
         self.v2 = v2
         self.weighted_captions = False  # kohya's (word:1.2) weights on the text encoder's outputs
 
-    def configured(self, config: Any) -> StableDiffusion:
-        return with_weighted_captions(self, config)
+    def configured(self, settings: SDSettings) -> StableDiffusion:
+        return with_weighted_captions(self, settings.weighted_captions)
 
     def tokenizer(self, components: Components, max_token_length: int | None) -> Tokenizer:
         return functools.partial(_token_dict, components.tokenizer, max_token_length=max_token_length,
@@ -45,8 +61,8 @@ class StableDiffusion(Family):
                 text: Mapping[str, torch.Tensor], conditioning: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return denoiser(noisy, timesteps, text["encoder_hidden_states"], return_dict=False)[0]
 
-    def objective(self, components: Components, config: Any, device: torch.device) -> DiffusionObjective:
-        return ddpm_objective(components, config, device)
+    def objective(self, components: Components, settings: SDSettings, device: torch.device) -> DiffusionObjective:
+        return ddpm_objective(components, settings, device)
 
     def metadata_flags(self, v_prediction: bool) -> dict[str, bool]:
         return {"v2": self.v2, "v_parameterization": v_prediction, "sdxl": False}
@@ -65,9 +81,9 @@ class StableDiffusion(Family):
                 "negative_prompt_embeds": negative["encoder_hidden_states"]}
 
 
-def with_weighted_captions(family: F, config: Any) -> F:
-    """`family` as it is, or with config.weighted_captions a copy that weights its captions (SD1.x / 2.x, SDXL)."""
-    if not config.weighted_captions:
+def with_weighted_captions(family: F, weighted_captions: bool) -> F:
+    """`family` as it is, or with weighted_captions a copy that weights its captions (SD1.x / 2.x, SDXL)."""
+    if not weighted_captions:
         return family
     weighted = copy.copy(family)
     weighted.weighted_captions = True
@@ -82,13 +98,15 @@ def _token_dict(tokenizer: Any, caption: str, max_token_length: int | None,
     return {"input_ids": tokenize(tokenizer, caption, max_token_length)}
 
 
-def ddpm_objective(components: Components, config: Any, device: torch.device) -> DiffusionObjective:
+def ddpm_objective(components: Components, settings: SDSettings, device: torch.device) -> DiffusionObjective:
     """Epsilon or v prediction on the model's noise schedule. With zero_terminal_snr the components' schedule is
     replaced by the rescaled one, so that samplers built from its config rescale too."""
     scheduler = components.noise_scheduler
-    if config.zero_terminal_snr:
+    if settings.zero_terminal_snr:
         scheduler = components.noise_scheduler = zero_terminal_snr(scheduler)
-    objective = DiffusionObjective.from_config(scheduler.alphas_cumprod.to(device), components.v_prediction, config)
+    objective = DiffusionObjective(scheduler.alphas_cumprod.to(device), components.v_prediction, settings.min_timestep,
+                                   settings.max_timestep, settings.noise_offset, settings.min_snr_gamma, settings.noise,
+                                   settings.loss)
     problems = objective.problems()
     if problems:
         raise UserError(problems)

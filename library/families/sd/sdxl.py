@@ -7,7 +7,7 @@ import torch
 
 from library.families.family import Components, Family, Tokenizer
 from library.families.objective import DiffusionObjective
-from library.families.sd.family import ddpm_objective, with_weighted_captions
+from library.families.sd.family import SDSettings, ddpm_objective, with_weighted_captions
 from library.families.sd.sgm_names import sgm_path
 from library.families.shared.clip_text import apply_weights, join_chunks, tokenize, tokenize_weighted
 
@@ -19,10 +19,11 @@ class StableDiffusionXL(Family):
     tokenizer_folders = ("tokenizer", "tokenizer_2")
     lora_text_prefixes = ("lora_te1", "lora_te2")
     offers_weighted_captions = True
+    settings_type = SDSettings
     weighted_captions = False  # kohya's (word:1.2) weights on both encoders' hidden states (not the pooled output)
 
-    def configured(self, config: Any) -> StableDiffusionXL:
-        return with_weighted_captions(self, config)
+    def configured(self, settings: SDSettings) -> StableDiffusionXL:
+        return with_weighted_captions(self, settings.weighted_captions)
 
     def tokenizer(self, components: Components, max_token_length: int | None) -> Tokenizer:
         first, second = components.tokenizers
@@ -62,8 +63,8 @@ class StableDiffusionXL(Family):
         return denoiser(noisy, timesteps, text["encoder_hidden_states"].to(dtype), added_cond_kwargs=added,
                         return_dict=False)[0]
 
-    def objective(self, components: Components, config: Any, device: torch.device) -> DiffusionObjective:
-        return ddpm_objective(components, config, device)
+    def objective(self, components: Components, settings: SDSettings, device: torch.device) -> DiffusionObjective:
+        return ddpm_objective(components, settings, device)
 
     def kohya_module_path(self, prefix: str, path: str, model: torch.nn.Module) -> str:
         """UNet modules under their original-SD path, as sd-scripts names SDXL LoRA keys; text encoders as they are."""

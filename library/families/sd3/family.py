@@ -14,21 +14,22 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from library.config import UserError
-from library.config.network_args import network_args_of
+from library.config.network_args import NetworkArgs
 from library.families.entry import LoadRequest
 from library.families.family import Components, Family, Tokenizer
 from library.families.flow_matching import (
     NUM_TRAIN_TIMESTEPS,
     FlowMatchingObjective,
+    FlowSettings,
     density_sample,
     loss_weighting,
     sigmas_of,
     unsupported,
-    user_settings,
 )
 from library.families.objective import per_sample_loss
 from library.families.sd3 import lora as sd3_lora
 from library.families.sd3 import pos_embed
+from library.families.settings import value_of
 from library.families.shared import checks as transformer_checks
 from library.families.shared.diffusers_folder import load_folder, transformer_class
 from library.families.shared.sampling import flow_euler_scheduler, pooled_prompt_embeds, unscaled_latents
@@ -74,6 +75,30 @@ class SD3Objective(FlowMatchingObjective):
 
 
 @dataclasses.dataclass(frozen=True)
+class SD3Settings(FlowSettings):
+    """What SD3 reads from a run besides the flow-matching option groups: kohya's SD3 options, and those of other
+    families it notes or checks."""
+    sizes: transformer_checks.ImageSizes
+    min_timestep: int
+    max_timestep: int
+    training_shift: float
+    clip_skip: int | None
+    max_token_length: int | None
+    guidance_scale: float
+    model_type: str | None
+    clip_l_dropout_rate: float
+    clip_g_dropout_rate: float
+    t5_dropout_rate: float
+    pos_emb_random_crop_rate: float
+    enable_scaled_pos_embed: bool
+    network_args: NetworkArgs
+    network_train_unet_only: bool
+    t5xxl_max_token_length: int | None
+    apply_lg_attn_mask: bool
+    apply_t5_attn_mask: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class SD3(Family):
     """SD3 / SD3.5; `last_block` is the transformer's context-pre-only block (its LoRA keys differ)."""
     last_block: int = 23
@@ -92,41 +117,42 @@ class SD3(Family):
     tokenizer_folders = ("tokenizer", "tokenizer_2", "tokenizer_3")
     lora_text_prefixes = ("lora_te1", "lora_te2", "lora_te3")  # CLIP-L, CLIP-G, T5 (kohya's lora_sd3)
     default_sampling_scale = 7.5  # kohya's SD3 sample default CFG scale (sd3_train_utils)
+    settings_type = SD3Settings
 
     @property
     def name(self) -> str:  # type: ignore[override]
         return "sd3-large" if self.large else "sd3-medium"
 
-    def configured(self, config: Any) -> SD3:
+    def configured(self, settings: SD3Settings) -> SD3:
 
         for name, why in (("clip_skip", "kohya's SD3 trainer uses the CLIPs' penultimate layer"),
                           ("max_token_length", "the CLIPs read 77 tokens; the T5 length is t5xxl_max_token_length"),
                           ("guidance_scale", "SD3 has no guidance input"), ("model_type", "it is FLUX's option")):
-            if getattr(config, name) and not (name == "guidance_scale" and config.guidance_scale == 3.5):
+            if getattr(settings, name) and not (name == "guidance_scale" and settings.guidance_scale == 3.5):
                 logger.warning("%s has no effect for SD3, as in kohya's SD3 trainer: %s", name, why)
         for name, default in FLUX_ONLY.items():
-            if getattr(config, name) != default:
+            if getattr(settings.flow, name) != default:
                 logger.warning("%s has no effect for SD3, as in kohya's SD3 trainer: timesteps are drawn by "
                                "weighting_scheme and training_shift, and the output is always preconditioned to x0",
                                name)
-        rates = tuple(getattr(config, name) for name in ("clip_l_dropout_rate", "clip_g_dropout_rate",
+        rates = tuple(getattr(settings, name) for name in ("clip_l_dropout_rate", "clip_g_dropout_rate",
                                                          "t5_dropout_rate"))
         problems = [f"{name} {rate}: a probability, between 0 and 1" for name, rate in zip(
             ("clip_l_dropout_rate", "clip_g_dropout_rate", "t5_dropout_rate"), rates, strict=True)
             if not 0 <= rate <= 1]
-        if not 0 <= config.pos_emb_random_crop_rate <= 1:
-            problems.append(f"pos_emb_random_crop_rate {config.pos_emb_random_crop_rate}: a probability, between 0 "
+        if not 0 <= settings.pos_emb_random_crop_rate <= 1:
+            problems.append(f"pos_emb_random_crop_rate {settings.pos_emb_random_crop_rate}: a probability, between 0 "
                             "and 1")
-        problems += transformer_checks.size_problems(config, "SD3")
-        train_t5xxl = bool(network_args_of(config).train_t5xxl)
-        problems += transformer_checks.train_t5xxl_problems(config, train_t5xxl)
+        problems += transformer_checks.size_problems(settings.sizes, "SD3")
+        train_t5xxl = bool(settings.network_args.train_t5xxl)
+        problems += transformer_checks.train_t5xxl_problems(settings.network_train_unet_only, train_t5xxl)
         if problems:
             raise UserError(problems)
-        return dataclasses.replace(self, t5_max_length=config.t5xxl_max_token_length,
-                                   apply_lg_attn_mask=config.apply_lg_attn_mask,
-                                   apply_t5_attn_mask=config.apply_t5_attn_mask, train_t5xxl=train_t5xxl,
-                                   dropout_rates=rates, pos_emb_random_crop_rate=config.pos_emb_random_crop_rate,
-                                   scaled_pos_embed=config.enable_scaled_pos_embed)
+        return dataclasses.replace(self, t5_max_length=settings.t5xxl_max_token_length,
+                                   apply_lg_attn_mask=settings.apply_lg_attn_mask,
+                                   apply_t5_attn_mask=settings.apply_t5_attn_mask, train_t5xxl=train_t5xxl,
+                                   dropout_rates=rates, pos_emb_random_crop_rate=settings.pos_emb_random_crop_rate,
+                                   scaled_pos_embed=settings.enable_scaled_pos_embed)
 
     # --- prompts ----------------------------------------------------------------------------------------------
     def tokenizer(self, components: Components, max_token_length: int | None) -> Tokenizer:
@@ -228,15 +254,14 @@ class SD3(Family):
             if embedding is not None:
                 embedding.crop = None
 
-    def objective(self, components: Components, config: Any, device: torch.device) -> SD3Objective:
+    def objective(self, components: Components, settings: SD3Settings, device: torch.device) -> SD3Objective:
         # min/max_timestep are SD3's own (see SD3Objective), not ignored as for FLUX
-        settings = {k: v for k, v in user_settings(config).items() if k not in ("min_timestep", "max_timestep")}
-        problems = unsupported(settings, "SD3")
+        given = {k: v for k, v in settings.user_set.items() if k not in ("min_timestep", "max_timestep")}
+        problems = unsupported(given, "SD3")
         if problems:
             raise UserError(problems)
-        base = FlowMatchingObjective.from_config(config)
-        return SD3Objective(base.options, base.noise, base.loss, training_shift=config.training_shift,
-                            min_timestep=config.min_timestep, max_timestep=config.max_timestep)
+        return SD3Objective(settings.flow, settings.noise, settings.loss, training_shift=settings.training_shift,
+                            min_timestep=settings.min_timestep, max_timestep=settings.max_timestep)
 
     # --- LoRA files and metadata -------------------------------------------------------------------------------
     def lora_text_encoders(self, text_encoders: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
@@ -260,9 +285,10 @@ class SD3(Family):
         return {"base_model": "sd3", "architecture": f"stable-diffusion-3-{'5-large' if self.large else 'm'}/lora",
                 "implementation": "https://github.com/Stability-AI/generative-models"}
 
-    def metadata_fields(self, config: Any) -> dict[str, Any]:
-        return {"ss_apply_lg_attn_mask": config.apply_lg_attn_mask, "ss_apply_t5_attn_mask": config.apply_t5_attn_mask,
-                **{f"ss_{name}": getattr(config, name) for name in (
+    def metadata_fields(self, settings: SD3Settings) -> dict[str, Any]:
+        return {"ss_apply_lg_attn_mask": settings.apply_lg_attn_mask,
+                "ss_apply_t5_attn_mask": settings.apply_t5_attn_mask,
+                **{f"ss_{name}": value_of(settings, name) for name in (
                     "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "training_shift")}}
 
     # --- sampling ----------------------------------------------------------------------------------------------

@@ -2,20 +2,28 @@
 8x VAE in 2x2 patches, so image sides, and bucket steps, must be multiples of 16; and kohya's T5 options."""
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 from library.config import UserError
 
 MULTIPLE = 16  # pixels: the VAE's 8x times the 2x2 patch
 
 
-def size_problems(config: Any, family: str) -> list[str]:
+@dataclass(frozen=True)
+class ImageSizes:
+    """The options that size the latents (a group of a family's settings; the field names are the config's)."""
+    resolution: tuple[int, int]
+    enable_bucket: bool
+    bucket_reso_steps: int
+
+
+def size_problems(sizes: ImageSizes, family: str) -> list[str]:
     """The configured resolution and bucket steps that do not fit the patches, one line each."""
     problems = []
-    if any(side % MULTIPLE for side in config.resolution):
-        problems.append(f"resolution {config.resolution}: {family} needs sides that are multiples of {MULTIPLE}")
-    if config.enable_bucket and config.bucket_reso_steps % MULTIPLE:
-        problems.append(f"bucket_reso_steps {config.bucket_reso_steps}: {family} needs a multiple of {MULTIPLE}")
+    if any(side % MULTIPLE for side in sizes.resolution):
+        problems.append(f"resolution {sizes.resolution}: {family} needs sides that are multiples of {MULTIPLE}")
+    if sizes.enable_bucket and sizes.bucket_reso_steps % MULTIPLE:
+        problems.append(f"bucket_reso_steps {sizes.bucket_reso_steps}: {family} needs a multiple of {MULTIPLE}")
     return problems
 
 
@@ -26,9 +34,9 @@ def check_latent_size(family: str, height: int, width: int) -> None:
                         f"pixels: set resolution (and bucket_reso_steps) to multiples of {MULTIPLE}")
 
 
-def train_t5xxl_problems(config: Any, train_t5xxl: bool) -> list[str]:
+def train_t5xxl_problems(network_train_unet_only: bool, train_t5xxl: bool) -> list[str]:
     """kohya's train_t5xxl and network_train_unet_only ask for opposite things."""
-    if train_t5xxl and config.network_train_unet_only:
+    if train_t5xxl and network_train_unet_only:
         return ["network_args train_t5xxl: T5 trains with the text encoders, and network_train_unet_only trains the "
                 "transformer only; drop one"]
     return []

@@ -10,6 +10,7 @@ as for FLUX.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -25,11 +26,13 @@ from library.families.flow_matching import (
     NUM_TRAIN_TIMESTEPS,
     FlowMatchingObjective,
     FlowOptions,
+    FlowSettings,
     density_sample,
     loss_weighting,
     sigmas_of,
 )
 from library.families.objective import per_sample_loss
+from library.families.settings import value_of
 from library.families.shared import checks as transformer_checks
 from library.families.shared.sampling import flow_euler_scheduler
 
@@ -81,6 +84,29 @@ def musubi_sigmas(options: FlowOptions, batch_size: int, generator: torch.Genera
 
 
 @dataclass(frozen=True)
+class MusubiSettings(FlowSettings):
+    """What musubi's image families read from a run besides the flow-matching option groups: the timestep range,
+    the DDPM and FLUX options they refuse, and the options a family may name in its `refused_options`."""
+    sizes: transformer_checks.ImageSizes
+    min_timestep: int
+    max_timestep: int
+    min_snr_gamma: float | None
+    v_parameterization: bool
+    zero_terminal_snr: bool
+    noise_offset: float | None
+    network_train_unet_only: bool
+    # what a family may refuse (refused_options)
+    clip_skip: int | None
+    max_token_length: int | None
+    t5xxl_max_token_length: int | None
+    apply_t5_attn_mask: bool
+    clip_l: str | None
+    t5xxl: str | None
+    vae: str | None
+    network_train_text_encoder_only: bool
+
+
+@dataclass(frozen=True)
 class MusubiFlowObjective(FlowMatchingObjective):
     """FlowMatchingObjective with musubi's timestep draw and loss: MSE (or the configured loss) of the raw
     prediction against noise - x0, weighted by sigma_sqrt / cosmap when asked."""
@@ -102,18 +128,19 @@ class MusubiFlowObjective(FlowMatchingObjective):
         return loss if weighting is None else loss * weighting.to(loss.device)
 
     @classmethod
-    def from_config(cls, config: Any) -> MusubiFlowObjective:
-        base = FlowMatchingObjective.from_config(config)
-        shift = config.discrete_flow_shift if config.is_set("discrete_flow_shift") else DEFAULT_FLOW_SHIFT
+    def from_settings(cls, settings: MusubiSettings) -> MusubiFlowObjective:
+        """The run's objective, with musubi's defaults for the options the user did not set."""
+        given = settings.user_set
+        shift = settings.flow.discrete_flow_shift if "discrete_flow_shift" in given else DEFAULT_FLOW_SHIFT
         # kohya's default "uniform" draws and weights as musubi's "none" does; the metadata says musubi's name.
-        scheme = config.weighting_scheme if config.is_set("weighting_scheme") else "none"
-        options = FlowOptions(**{**base.options.__dict__, "discrete_flow_shift": shift, "weighting_scheme": scheme,
-                                 "model_prediction_type": "raw"})
-        return cls(options, base.noise, base.loss, min_timestep=config.min_timestep,
-                   max_timestep=config.max_timestep)
+        scheme = settings.flow.weighting_scheme if "weighting_scheme" in given else "none"
+        options = dataclasses.replace(settings.flow, discrete_flow_shift=shift, weighting_scheme=scheme,
+                                      model_prediction_type="raw")
+        return cls(options, settings.noise, settings.loss, min_timestep=settings.min_timestep,
+                   max_timestep=settings.max_timestep)
 
 
-def unsupported(config: Any, family: str) -> list[str]:
+def unsupported(settings: MusubiSettings, family: str) -> list[str]:
     """Options of the DDPM objective and of kohya's FLUX trainer that musubi's trainer does not have, each with
     why."""
     why = f"{family} is trained with flow matching, which has no DDPM noise schedule"
@@ -127,16 +154,17 @@ def unsupported(config: Any, family: str) -> list[str]:
         ("noise_offset", "musubi-tuner's trainer does not apply it"),
         ("multires_noise_iterations", "musubi-tuner's trainer does not apply it"),
         ("adaptive_noise_scale", "musubi-tuner's trainer does not apply it"))
-        if getattr(config, name)]
-    if config.is_set("model_prediction_type"):
+        if value_of(settings, name)]
+    if "model_prediction_type" in settings.user_set:
         problems.append(f"model_prediction_type: not for {family} (musubi-tuner always trains the raw prediction "
                         "against noise - x0)")
-    if config.timestep_sampling == "sigma" and (config.min_timestep, config.max_timestep) != (0, NUM_TRAIN_TIMESTEPS):
+    timesteps = (settings.min_timestep, settings.max_timestep)
+    if settings.flow.timestep_sampling == "sigma" and timesteps != (0, NUM_TRAIN_TIMESTEPS):
         problems.append("min_timestep / max_timestep with timestep_sampling sigma: musubi-tuner limits the schedule's "
                         "index there, which runs from sigma 1 down, so the range would be mirrored; use another "
                         "timestep_sampling (uniform, sigmoid, shift, ...)")
-    if config.loss_type in ("huber", "smooth_l1") and config.huber_schedule == "snr":
-        problems.append(f"loss_type {config.loss_type} with huber_schedule snr: not for {family} (the schedule "
+    if settings.loss.loss_type in ("huber", "smooth_l1") and settings.loss.huber_schedule == "snr":
+        problems.append(f"loss_type {settings.loss.loss_type} with huber_schedule snr: not for {family} (the schedule "
                         "follows a DDPM SNR); set huber_schedule to constant or exponential")
     return problems
 
@@ -166,27 +194,30 @@ class MusubiFamily(Family):
     display_name = ""
     implementation = ""
     refused_options: tuple[tuple[str, str], ...] = ()  # the options `configured` refuses when set, each with why
+    settings_type = MusubiSettings
 
-    def configured(self, config: Any) -> Family:
+    def configured(self, settings: MusubiSettings) -> Family:
         """Refuses the options that do not apply (`refused_options`, a guidance scale: musubi's image transformers
         have no guidance input) and sizes that do not fit the patches; nothing in the prompts depends on the
         config."""
         family = self.display_name
-        problems = [f"{name}: not for {family} ({why})" for name, why in self.refused_options if getattr(config, name)]
-        if config.is_set("guidance_scale"):
+        problems = [f"{name}: not for {family} ({why})" for name, why in self.refused_options
+                    if value_of(settings, name)]
+        if "guidance_scale" in settings.user_set:
             problems.append(f"guidance_scale: not for {family} (its transformer has no guidance input)")
-        problems += transformer_checks.size_problems(config, family)
+        problems += transformer_checks.size_problems(settings.sizes, family)
         if problems:
             raise UserError(problems)
-        if not config.network_train_unet_only:
+        if not settings.network_train_unet_only:
             logger.info("%s: the text encoder is not trained (musubi-tuner trains the transformer only)", family)
         return self
 
-    def objective(self, components: Components, config: Any, device: torch.device) -> Any:
-        problems = unsupported(config, self.display_name)
+    def objective(self, components: Components, settings: MusubiSettings,
+                  device: torch.device) -> MusubiFlowObjective:
+        problems = unsupported(settings, self.display_name)
         if problems:
             raise UserError(problems)
-        return MusubiFlowObjective.from_config(config)
+        return MusubiFlowObjective.from_settings(settings)
 
     def lora_text_encoders(self, text_encoders: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
         return []
@@ -196,9 +227,9 @@ class MusubiFamily(Family):
         return {"base_model": self.base_model_version, "architecture": f"{self.display_name}/lora",
                 "implementation": self.implementation}
 
-    def metadata_fields(self, config: Any) -> dict[str, Any]:
+    def metadata_fields(self, settings: MusubiSettings) -> dict[str, Any]:
         """musubi's flow-matching ss_* fields, with the values this run trained with."""
-        options = MusubiFlowObjective.from_config(config).options
+        options = MusubiFlowObjective.from_settings(settings).options
         return {f"ss_{name}": getattr(options, name) for name in (
             "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "timestep_sampling", "sigmoid_scale",
             "discrete_flow_shift")}
