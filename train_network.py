@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 def main(argv: list[str] | None = None, own_process: bool = False) -> int:
     """Run the command line `argv`; `own_process`: this process runs nothing else, so what it imports may be
     narrowed to what the run uses."""
+    import library.families.registry  # noqa: F401 - adds the families' options to the schema
     from library.config import UserError, parse_config, write_config
     from library.data.dataset_config import dataset_toml_problems
 
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
 
     if config.dataset_check:
         from library.data.check import dataset_report
-        from library.families.registry import caption_tokenizer
+        from library.families.loading import caption_tokenizer
 
         tokenizer = caption_tokenizer(config.pretrained_model_name_or_path, config.model_config)
         text, usable = dataset_report(config, tokenizer)

@@ -100,7 +100,7 @@ LOAD_CHILD = r"""
 import json, os, sys, time
 sys.path.insert(0, os.getcwd())
 import torch
-from library.families.registry import load_components
+from library.families.loading import load_components
 path, vae_dtype = sys.argv[1], getattr(torch, sys.argv[2])
 extra = json.loads(sys.argv[3])
 started = time.time()

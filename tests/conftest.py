@@ -19,6 +19,8 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+import library.families.registry  # noqa: E402,F401 - the families' options are part of the schema the tests parse
+
 
 @pytest.fixture(scope="session")
 def repo_root() -> Path:

@@ -8,7 +8,7 @@ from typing import Any, Callable
 # --- value converters: each takes a raw value (TOML value or command-line string) and returns the typed value or
 # raises ValueError with a short reason. The same converter serves both sources.
 
-def _to_bool(value: Any) -> bool:
+def to_bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
     if isinstance(value, int) and value in (0, 1):  # kohya_ss's GUI writes some flags as 0 / 1
@@ -20,7 +20,7 @@ def _to_bool(value: Any) -> bool:
     raise ValueError("expected true or false")
 
 
-def _to_int(value: Any) -> int:
+def to_int(value: Any) -> int:
     if isinstance(value, bool):
         raise ValueError("expected an integer, got a boolean")
     if isinstance(value, int):
@@ -42,7 +42,7 @@ def _to_int(value: Any) -> int:
     raise ValueError("expected an integer")
 
 
-def _to_float(value: Any) -> float:
+def to_float(value: Any) -> float:
     if isinstance(value, bool):
         raise ValueError("expected a number, got a boolean")
     if isinstance(value, (int, float)):
@@ -59,24 +59,24 @@ def _to_float(value: Any) -> float:
     return result
 
 
-def _to_lr(value: Any) -> float:
+def to_lr(value: Any) -> float:
     """A learning rate; newer kohya configs give text_encoder_lr as a list, one value per text encoder."""
     if isinstance(value, (list, tuple)):
-        rates = {_to_float(v) for v in value}
+        rates = {to_float(v) for v in value}
         if len(rates) != 1:
             raise ValueError("one learning rate for every text encoder is supported; give a single value"
                              if rates else "expected a number")
         return rates.pop()
-    return _to_float(value)
+    return to_float(value)
 
 
-def _to_str(value: Any) -> str:
+def to_str(value: Any) -> str:
     if isinstance(value, str):
         return value
     raise ValueError("expected a string")
 
 
-def _to_str_list(value: Any) -> list[str]:
+def to_str_list(value: Any) -> list[str]:
     # kohya writes network_args / optimizer_args as TOML arrays; on the command line they are space-separated.
     if isinstance(value, str):
         return value.split()
@@ -85,32 +85,32 @@ def _to_str_list(value: Any) -> list[str]:
     raise ValueError("expected a list of strings")
 
 
-def _to_path_list(value: Any) -> list[str]:
+def to_path_list(value: Any) -> list[str]:
     """Files: a TOML array, one path as a string (spaces kept), or several on the command line."""
     if isinstance(value, str):
         return [value] if value.strip() else []  # kohya's GUI writes "" for none
-    return [v for v in _to_str_list(value) if v.strip()]
+    return [v for v in to_str_list(value) if v.strip()]
 
 
-def _to_float_list(value: Any) -> list[float]:
+def to_float_list(value: Any) -> list[float]:
     """A TOML array of numbers, or "0.5,1" (commas or spaces) / several values on the command line."""
     if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         value = " ".join(value)  # several values on the command line, each maybe "a,b"
     items = value.replace(",", " ").split() if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)):
         raise ValueError("expected a list of numbers")
-    return [_to_float(item) for item in items]
+    return [to_float(item) for item in items]
 
 
-def _to_int_list(value: Any) -> list[int]:
+def to_int_list(value: Any) -> list[int]:
     """A TOML array of integers, or "100,300,500" (commas or spaces) on the command line."""
     items = value.replace(",", " ").split() if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)):
         raise ValueError("expected a list of integers")
-    return [_to_int(item) for item in items]
+    return [to_int(item) for item in items]
 
 
-def _to_resolution(value: Any) -> tuple[int, int]:
+def to_resolution(value: Any) -> tuple[int, int]:
     """kohya accepts "512", "512,768" (width,height) or a number; also a [w, h] array here."""
     if isinstance(value, bool):
         raise ValueError("expected a size like 512 or \"512,768\"")
@@ -126,7 +126,7 @@ def _to_resolution(value: Any) -> tuple[int, int]:
     if len(parts) != 2:
         raise ValueError("expected a size like 512 or \"512,768\"")
     try:
-        width, height = (_to_int(p) for p in parts)
+        width, height = (to_int(p) for p in parts)
     except ValueError:
         raise ValueError("expected a size like 512 or \"512,768\"") from None
     if width <= 0 or height <= 0:
@@ -152,20 +152,20 @@ class Option:
 
     @property
     def is_flag(self) -> bool:
-        return self.convert is _to_bool
+        return self.convert is to_bool
 
     @property
     def is_list(self) -> bool:
-        return self.convert in (_to_str_list, _to_path_list, _to_float_list)
+        return self.convert in (to_str_list, to_path_list, to_float_list)
 
     @property
     def is_size(self) -> bool:
-        return self.convert is _to_resolution
+        return self.convert is to_resolution
 
     @property
     def is_text(self) -> bool:
         """Free text, taken as given (spaces kept); every other value is read stripped."""
-        return self.convert is _to_str
+        return self.convert is to_str
 
 
 # kohya's optimizer_type names, matched case-insensitively; library/optim.py builds each one.
@@ -201,5 +201,5 @@ def canonical_optimizer_type(name: str) -> str:
     raise ValueError(f"not a known optimizer; {hint}")
 
 
-def _to_optimizer_type(value: Any) -> str:
-    return canonical_optimizer_type(_to_str(value).strip())
+def to_optimizer_type(value: Any) -> str:
+    return canonical_optimizer_type(to_str(value).strip())

@@ -24,8 +24,8 @@ from library.config.kohya_compat import (
     UNSUPPORTED_KOHYA_OPTIONS,
     ZERO_IS_UNSET,
 )
-from library.config.option_types import Option, _to_str
-from library.config.options import ALIASES, GROUPS, OPTIONS
+from library.config.option_types import Option, to_str
+from library.config.options import ALIASES, GROUPS, OPTIONS, require_families
 
 __all__ = ["Config", "ConfigError", "UserError", "build_parser", "parse_config"]
 
@@ -82,6 +82,7 @@ def _suggest(name: str, candidates: Iterable[str]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """Command-line parser; every value stays a raw string so it gets the same checks as the TOML file."""
+    require_families()
     parser = argparse.ArgumentParser(
         prog="train_network.py",
         description="Train a LoRA for Stable Diffusion. Options may come from a TOML file (--config) and the "
@@ -143,7 +144,7 @@ def _read_toml(path: Path) -> tuple[dict[str, Any] | None, list[str]]:
 
 
 def _convert(option: Option, raw: Any, where: str) -> tuple[Any, str | None]:
-    if raw == "" and option.default is None and option.convert is _to_str:
+    if raw == "" and option.default is None and option.convert is to_str:
         # kohya tests these with `if args.x:`, and configs saved by its GUI write unset paths as "".
         return None, None
     try:

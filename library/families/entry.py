@@ -1,47 +1,34 @@
 """A family's declarative entry in the registry: how to recognise its folder and its single file, how to load each,
-its tiny builders, the network modules that train it, and where its example config and docs page are.
+its tiny builders, the network modules that train it, the options it reads besides everyone's, and where its
+example config and docs page are.
 
 Each family package exposes one `ENTRY`; `library.families.registry` lists them in one line and loops over them,
 so no other module asks which families exist.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
-import torch
-
-from library.config import UserError
-from library.families.family import Components
-
-# The options that name a family's separate files (kohya's and musubi-tuner's names).
-FILE_OPTIONS = ("clip_l", "clip_g", "t5xxl", "ae", "text_encoder")
+from library.config.option_types import Option
 
 
 @dataclass(frozen=True)
-class LoadRequest:
-    """What loading a base model needs, as values: the path, the dtypes, the separate files and SD's options."""
-    path: Path
-    weight_dtype: torch.dtype = torch.float32
-    vae_dtype: torch.dtype = torch.float32
-    model_config: str | None = None  # a diffusers folder describing a single file's widths
-    files: Mapping[str, str | None] = field(default_factory=dict)  # FILE_OPTIONS -> path or None
-    v2: bool = False
-    v_parameterization: bool = False
-    allow_pickle_checkpoints: bool = False
+class Ref:
+    """A function named by its module and name, imported when first called. Entries name their loaders and
+    builders this way so that the registry, and the options it adds to the schema, load without torch, diffusers
+    or transformers: the trainer reads its configuration before those are imported (train_network.py hides the
+    packages a run does not use from them)."""
+    module: str
+    name: str
 
-    def file(self, name: str) -> str | None:
-        return self.files.get(name)
+    def resolve(self) -> Callable[..., Any]:
+        return getattr(importlib.import_module(self.module), self.name)
 
-    def required_files(self, names: tuple[str, ...], family: str, what: str) -> list[str]:
-        """The separate files `names` that a `family` transformer file is loaded with; a UserError names the missing
-        ones (`what` says which files they are)."""
-        files = [self.file(name) for name in names]
-        missing = [name for name, file in zip(names, files, strict=True) if not file]
-        if missing:
-            raise UserError(f"{self.path} is a {family} transformer file: it needs {' and '.join(missing)} ({what})")
-        return [str(file) for file in files]
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.resolve()(*args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -64,12 +51,13 @@ class FamilyEntry:
     name: str  # the package name
     title: str  # for messages and docs ("FLUX.1")
     is_folder: Callable[[Path], bool]
-    load_folder: Callable[[LoadRequest], Components]
+    load_folder: Callable[..., Any]  # LoadRequest -> Components (library.families.loading)
     is_file: Callable[[Path], bool]
-    load_file: Callable[[LoadRequest], Components]
+    load_file: Callable[..., Any]
     tiny: tuple[TinyModel, ...]
     network_modules: tuple[str, ...]  # kohya / musubi-tuner network_module names that train this family
-    file_options: tuple[str, ...] = ()  # the FILE_OPTIONS its single file is loaded with
+    options: tuple[Option, ...] = ()  # the options only some families read (library.families.shared.options)
+    file_options: tuple[str, ...] = ()  # those of `options` that name the separate files its single file takes
     more_configs: tuple[str, ...] = ()  # example configs under configs/ besides <name>_lora.toml
     reads_unrecognised: bool = False
     main_config: str = ""  # its example config under configs/, when not named <name>_lora.toml

@@ -21,8 +21,9 @@ from library.config import Config, UserError
 from library.core.memory import return_free_heap
 from library.data.dataset import TrainingData, build_training_data
 from library.families.family import Components
+from library.families.loading import load_components
 from library.families.objective import Objective
-from library.families.registry import load_components
+from library.families.registry import file_options
 from library.families.settings import FamilySettings, settings_from
 from library.families.shared.vae_file import load_vae
 from library.memory.check import check_memory
@@ -146,9 +147,8 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     prompts = sample_prompts(config)
     # The images are checked before the model is loaded, so data problems surface in seconds.
     data = build_training_data(config, None, seed, accelerator.num_processes)
-    components = load_base(config, accelerator, data, weight_dtype, vae_dtype)
+    components, settings = load_base(config, accelerator, data, weight_dtype, vae_dtype)
     family = components.family
-    settings = settings_from(family.settings_type, config)
     spec = network_spec(config, family)
     data.set_tokenizer(family.tokenizer(components, config.max_token_length))
     objective = family.objective(components, settings, accelerator.device)
@@ -199,30 +199,32 @@ def resume_point(config: Config, accelerator: Accelerator, output_dir: Path) -> 
 
 
 def load_base(config: Config, accelerator: Accelerator, data: TrainingData, weight_dtype: torch.dtype,
-              vae_dtype: torch.dtype) -> Components:
+              vae_dtype: torch.dtype) -> tuple[Components, FamilySettings]:
     """The frozen base, checked against the memory available first, read in its storage precision and configured
-    for the run (its family's settings, a replacement VAE, merged base weights)."""
+    for the run (its family's settings, a replacement VAE, merged base weights); and those settings."""
     precision = BasePrecision.from_config(config, weight_dtype)
     check_memory(config, accelerator.device, accelerator.num_processes, precision, vae_dtype)
     # Separate component files (kohya's FLUX files) are read straight into their storage precision (fp8 files stay
     # fp8). A single SD checkpoint is not: diffusers' from_single_file casts what it is given to the training dtype.
-    separate = any((config.clip_l, config.t5xxl, config.ae))
-    with reading(precision.read_rule([config.pretrained_model_name_or_path] if separate else [],
-                                     [path for path in (config.clip_l, config.clip_g, config.t5xxl) if path])):
+    # kohya's CLIP and T5 files are lowered as they are read; musubi-tuner's Qwen text encoder file is not.
+    files = {name: getattr(config, name) for name in file_options()}
+    separate = any(files[name] for name in ("clip_l", "t5xxl", "ae") if name in files)
+    text_files = [files[name] for name in ("clip_l", "clip_g", "t5xxl") if files.get(name)]
+    with reading(precision.read_rule([config.pretrained_model_name_or_path] if separate else [], text_files)):
         components = load_components(config.pretrained_model_name_or_path, config.v2, config.v_parameterization,
                                      weight_dtype, vae_dtype, config.model_config, config.allow_pickle_checkpoints,
-                                     clip_l=config.clip_l, t5xxl=config.t5xxl, ae=config.ae,
-                                     text_encoder=config.text_encoder, clip_g=config.clip_g)
+                                     **files)
     if config.vae is not None:  # kohya's separate VAE file
         components.vae = load_vae(config.vae, components.vae, vae_dtype)
-    family = components.family = components.family.configured(settings_from(components.family.settings_type, config))
+    settings = settings_from(components.family.settings_type, config)
+    family = components.family = components.family.configured(settings)
     family.prepare_denoiser(components.denoiser, [spec.resolution for spec in data.specs])
     merge_base_weights(components, config.base_weights, config.base_weights_multiplier)  # before any cache
     if config.weighted_captions and not family.offers_weighted_captions:
         raise UserError(f"weighted_captions is not offered for {family.name}: sd-scripts weights captions for the "
                         "CLIP text encoders of SD1.x, SD2.x and SDXL only (its SD3 and FLUX tokenizers have no "
                         "weighting: the option fails there at the first step); remove it")
-    return components
+    return components, settings
 
 
 def prepare_inputs(config: Config, accelerator: Accelerator, output_dir: Path, data: TrainingData,

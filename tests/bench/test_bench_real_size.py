@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from library.families.registry import load_components
+from library.families.loading import load_components
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 

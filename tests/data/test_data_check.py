@@ -221,7 +221,7 @@ def test_skipping_everything_is_still_an_error(tmp_path):
 def test_dataset_report_counts_tokens_for_a_single_file_model(tmp_path):
     """A single .safetensors checkpoint carries no tokenizer: the report uses the one its architecture ships
     with, and the truncation limit follows max_token_length."""
-    from library.families.registry import caption_tokenizer
+    from library.families.loading import caption_tokenizer
     from library.families.sd.tiny import save_tiny_sd1_single_file
 
     model = save_tiny_sd1_single_file(tmp_path / "tiny.safetensors")

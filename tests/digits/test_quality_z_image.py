@@ -9,7 +9,7 @@ import torch
 from library import digits
 from library.config import parse_config
 from library.digits import judge
-from library.families.entry import LoadRequest
+from library.families.loading import LoadRequest
 from library.families.z_image import family as z_image
 from tests.helpers import family_checks
 from tools import pretrain_z_image_base

@@ -23,7 +23,7 @@ RANK, ALPHA = 4, 2.0
 
 @pytest.fixture(scope="module")
 def components(tiny_chroma_dir):
-    from library.families.registry import load_components
+    from library.families.loading import load_components
 
     return load_components(tiny_chroma_dir)
 
@@ -36,7 +36,7 @@ def test_the_bfl_files_load_to_the_folders_weights(components, tiny_chroma_dir, 
     from safetensors import safe_open
 
     from library.families.chroma.tiny import save_tiny_chroma_files
-    from library.families.registry import load_components
+    from library.families.loading import load_components
 
     files = save_tiny_chroma_files(tiny_chroma_dir, tmp_path)
     with safe_open(str(files["transformer"]), "pt") as f:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from library.config import UserError
-from library.families.registry import load_components
+from library.families.loading import load_components
 from library.families.sd.tiny import save_tiny_sd1
 from library.families.shared.clip_text import tokenize
 

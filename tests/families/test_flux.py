@@ -39,7 +39,7 @@ def test_image_ids_hold_row_and_column_of_each_token():
 
 @pytest.fixture(scope="module")
 def components(tiny_flux_dir):
-    from library.families.registry import load_components
+    from library.families.loading import load_components
 
     return load_components(tiny_flux_dir)
 
@@ -170,7 +170,7 @@ def test_sampling_uses_flow_match_euler_and_the_g_guidance(components, tmp_path)
 def test_t5_stays_in_eval_mode_while_clip_l_trains(tiny_flux_dir):
     # T5 has dropout (0.1 in FLUX.1's T5-XXL); training CLIP-L's LoRA must not switch it on.
     from library.config import parse_config
-    from library.families.registry import load_components
+    from library.families.loading import load_components
     from library.training.model import build_model
 
     config, _ = parse_config(["--pretrained_model_name_or_path", str(tiny_flux_dir), "--train_data_dir", ".",

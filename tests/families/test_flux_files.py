@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from library.config import UserError
-from library.families.registry import load_components
+from library.families.loading import load_components
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ def settings(*args: str) -> musubi_flow.MusubiSettings:
 
 @pytest.fixture(scope="module")
 def components(tiny_qwen_image_dir):
-    from library.families.registry import load_components
+    from library.families.loading import load_components
 
     return load_components(tiny_qwen_image_dir)
 
@@ -208,7 +208,7 @@ def test_diffusers_load_lora_weights_consumes_every_key_with_the_same_change(tin
     change equals ours (alpha / rank applied), to 1e-6."""
     from diffusers import QwenImagePipeline
 
-    from library.families.registry import load_components
+    from library.families.loading import load_components
 
     fresh = load_components(tiny_qwen_image_dir)
     ours = random_lora(components.denoiser)
@@ -279,8 +279,8 @@ def test_a_transformer_file_stored_in_low_precision_is_read_cast(tiny_qwen_image
     training dtype."""
     from safetensors.torch import save_file
 
+    from library.families.loading import load_components
     from library.families.qwen_image.tiny import save_tiny_qwen_image_files
-    from library.families.registry import load_components
 
     files = save_tiny_qwen_image_files(tiny_qwen_image_dir, tmp_path)
     state = {f"model.diffusion_model.{k}": v.to(stored) for k, v in components.denoiser.state_dict().items()}
@@ -300,7 +300,7 @@ def test_a_transformer_file_stored_in_low_precision_is_read_cast(tiny_qwen_image
 def test_fp8_base_stores_the_transformer_in_fp8_and_trains_the_lora(tiny_qwen_image_dir):
     """fp8_base on Qwen-Image: the frozen Linear weights are float8_e4m3fn, the step runs in bf16 and every LoRA
     module gets its gradient."""
-    from library.families.registry import load_components
+    from library.families.loading import load_components
     from library.training.model import build_model
 
     run = config("--fp8_base", "--mixed_precision", "bf16", "--network_module", "networks.lora_qwen_image",

@@ -9,9 +9,11 @@ import pytest
 
 from library.config import parse_config
 from library.config.network_args import NETWORK_MODULES
-from library.config.options import OPTIONS
-from library.families.entry import FILE_OPTIONS
-from library.families.registry import ENTRIES, entry_for, load_components, network_modules, tiny_models
+from library.config.option_types import Option, to_bool
+from library.config.options import CORE_OPTIONS, OPTIONS, add_family_options
+from library.families.entry import Ref
+from library.families.loading import load_components
+from library.families.registry import ENTRIES, entry_for, file_options, network_modules, tiny_models
 from tests.helpers import REPO
 
 BY_NAME = {entry.name: entry for entry in ENTRIES}
@@ -38,10 +40,41 @@ def test_names_are_unique_and_one_entry_reads_what_no_other_recognises():
     assert len([entry for entry in ENTRIES if entry.reads_unrecognised]) == 1
 
 
-def test_the_options_name_registered_families():
-    # library.config cannot import the families (imports flow one way): an option's families are checked here.
-    named = {family for option in OPTIONS.values() for family in option.families}
-    assert named <= set(BY_NAME), f"options name families the registry does not have: {named - set(BY_NAME)}"
+def test_the_schema_is_the_core_options_and_what_the_entries_declare_tagged_with_who_reads_them():
+    declared: dict[str, list[str]] = {}
+    for entry in ENTRIES:
+        for option in entry.options:
+            declared.setdefault(option.name, []).append(entry.name)
+    assert set(OPTIONS) == set(CORE_OPTIONS) | set(declared)
+    assert not set(CORE_OPTIONS) & set(declared), "a family redeclares a core option"
+    assert {name: list(OPTIONS[name].families) for name in declared} == declared
+    assert all(not option.families for option in CORE_OPTIONS.values())
+    assert list(OPTIONS).index("v2") < list(OPTIONS).index("train_data_dir"), "family options leave their group"
+
+
+def test_an_option_declared_twice_differently_is_refused_and_the_schema_is_kept():
+    before = dict(OPTIONS)
+    with pytest.raises(ValueError, match="clip_skip"):
+        add_family_options("other", [Option("clip_skip", to_bool, False, "another meaning", group="model")])
+    with pytest.raises(ValueError, match="no group"):
+        add_family_options("other", [Option("new_option", to_bool, False, "no group")])
+    assert OPTIONS == before
+
+
+def test_the_registry_loads_no_model_code_and_every_ref_resolves():
+    # The configuration is read before torch and diffusers are imported (train_network.hide_unused_packages).
+    import subprocess
+    import sys
+
+    code = ("import sys, library.families.registry as r; "
+            "print(sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    refs = [value for entry in ENTRIES for value in vars(entry).values() if isinstance(value, Ref)]
+    refs += [value for entry in ENTRIES for tiny in entry.tiny for value in vars(tiny).values()
+             if isinstance(value, Ref)]
+    assert len(refs) >= 4 * len(ENTRIES)
+    assert all(callable(ref.resolve()) for ref in refs)
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=lambda entry: entry.name)
@@ -50,7 +83,7 @@ def test_each_entry_has_a_tiny_builder_a_shipped_config_and_a_docs_page_the_read
     assert entry.configs, f"{entry.name}: no example config in configs/"
     assert entry.docs and (REPO / entry.docs).is_file(), f"{entry.name}: docs page {entry.docs!r} missing"
     assert f"]({entry.docs})" in (REPO / "README.md").read_text(encoding="utf-8"), "not in the README's table"
-    assert set(entry.file_options) <= set(FILE_OPTIONS)
+    assert set(entry.file_options) <= {option.name for option in entry.options if option.is_path}
 
 
 @pytest.mark.parametrize("family, tiny", TINY, ids=[tiny for _, tiny in TINY])
@@ -75,8 +108,8 @@ def test_each_tiny_transformer_file_is_recognised_by_its_own_entry_alone(family,
     _, files = built[tiny]
     recognised = {part: [entry.name for entry in ENTRIES if not entry.reads_unrecognised and entry.is_file(path)]
                   for part, path in files.items()}
-    assert recognised == {part: [] if part in FILE_OPTIONS else [family] for part in files}
-    assert any(part not in FILE_OPTIONS for part in files), "no transformer file written"
+    assert recognised == {part: [] if part in file_options() else [family] for part in files}
+    assert any(part not in file_options() for part in files), "no transformer file written"
     assert set(BY_NAME[family].file_options) <= set(files), "--files leaves out a file the model is loaded with"
 
 

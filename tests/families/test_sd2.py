@@ -6,7 +6,7 @@ import torch
 
 from library.config import parse_config
 from library.families import objective
-from library.families.registry import load_components
+from library.families.loading import load_components
 from library.families.sd.family import zero_terminal_snr
 from library.families.sd.tiny import save_tiny_sd1
 from library.network.kohya_format import read_metadata

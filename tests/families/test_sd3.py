@@ -27,7 +27,7 @@ RANK, ALPHA = 4, 2.0
 
 @pytest.fixture(scope="module")
 def components(tiny_sd3_dir):
-    from library.families.registry import load_components
+    from library.families.loading import load_components
 
     return load_components(tiny_sd3_dir)
 
@@ -286,7 +286,7 @@ def test_sampling_is_sd3_pipelines_cfg(components, tmp_path):
 
 def test_single_files_with_and_without_text_encoders_load_the_folders_weights(components, tiny_sd3_dir, tmp_path):
     """Stability's layout, read by diffusers' own SD3 converter: the written file converts back exactly."""
-    from library.families.registry import load_components
+    from library.families.loading import load_components
     from library.families.sd3.tiny import save_tiny_sd3_files
 
     files = save_tiny_sd3_files(tiny_sd3_dir, tmp_path)

@@ -8,7 +8,7 @@ from PIL import Image
 
 from library.config import parse_config
 from library.data.dataset import build_training_data, collate
-from library.families.registry import load_components
+from library.families.loading import load_components
 from library.families.sd.sdxl import time_ids as sdxl_time_ids
 from library.network.kohya_format import read_metadata
 from library.training import loop

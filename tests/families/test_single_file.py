@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from library.config import ConfigError, UserError, parse_config
-from library.families.registry import load_components
+from library.families.loading import load_components
 from library.families.sd.single_file import (
     ARCHITECTURES,
     CLIP_PREFIX,

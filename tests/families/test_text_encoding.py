@@ -8,7 +8,7 @@ import torch
 from accelerate.state import AcceleratorState
 
 from library.config import UserError, parse_config
-from library.families.registry import load_components
+from library.families.loading import load_components
 from library.families.shared.clip_text import encode_prompt, tokenize
 from library.network.kohya_format import read_metadata
 from library.training import loop

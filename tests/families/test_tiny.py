@@ -108,7 +108,7 @@ def test_sample_dataset(sample_data_dir: Path, repo_root: Path) -> None:
 
 
 def test_command_line_builds_every_family(tmp_path: Path, capsys) -> None:
-    from library.families.registry import load_components
+    from library.families.loading import load_components
     from library.families.tiny import main
 
     for family, base_model_version in (("sd1", "sd_v1"), ("sd2", "sd_v2"), ("sdxl", "sdxl_base_v1-0")):

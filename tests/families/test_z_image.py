@@ -105,7 +105,7 @@ def test_loss_is_musubis_weighted_mse_of_the_negated_output(scheme):
 
 @pytest.fixture(scope="module")
 def components(tiny_z_image_dir):
-    from library.families.registry import load_components
+    from library.families.loading import load_components
 
     return load_components(tiny_z_image_dir)
 
@@ -213,7 +213,7 @@ def test_diffusers_load_lora_weights_consumes_every_key_with_the_same_change(tin
     change equals ours (alpha / rank applied), to 1e-6."""
     from diffusers import ZImagePipeline
 
-    from library.families.registry import load_components
+    from library.families.loading import load_components
 
     fresh = load_components(tiny_z_image_dir)
     ours = random_lora(components.denoiser)
@@ -226,7 +226,7 @@ def test_diffusers_load_lora_weights_consumes_every_key_with_the_same_change(tin
 # --- files and sampling -----------------------------------------------------------------------------------------
 
 def test_comfyui_split_files_load_as_the_folder(tiny_z_image_dir, components, tmp_path):
-    from library.families.registry import load_components
+    from library.families.loading import load_components
     from library.families.shared.separate_files import load_qwen_tokenizer
     from library.families.z_image.files import SHIPPED_CONFIG
     from library.families.z_image.tiny import save_tiny_z_image_files
@@ -308,7 +308,7 @@ def test_comfyui_applies_the_file_to_its_fused_layout_as_we_trained_it(component
 def test_fp8_base_stores_the_transformer_in_fp8_and_trains_the_lora(tiny_z_image_dir):
     """fp8_base (the precision options of library.memory.precision) on Z-Image: the frozen Linear weights are
     float8_e4m3fn, the step runs in bf16 and the LoRA gets its gradients."""
-    from library.families.registry import load_components
+    from library.families.loading import load_components
     from library.training.model import build_model
 
     run = config("--fp8_base", "--mixed_precision", "bf16", "--network_module", "networks.lora_zimage",

@@ -55,7 +55,7 @@ def assert_diffusers_layers_change_as_ours(transformer: torch.nn.Module, ours: d
 def load_split_files(files: dict, folder: Path):
     """ComfyUI's split files (diffusion_models/, text_encoders/, vae/) with the folder as model_config: refused
     without the text encoder's file, loaded with it."""
-    from library.families.registry import load_components
+    from library.families.loading import load_components
 
     assert {p.parent.name for p in files.values()} == {"diffusion_models", "text_encoders", "vae"}
     with pytest.raises(UserError, match="text_encoder"):

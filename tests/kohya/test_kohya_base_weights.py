@@ -55,7 +55,7 @@ def test_base_weights_are_merged_as_diffusers_fuses_the_lora(tiny_sd1_dir, small
 def test_base_weights_checks(tiny_sd1_dir, tmp_path):
     from safetensors.torch import save_file
 
-    from library.families.registry import load_components
+    from library.families.loading import load_components
     from library.training.base_weights import merge_base_weights
 
     (tmp_path / "1_x").mkdir()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from library.config import UserError
-from library.families.registry import load_components
+from library.families.loading import load_components
 from library.memory.offload import backward_swaps, forward_swaps, install_offloading
 from library.network import lora
 from tests.helpers.offload import DEVICE, HOST, Recorder

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from library.families.registry import load_components
+from library.families.loading import load_components
 from library.memory.precision import BasePrecision, managed_layers, reading
 from library.network import lora
 

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from library.config import UserError
-from library.families.registry import load_components
+from library.families.loading import load_components
 from library.monitoring import sampling
 from library.monitoring.sampling import SamplePrompt
 from library.network import lora

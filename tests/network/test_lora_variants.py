@@ -417,7 +417,7 @@ def test_lycoris_fresh_adapter_changes_nothing(tiny):
 
 
 def built(tiny_sd1_dir, sample_data_dir, tmp_path, *extra):
-    from library.families.registry import load_components
+    from library.families.loading import load_components
     from library.training.model import build_model
 
     config = make_config(tiny_sd1_dir, sample_data_dir, tmp_path, *extra)
@@ -558,7 +558,7 @@ def logged(monkeypatch) -> list[dict[str, float]]:
 
 
 def base_models(tiny_sd1_dir) -> dict[str, nn.Module]:
-    from library.families.registry import load_components
+    from library.families.loading import load_components
 
     components = load_components(tiny_sd1_dir)
     return {"unet": components.denoiser.eval(), "text_encoder": components.text_encoder.eval()}
@@ -798,7 +798,7 @@ def model_lora_modules(model) -> dict[str, nn.Module]:
 
 def test_a_partial_dora_file_names_the_number_of_modules_left_to_train(tiny_sd1_dir, sample_data_dir, tmp_path,
                                                                        caplog):
-    from library.families.registry import load_components
+    from library.families.loading import load_components
     from library.training.model import build_model, lora_modules, network_spec
 
     dora = ("--network_args", "dora_wd=True")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from library.families.registry import load_components
+from library.families.loading import load_components
 from tests.helpers.runs import TINY_RUN, train, train_lora
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")

@@ -6,8 +6,8 @@ import torch
 from accelerate.state import AcceleratorState
 from safetensors import safe_open
 
+from library.families.loading import load_components
 from library.families.objective import DiffusionObjective
-from library.families.registry import load_components
 from library.network import kohya_format, lora
 from library.training import loop
 from library.training import model as model_module

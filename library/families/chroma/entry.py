@@ -1,8 +1,11 @@
-"""This family's line in library.families.registry: how its models are recognised, loaded and built tiny."""
-from library.families.chroma import family, tiny
-from library.families.entry import FamilyEntry, TinyModel
+"""This family's line in library.families.registry: how its models are recognised, loaded and built tiny, and the
+options it reads."""
+from library.families.entry import FamilyEntry, Ref, TinyModel
+from library.families.flux.options import KOHYA_FLUX
 
-ENTRY = FamilyEntry("chroma", "Chroma", family.is_chroma_folder, family.load_chroma_folder, family.is_bfl_chroma,
-                    family.load_chroma_files, file_options=("t5xxl", "ae"),
-                    tiny=(TinyModel("chroma", tiny.save_tiny_chroma, tiny.save_tiny_chroma_files),),
-                    network_modules=("networks.lora_flux",))  # kohya trains Chroma with its FLUX module
+FAMILY, TINY = "library.families.chroma.family", "library.families.chroma.tiny"
+ENTRY = FamilyEntry(
+    "chroma", "Chroma", Ref(FAMILY, "is_chroma_folder"), Ref(FAMILY, "load_chroma_folder"),
+    Ref(FAMILY, "is_bfl_chroma"), Ref(FAMILY, "load_chroma_files"), options=KOHYA_FLUX, file_options=("t5xxl", "ae"),
+    tiny=(TinyModel("chroma", Ref(TINY, "save_tiny_chroma"), Ref(TINY, "save_tiny_chroma_files")),),
+    network_modules=("networks.lora_flux",))  # kohya trains Chroma with its FLUX module

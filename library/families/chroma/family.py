@@ -19,7 +19,6 @@ import torch
 
 from library.config import UserError
 from library.core.memory import return_free_heap
-from library.families.entry import LoadRequest
 from library.families.family import Components, Tokenizer
 from library.families.flux.family import (
     FluxArchitecture,
@@ -29,6 +28,7 @@ from library.families.flux.family import (
     unpack_latents,
 )
 from library.families.flux.files import BFL_PREFIX, diffusers_state_dict
+from library.families.loading import LoadRequest
 from library.families.shared import checks as transformer_checks
 from library.families.shared.diffusers_folder import load_folder, transformer_class, transformer_components
 from library.families.shared.safetensors_io import read_safetensors

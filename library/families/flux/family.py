@@ -17,10 +17,10 @@ import torch
 
 from library.config import UserError
 from library.config.network_args import NetworkArgs
-from library.families.entry import LoadRequest
 from library.families.family import Components, Family, Tokenizer
 from library.families.flow_matching import FlowMatchingObjective, FlowSettings, unsupported
 from library.families.flux import lora as flux_lora
+from library.families.loading import LoadRequest
 from library.families.settings import value_of
 from library.families.shared import checks as transformer_checks
 from library.families.shared.clip_text import tokenize

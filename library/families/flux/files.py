@@ -16,9 +16,9 @@ import torch
 
 from library.config import UserError
 from library.core.memory import return_free_heap
-from library.families.entry import LoadRequest
 from library.families.family import Components
 from library.families.flux.family import Flux
+from library.families.loading import LoadRequest
 from library.families.shared.clip_tokenizer import load_tokenizer
 from library.families.shared.diffusers_folder import transformer_components
 from library.families.shared.safetensors_io import read_safetensors

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from library.config import UserError
-from library.families.entry import LoadRequest
 from library.families.family import Components, Tokenizer
+from library.families.loading import LoadRequest
 from library.families.qwen_image import lora as qwen_image_lora
 from library.families.shared import checks as transformer_checks
 from library.families.shared import musubi_flow

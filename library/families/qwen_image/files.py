@@ -20,8 +20,8 @@ import torch
 
 from library.config import UserError
 from library.core.memory import return_free_heap
-from library.families.entry import LoadRequest
 from library.families.family import Components
+from library.families.loading import LoadRequest
 from library.families.qwen_image.family import QwenImageVae, family_of
 from library.families.shared.diffusers_folder import transformer_components
 from library.families.shared.separate_files import assign, load_qwen_tokenizer, marked_keys, read_split, reading

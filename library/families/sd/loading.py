@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from library.config import UserError
-from library.families.entry import LoadRequest
 from library.families.family import Components, Family
+from library.families.loading import LoadRequest
 from library.families.sd.family import SD1, SD2
 from library.families.sd.sdxl import SDXL
 from library.families.sd.single_file import ARCHITECTURES, load_single_file

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from library.families.sd.entry import PREDICTION_TYPES, SIZES
 from library.families.sd.single_file import save_checkpoint
 from library.families.shared.ldm_export import ldm_state_dict
 from library.families.shared.tiny_parts import (  # noqa: F401 - re-exported for the tools and tests
@@ -35,8 +36,6 @@ from library.families.shared.tiny_parts import (  # noqa: F401 - re-exported for
 
 logger = logging.getLogger(__name__)
 
-SIZES = ("tiny", "small")
-PREDICTION_TYPES = ("epsilon", "v_prediction")
 FAMILIES = ("sd1", "sd2")  # sd2: linear proj_in/proj_out, OpenCLIP's gelu and "!" padding
 
 # Per size: UNet widths, latent size, text width. Heads are chosen so every attention head is 8 wide.

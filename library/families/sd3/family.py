@@ -15,7 +15,6 @@ import torch
 
 from library.config import UserError
 from library.config.network_args import NetworkArgs
-from library.families.entry import LoadRequest
 from library.families.family import Components, Family, Tokenizer
 from library.families.flow_matching import (
     NUM_TRAIN_TIMESTEPS,
@@ -26,6 +25,7 @@ from library.families.flow_matching import (
     sigmas_of,
     unsupported,
 )
+from library.families.loading import LoadRequest
 from library.families.objective import per_sample_loss
 from library.families.sd3 import lora as sd3_lora
 from library.families.sd3 import pos_embed

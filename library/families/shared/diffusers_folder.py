@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from library.config import UserError
-from library.families.entry import LoadRequest
 from library.families.family import Components, Family
+from library.families.loading import LoadRequest
 
 
 def transformer_class(path: Path) -> str | None:

@@ -18,8 +18,8 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from library.config import UserError
-from library.families.entry import LoadRequest
 from library.families.family import Components, Tokenizer
+from library.families.loading import LoadRequest
 from library.families.shared import checks as transformer_checks
 from library.families.shared import musubi_flow
 from library.families.shared.diffusers_folder import load_folder, transformer_class

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from library.core.memory import return_free_heap
-from library.families.entry import LoadRequest
 from library.families.family import Components
+from library.families.loading import LoadRequest
 from library.families.shared.diffusers_folder import transformer_components
 from library.families.shared.separate_files import assign, load_qwen_tokenizer, marked_keys, read_split, reading
 from library.families.z_image.family import ZImage

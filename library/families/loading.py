@@ -1,0 +1,107 @@
+"""Loading a base model of whichever registered family it is, and what loaders take (LoadRequest)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from library.config import UserError
+from library.core.memory import return_free_heap
+from library.families.entry import FamilyEntry
+from library.families.family import Components
+from library.families.registry import ENTRIES, entry_for, file_options
+from library.families.sd.single_file import file_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """What loading a base model needs, as values: the path, the dtypes, the separate files and SD's options."""
+    path: Path
+    weight_dtype: torch.dtype = torch.float32
+    vae_dtype: torch.dtype = torch.float32
+    model_config: str | None = None  # a diffusers folder describing a single file's widths
+    files: Mapping[str, str | None] = field(default_factory=dict)  # registry.file_options() -> path or None
+    v2: bool = False
+    v_parameterization: bool = False
+    allow_pickle_checkpoints: bool = False
+
+    def file(self, name: str) -> str | None:
+        return self.files.get(name)
+
+    def required_files(self, names: tuple[str, ...], family: str, what: str) -> list[str]:
+        """The separate files `names` that a `family` transformer file is loaded with; a UserError names the missing
+        ones (`what` says which files they are)."""
+        files = [self.file(name) for name in names]
+        missing = [name for name, file in zip(names, files, strict=True) if not file]
+        if missing:
+            raise UserError(f"{self.path} is a {family} transformer file: it needs {' and '.join(missing)} ({what})")
+        return [str(file) for file in files]
+
+
+def load_components(model_path: str | Path, v2: bool = False, v_parameterization: bool = False,
+                    weight_dtype: torch.dtype = torch.float32,
+                    vae_dtype: torch.dtype = torch.float32, model_config: str | Path | None = None,
+                    allow_pickle_checkpoints: bool = False, **files: str | None) -> Components:
+    """Load the denoiser, VAE, text encoders, tokenizers and noise schedule of a local diffusers folder or single
+    file, of whichever registered family it is. `files` are the separate files a single transformer file is
+    loaded with (registry.file_options(): clip_l, t5xxl, ae ...); `model_config` describes a single file's
+    widths.
+
+    Weights are loaded straight into their training dtype (casting afterwards makes diffusers warn and doubles
+    the peak memory of the load), and the heap pages the load freed go back to the system.
+    """
+    unknown = sorted(set(files) - set(file_options()))
+    if unknown:
+        raise TypeError(f"load_components: unknown file options {unknown}")
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    path = Path(model_path)
+    request = LoadRequest(path=path, weight_dtype=weight_dtype, vae_dtype=vae_dtype,
+                          model_config=None if model_config is None else str(model_config), files=files, v2=v2,
+                          v_parameterization=v_parameterization, allow_pickle_checkpoints=allow_pickle_checkpoints)
+    try:
+        entry = entry_for(path)
+        _check_file_options(entry, request)
+        return entry.load_file(request) if path.is_file() else entry.load_folder(request)
+    finally:
+        return_free_heap()  # the read and converted copies of the weights: 0.4-1 GiB for SDXL
+
+
+def _check_file_options(entry: FamilyEntry, request: LoadRequest) -> None:
+    """A separate file the family's files are not loaded with is a mistake, not something to ignore."""
+    takes = entry.file_options if request.path.is_file() else ()
+    extra = [name for name in file_options() if request.file(name) and name not in takes]
+    if not extra:
+        return
+    readers = [f"{e.title} ({', '.join(o for o in e.file_options)})" for e in ENTRIES if e.file_options]
+    what = f"a {entry.title} file" if request.path.is_file() else "a folder, which brings its own parts"
+    raise UserError(f"{', '.join(extra)}: not read for {request.path} ({what}); separate files go with a "
+                    f"transformer file: {'; '.join(readers)}")
+
+
+def caption_tokenizer(model: str | Path | None, model_config: str | Path | None = None) -> Any:
+    """The model's (first) CLIP tokenizer, loaded without the model (for --dataset_check): its tokenizer/ folder,
+    or for a single .safetensors file the shipped (or model_config) tokenizer of the architecture its keys show.
+    None when neither can be had."""
+    if model is None:
+        return None
+    try:
+        from transformers import CLIPTokenizer
+
+        if Path(model, "tokenizer").is_dir():
+            tokenizer = CLIPTokenizer.from_pretrained(model, subfolder="tokenizer", local_files_only=True)
+        elif Path(model).is_file() and Path(model).suffix.lower() == ".safetensors":
+            tokenizer = file_tokenizer(Path(model), model_config)
+        else:
+            return None
+    except Exception as e:  # noqa: BLE001 - the report still works without token counts
+        logger.info("no tokenizer for the dataset check (%s); captions are not tokenized", e)
+        return None
+    # transformers 5 returns an empty tokenizer instead of failing when the vocabulary files are missing.
+    return tokenizer if len(tokenizer) > 256 and tokenizer.model_max_length < 100_000 else None
