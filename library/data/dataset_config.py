@@ -1,4 +1,5 @@
-"""What the user asked for: kohya's dataset TOML or train_data_dir / reg_data_dir folders -> DatasetSpec objects.
+"""What the user asked for: a dataset TOML (kohya's or musubi-tuner's shape) or train_data_dir / reg_data_dir folders
+-> DatasetSpec objects.
 
 A value is looked up as kohya does: subset -> dataset -> [general] -> command line / --config -> default. The TOML is
 read and checked strictly by library.data.dataset_toml.
@@ -138,9 +139,17 @@ def _resolve_dataset(layers: list[Mapping[str, Any]], config: Config | None,
     return DatasetSpec(subsets=subsets, **values)
 
 
-def datasets_from_toml(path: str | Path, config: Config | None) -> list[DatasetSpec]:
-    """DatasetSpecs from a kohya dataset TOML; the config supplies the command-line layer."""
-    general, datasets = read_dataset_toml(path)
+def datasets_from_toml(path: str | Path, config: Config | None,
+                       notes: list[str] | None = None) -> list[DatasetSpec]:
+    """DatasetSpecs from a dataset TOML in kohya's or musubi-tuner's shape; the config supplies the command-line
+    layer. Keys read but ignored are appended to `notes` (logged when it is None)."""
+    found: list[str] = []
+    general, datasets = read_dataset_toml(path, found)
+    if notes is None:
+        for note in found:
+            logger.info(note)
+    else:
+        notes += found
     specs = []
     for dataset in datasets:
         subsets = tuple(_resolve_subset([subset, dataset["values"], general], config) for subset in dataset["subsets"])
@@ -280,7 +289,7 @@ def resolve_datasets(config: Config, warnings: list[str] | None = None,
     warnings = [] if warnings is None else warnings
     problems = [] if problems is None else problems
     if config.dataset_config is not None:
-        return datasets_from_toml(config.dataset_config, config)
+        return datasets_from_toml(config.dataset_config, config, warnings)
     if config.in_json is not None:  # kohya's fine-tuning dataset: train_data_dir holds the images themselves
         subset = _resolve_subset([{"metadata_file": config.in_json}], config, image_dir=Path(config.train_data_dir))
         spec = _resolve_dataset([], config, (subset,))

@@ -1,6 +1,7 @@
 """Reading kohya's dataset TOML strictly: [general], [[datasets]] and [[datasets.subsets]] tables with their typed
 values; unknown keys (with a suggestion), keys at the wrong level and wrong types are all reported at once.
-library.data.dataset_config resolves the values into DatasetSpecs.
+A [[datasets]] table in musubi-tuner's shape (image_directory or image_jsonl_file, no subsets) is read as a dataset
+of one subset (library.data.musubi_toml). library.data.dataset_config resolves the values into DatasetSpecs.
 """
 from __future__ import annotations
 
@@ -12,6 +13,14 @@ from typing import Any, Callable, Mapping
 import tomllib
 
 from library.config import ConfigError
+from library.data.musubi_toml import (
+    IMAGE_SOURCES,
+    ignored_keys,
+    is_musubi_dataset,
+    misplaced,
+    shape_problems,
+    split_dataset,
+)
 
 # --- strict TOML value checks: (raw) -> value, or ValueError with a short reason
 
@@ -100,10 +109,14 @@ _ALIASES = {"caption_extention": "caption_extension",  # kohya's misspelling, ac
 UNSUPPORTED_KEYS = (
     "cache_info", "network_multiplier", "max_token_length", "debug_dataset",
 )
+# A [[datasets]] table in musubi-tuner's shape is its own subset: it names its images and control images itself.
+MUSUBI_DATASET_KEYS: dict[str, Callable[[Any], Any]] = {"image_directory": _str, "image_jsonl_file": _str,
+                                                        "control_directory": _str}
 _LEVEL_KEYS = {
     "general": {**DATASET_KEYS, **SUBSET_KEYS},
     "dataset": {**DATASET_KEYS, **SUBSET_KEYS},
     "subset": {**SUBSET_KEYS, **SUBSET_ONLY_KEYS},
+    "musubi": {**DATASET_KEYS, **SUBSET_KEYS, **MUSUBI_DATASET_KEYS},
 }
 
 
@@ -112,38 +125,55 @@ def _suggest(name: str, candidates: list[str]) -> str:
     return f" (did you mean {match[0]!r}?)" if match else ""
 
 
-def _check_table(table: Mapping[str, Any], level: str, where: str, problems: list[str]) -> dict[str, Any]:
-    """Typed values of one [general] / [[datasets]] / [[datasets.subsets]] table; problems appended."""
+def _check_table(table: Mapping[str, Any], level: str, where: str, problems: list[str],
+                 notes: list[str]) -> dict[str, Any]:
+    """Typed values of one [general] / [[datasets]] / [[datasets.subsets]] table; problems and notes appended."""
     allowed = _LEVEL_KEYS[level]
+    handled, found_notes, found_problems = ignored_keys(table, where)
+    notes += found_notes
+    problems += found_problems
     values: dict[str, Any] = {}
     for raw_name, raw in table.items():
         name = _ALIASES.get(raw_name, raw_name)
-        if level == "dataset" and name == "subsets":
+        if raw_name in handled or (level in ("dataset", "musubi") and name == "subsets"):
             continue
         if name in allowed:
             try:
                 values[name] = allowed[name](raw)
             except ValueError as e:
                 problems.append(f"{where}: {raw_name} = {raw!r}: {e}")
-        elif name in UNSUPPORTED_KEYS:
-            problems.append(f"{where}: {raw_name} is a kohya dataset option this trainer does not support yet; "
-                            "remove it")
-        elif name in SUBSET_ONLY_KEYS:
-            problems.append(f"{where}: {raw_name} belongs in a [[datasets.subsets]] table")
-        elif name in DATASET_KEYS:
-            problems.append(f"{where}: {raw_name} is a dataset setting; put it in [[datasets]] or [general]")
         else:
-            problems.append(f"{where}: unknown key {raw_name!r}" + _suggest(name, sorted(allowed)))
+            problems.append(f"{where}: {_wrong_key(raw_name, name, level)}")
     return values
 
 
-def read_dataset_toml(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Parse and check a kohya dataset TOML. Returns ([general] values, [{"values": ..., "subsets": [...]}]).
+def _wrong_key(raw_name: str, name: str, level: str) -> str:
+    """Why a key is not taken at this level, with what to do instead."""
+    if name in UNSUPPORTED_KEYS:
+        return f"{raw_name} is a kohya dataset option this trainer does not support yet; remove it"
+    musubi = misplaced(name, level)
+    if musubi is not None:
+        return musubi
+    if name == "control_directory":
+        return (f"{raw_name} belongs in a [[datasets.subsets]] table (a [[datasets]] table takes it in "
+                "musubi-tuner's shape, with image_directory or image_jsonl_file)")
+    if name in SUBSET_ONLY_KEYS:
+        return f"{raw_name} belongs in a [[datasets.subsets]] table"
+    if name in DATASET_KEYS:
+        return f"{raw_name} is a dataset setting; put it in [[datasets]] or [general]"
+    return f"unknown key {raw_name!r}" + _suggest(name, sorted(_LEVEL_KEYS[level]))
+
+
+def read_dataset_toml(path: str | Path,
+                      notes: list[str] | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Parse and check a dataset TOML in kohya's or musubi-tuner's shape. Returns ([general] values,
+    [{"values": ..., "subsets": [...]}]); keys read but ignored are appended to `notes`.
 
     Raises ConfigError listing every problem in the file.
     """
     path = Path(path)
     raw = _load(path)
+    notes = [] if notes is None else notes
     problems: list[str] = []
     for key in raw:
         if key not in ("general", "datasets"):
@@ -153,7 +183,7 @@ def read_dataset_toml(path: str | Path) -> tuple[dict[str, Any], list[dict[str, 
     if not isinstance(general_raw, dict):
         problems.append(f"{path}: general must be a table ([general])")
         general_raw = {}
-    general = _check_table(general_raw, "general", f"{path}: [general]", problems)
+    general = _check_table(general_raw, "general", f"{path}: [general]", problems, notes)
 
     datasets_raw = raw.get("datasets", [])
     if not isinstance(datasets_raw, list) or not all(isinstance(d, dict) for d in datasets_raw):
@@ -161,7 +191,7 @@ def read_dataset_toml(path: str | Path) -> tuple[dict[str, Any], list[dict[str, 
         datasets_raw = []
     if not datasets_raw and not problems:
         problems.append(f"{path}: no [[datasets]] table; add one with at least one [[datasets.subsets]]")
-    datasets = [_check_dataset(dataset_raw, f"{path}: datasets[{i}]", problems)
+    datasets = [_check_dataset(dataset_raw, f"{path}: datasets[{i}]", problems, notes)
                 for i, dataset_raw in enumerate(datasets_raw)]
     if problems:
         raise ConfigError(problems)
@@ -182,19 +212,34 @@ def _load(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not UTF-8 text") from None
 
 
-def _check_dataset(dataset_raw: Mapping[str, Any], where: str, problems: list[str]) -> dict[str, Any]:
-    """One [[datasets]] table and its [[datasets.subsets]]; problems appended."""
-    values = _check_table(dataset_raw, "dataset", where, problems)
+def _check_dataset(dataset_raw: Mapping[str, Any], where: str, problems: list[str],
+                   notes: list[str]) -> dict[str, Any]:
+    """One [[datasets]] table and its [[datasets.subsets]]; problems and notes appended."""
+    if is_musubi_dataset(dataset_raw):
+        return _check_musubi_dataset(dataset_raw, where, problems, notes)
+    values = _check_table(dataset_raw, "dataset", where, problems, notes)
     subsets_raw = dataset_raw.get("subsets", [])
     if not isinstance(subsets_raw, list) or not all(isinstance(s, dict) for s in subsets_raw):
         problems.append(f"{where}: subsets must be an array of tables ([[datasets.subsets]])")
         subsets_raw = []
     if not subsets_raw:
-        problems.append(f"{where}: no [[datasets.subsets]] table; each dataset needs at least one image_dir")
+        problems.append(f"{where}: no [[datasets.subsets]] table; each dataset needs at least one image_dir (or, "
+                        "in musubi-tuner's shape, an image_directory or image_jsonl_file of its own)")
     subsets = []
     for j, subset_raw in enumerate(subsets_raw):
         subset_where = f"{where}.subsets[{j}]"
-        subsets.append(_check_table(subset_raw, "subset", subset_where, problems))
+        subsets.append(_check_table(subset_raw, "subset", subset_where, problems, notes))
         if "image_dir" not in subset_raw:
             problems.append(f"{subset_where}: image_dir is required")
     return {"values": values, "subsets": subsets}
+
+
+def _check_musubi_dataset(dataset_raw: Mapping[str, Any], where: str, problems: list[str],
+                          notes: list[str]) -> dict[str, Any]:
+    """A [[datasets]] table in musubi-tuner's shape: a dataset of one subset, which its own keys describe."""
+    problems += shape_problems(dataset_raw, where)
+    values = _check_table(dataset_raw, "musubi", where, problems, notes)
+    if not any(key in values for key in IMAGE_SOURCES):
+        return {"values": values, "subsets": []}  # a video dataset or a wrong type, reported above
+    dataset, subset = split_dataset(values)
+    return {"values": dataset, "subsets": [subset]}
