@@ -42,7 +42,8 @@ async def guard(request: Request, call_next: Callable[[Request], Awaitable[Respo
     if not security.host_allowed(request.headers.get("host"), settings.host, settings.port):
         return Response("unknown host", status_code=400)
     path = request.url.path
-    if settings.token is not None and path != "/login" and not path.startswith("/static/") and \
+    public = path in ("/login", "/favicon.ico") or path.startswith("/static/")
+    if settings.token is not None and not public and \
             not security.cookie_matches(request.cookies.get(security.COOKIE), settings.token):
         if request.method == "GET" and path == "/":
             return RedirectResponse("/login", status_code=303)

@@ -1,18 +1,27 @@
-"""The start page (config editor, dataset and runs sections) and logging in on a LAN bind."""
+"""The start page (config editor, dataset and runs sections), its icon, and logging in on a LAN bind."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from fastapi import APIRouter, Request
-from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 
 from library.ui import schema, security
 from library.ui.web import RootsDep, SettingsDep, form_context, page
 
 router = APIRouter()
+ICON = Path(__file__).resolve().parent / "static" / "favicon.ico"
 
 
 @router.get("/", response_class=HTMLResponse)
 async def index(request: Request, roots: RootsDep) -> HTMLResponse:
     return page(request, "index.html", **form_context(request, schema.FormState()), roots=roots.paths, cwd=roots.cwd)
+
+
+@router.get("/favicon.ico", include_in_schema=False)
+async def favicon() -> FileResponse:
+    # Browsers ask every page's host for it; a 404 there is an error in every page's console.
+    return FileResponse(ICON, media_type="image/x-icon", headers={"Cache-Control": "max-age=86400"})
 
 
 @router.get("/login", response_class=HTMLResponse)

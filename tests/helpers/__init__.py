@@ -9,6 +9,7 @@
     lora_files.py     random LoRA on peft layers and the weight change a kohya file holds
     musubi_lora.py    musubi-tuner's LoRA module rule and the checks the Z-Image and Qwen-Image tests share
     offload.py        a stand-in device that records block swaps
+    ui.py             the web UI's TestClient, and run folders as the trainer leaves them (events, files, samples)
 """
 from __future__ import annotations
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.ui import finished_run
+
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 INSTALL = ("apt-get install -y --no-install-recommends chromium chromium-driver, and pip install -r "
@@ -39,20 +41,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def ui(tmp_path):
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """The UI's folder besides the repository: each test's runs and datasets go in a folder of their own here."""
+    return tmp_path_factory.mktemp("ui")
+
+
+@pytest.fixture(scope="module")
+def ui(root):
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    log = open(tmp_path / "ui.log", "wb")  # noqa: SIM115
+    log = open(root / "ui.log", "wb")  # noqa: SIM115
     process = subprocess.Popen([sys.executable, "train_ui.py", "--port", str(port), "--root", str(REPO), "--root",
-                                str(tmp_path)], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+                                str(root)], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
             break
         except OSError:
-            assert process.poll() is None, (tmp_path / "ui.log").read_text()
+            assert process.poll() is None, (root / "ui.log").read_text()
             time.sleep(0.2)
     yield f"http://127.0.0.1:{port}"
     process.terminate()
@@ -60,7 +68,7 @@ def ui(tmp_path):
     log.close()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def browser():
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
@@ -72,20 +80,58 @@ def browser():
                      "--disable-background-networking", "--disable-component-update", "--no-first-run",
                      "--window-size=1400,1000"):
         options.add_argument(argument)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the console, read by console_errors
     driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
     yield driver
     driver.quit()
 
 
-def test_configure_train_watch_stop_resume_in_a_browser(ui, browser, tmp_path):
+@pytest.fixture
+def place(root, request) -> Path:
+    """This test's folder under the UI's root."""
+    path = root / request.node.name
+    path.mkdir()
+    return path
+
+
+def waiting(browser, timeout: float = 60):
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    # Elements are replaced under the driver's feet (the form by HTMX, the run view by its events).
+    return WebDriverWait(browser, timeout, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,))
+
+
+def by_id(browser, element_id: str):
+    from selenium.webdriver.common.by import By
+
+    return browser.find_element(By.ID, element_id)
+
+
+def console_errors(browser) -> list[str]:
+    """The console's errors since the last call (the log is read once)."""
+    return [entry["message"] for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+
+
+def test_no_console_error_on_any_page(ui, browser, place):
+    run = finished_run(place / "run")
+    console_errors(browser)
+    for path in ("/", "/login", f"/runs/view?path={run}"):
+        browser.get(ui + path)
+        waiting(browser).until(lambda d: d.execute_script("return document.readyState") == "complete")
+        time.sleep(1.0)  # the favicon and the run's event stream load after the page
+        assert console_errors(browser) == [], path
+
+
+def test_configure_train_watch_stop_resume_in_a_browser(ui, browser, place):
     from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    shots = Path(os.environ.get("UI_SCREENSHOTS", tmp_path))
-    prompts = tmp_path / "prompts.txt"
+    shots = Path(os.environ.get("UI_SCREENSHOTS", place))
+    prompts = place / "prompts.txt"
     prompts.write_text("a photo of sks --w 32 --h 32 --s 8 --d 1\n", encoding="utf-8")
-    run_dir = tmp_path / "run"
+    run_dir = place / "run"
     # Elements are replaced under the driver's feet (the form by HTMX, the run view by its events).
     wait = WebDriverWait(browser, 300, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,))
     started = time.monotonic()

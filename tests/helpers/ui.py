@@ -1,0 +1,64 @@
+"""What the web UI's tests share: a TestClient on an app over some roots, and run folders as the trainer leaves them
+(its event stream, LoRA files, states, samples) without training."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from fastapi.testclient import TestClient
+from PIL import Image
+from PIL.PngImagePlugin import PngInfo
+
+from library.ui.app import Settings, create_app
+from tests.helpers import REPO
+
+ORIGIN = {"Origin": "http://127.0.0.1:7860"}
+
+
+def client(roots: list[Path], **settings: Any) -> TestClient:
+    app = create_app(Settings(roots=roots, cwd=REPO, **settings))
+    return TestClient(app, base_url="http://127.0.0.1:7860")
+
+
+def write_events(run_dir: Path, events: list[dict[str, Any]]) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "events.jsonl", "a", encoding="utf-8") as f:
+        f.writelines(json.dumps(e) + "\n" for e in events)
+
+
+def attempt(first: int, last: int, total: int, start: float, output_name: str = "mine",
+            pid: int = 999999) -> list[dict[str, Any]]:
+    """One invocation's events from step `first` (0: a fresh start, else a resumed state's) to step `last`."""
+    steps = [{"event": "step", "time": start + 2 + s, "step": s, "total_steps": total, "loss": 1.0 / s,
+              "s_per_step": 0.5, "timestep_loss": [[0, 499, 0.2]], "lr": {}} for s in range(first + 1, last + 1)]
+    return [{"event": "start", "time": start, "pid": pid, "output_name": output_name},
+            {"event": "plan", "time": start + 1, "total_steps": total, "step": first}, *steps]
+
+
+def sample_png(path: Path, prompt: str) -> None:
+    """A sample image carrying its prompt as the trainer writes it (AUTOMATIC1111's "parameters" text)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    info = PngInfo()
+    info.add_text("parameters", f"{prompt}\nSteps: 8, Sampler: ddim, CFG scale: 7.5, Seed: 1, Size: 8x8")
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(path, pnginfo=info)
+
+
+def lora_file(path: Path, metadata: dict[str, str] | None = None) -> None:
+    """A .safetensors file holding only its header (enough for the UI, which reads no tensor)."""
+    header = json.dumps({"__metadata__": metadata or {"ss_network_dim": "4"}}).encode()
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+
+
+def finished_run(run_dir: Path, output_name: str = "mine", total: int = 4) -> Path:
+    """A run folder as a finished run leaves it: its config, events, final LoRA file and a state."""
+    write_events(run_dir, [*attempt(0, total, total, 1_700_000_000.0, output_name),
+                           {"event": "save", "time": 1_700_000_100.0, "step": total,
+                            "path": f"{output_name}.safetensors"},
+                           {"event": "end", "time": 1_700_000_101.0, "status": "finished", "step": total}])
+    (run_dir / "run_config.toml").write_text(
+        f'output_dir = "{run_dir}"\noutput_name = "{output_name}"\npretrained_model_name_or_path = '
+        f'"models/digits-base"\ntrain_data_dir = "data/digits/train"\n', encoding="utf-8")
+    lora_file(run_dir / f"{output_name}.safetensors")
+    (run_dir / f"{output_name}-step00000002-state").mkdir()
+    return run_dir
