@@ -1,24 +1,37 @@
 """The config editor: load a TOML file into the form, check the form with the command line's checks, save it."""
 from __future__ import annotations
 
+import html
+
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse
 
 from library.core.atomic import write_atomically
 from library.ui import schema
-from library.ui.web import RootsDep, form_page, form_values, refused
+from library.ui.web import RootsDep, form_page, form_values
 
 router = APIRouter(prefix="/config")
 
 
+def beside_the_box(problem: str, status_code: int) -> HTMLResponse:
+    """A file that cannot be loaded: its problem beside the TOML box; the form and its edits stay."""
+    return HTMLResponse(f'<span class="problem">{html.escape(problem)}</span>', status_code=status_code,
+                        headers={"HX-Retarget": "#config-path-problem", "HX-Reswap": "innerHTML"})
+
+
 @router.get("/load", response_class=HTMLResponse)
-async def load_config(request: Request, roots: RootsDep, path: str = Query(alias="_config_path")) -> HTMLResponse:
+async def load_config(request: Request, roots: RootsDep, path: str = Query("", alias="_config_path")) -> HTMLResponse:
+    path = path.strip()
+    if not path:
+        return beside_the_box("type the path of a .toml file to load", 400)
     real = roots.resolve(path)
     if real is None:
-        return refused(path)
+        return beside_the_box(roots.problem("load", path) or "", 403)
     if not real.is_file():
-        return form_page(request, schema.FormState(general=[f"{path}: no such file"]), status_code=404)
+        return beside_the_box(f"{path}: no such file", 404)
     state = schema.file_problems(real, roots.problem)
+    if state.unreadable:
+        return beside_the_box(f"{path}: " + "; ".join(state.general), 400)
     count = len({p for ps in state.problems.values() for p in ps}) + len(state.general)
     message = f"loaded {path}" + ("" if state.ok else f": {count} problem(s)")
     return form_page(request, state, message, config_path=path)

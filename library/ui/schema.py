@@ -49,6 +49,7 @@ class FormState:
     general: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     hidden_secrets: list[str] = field(default_factory=list)  # secrets set in a loaded file, never shown
+    unreadable: bool = False  # a loaded file that is not TOML: its problem is in general
 
     @property
     def ok(self) -> bool:
@@ -87,11 +88,12 @@ def from_file(path: Path) -> tuple[FormState, dict[str, Any]]:
     """A TOML file as the command line reads it (kohya's sections flattened, aliases), for the form; also the raw
     values by option name (secrets included, for the caller to keep out of the page). A file that cannot be read
     gives nothing here: the command line's checks (file_problems) name its problem."""
+    state = FormState()
     try:
         raw = flattened(read_toml(path))
     except (OSError, ValueError):  # tomllib's decode error and UnicodeDecodeError are ValueErrors
         raw = {}
-    state = FormState()
+        state.unreadable = True
     values: dict[str, Any] = {}
     for key, value in raw.items():
         name = ALIASES.get(key, key)

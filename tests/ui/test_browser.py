@@ -198,3 +198,30 @@ def test_configure_train_watch_stop_resume_in_a_browser(ui, browser, place):
     assert by_id("run-step").text == "20"
     wait.until(lambda d: "quickstart_lora.safetensors" in by_id("files").text)
     assert (run_dir / "quickstart_lora.safetensors").is_file()
+
+
+def set_field(browser, name: str, value: str) -> None:
+    field = by_id(browser, f"opt-{name}")
+    browser.execute_script("arguments[0].closest('details').open = true; arguments[0].scrollIntoView()", field)
+    field.clear()
+    field.send_keys(value)
+
+
+def test_load_never_destroys_the_form_and_enter_in_the_box_loads(ui, browser, place):
+    from selenium.webdriver.common.keys import Keys
+
+    wait = waiting(browser)
+    browser.get(ui)
+    assert not by_id(browser, "config-path").get_attribute("placeholder").endswith(".toml")
+    set_field(browser, "network_dim", "12")
+    by_id(browser, "load-button").click()  # an empty box
+    wait.until(lambda d: "type the path" in by_id(d, "config-path-problem").text)
+    assert by_id(browser, "opt-network_dim").get_attribute("value") == "12"
+    box = by_id(browser, "config-path")
+    box.send_keys(str(place / "missing.toml") + Keys.ENTER)
+    wait.until(lambda d: "no such file" in by_id(d, "config-path-problem").text)
+    assert by_id(browser, "opt-network_dim").get_attribute("value") == "12"
+    box.clear()
+    box.send_keys("configs/quickstart.toml" + Keys.ENTER)  # Load, not Check
+    wait.until(lambda d: "loaded configs/quickstart.toml" in by_id(d, "form-message").text)
+    assert by_id(browser, "opt-network_dim").get_attribute("value") == "8"

@@ -134,11 +134,18 @@ def test_a_secret_typed_in_the_form_is_saved_for_the_trainer(tmp_path):
     assert config.wandb_api_key == "SECRET-9\\x7f" and config.network_dim == 4
 
 
-def test_an_unreadable_config_file_is_named_as_the_command_line_names_it(tmp_path):
+def test_a_file_that_cannot_be_loaded_is_named_beside_the_box_and_the_form_stays(tmp_path):
     (tmp_path / "broken.toml").write_text("network_dim = = 4\n", encoding="utf-8")
-    page = html.unescape(client([tmp_path]).get("/config/load", params={
-        "_config_path": str(tmp_path / "broken.toml")}).text)
-    assert "not valid TOML" in page and "1 problem(s)" in page
+    c = client([REPO, tmp_path])
+    for path, status, says in [("", 400, "type the path"), ("  ", 400, "type the path"),
+                               (str(tmp_path / "missing.toml"), 404, "no such file"),
+                               ("/etc/hostname", 403, "outside the folders"),
+                               (str(tmp_path / "broken.toml"), 400, "not valid TOML")]:
+        answer = c.get("/config/load", params={"_config_path": path})
+        assert answer.status_code == status and says in html.unescape(answer.text), (path, answer.text)
+        # htmx puts the answer beside the box instead of the form
+        assert answer.headers["HX-Retarget"] == "#config-path-problem" and "config-form" not in answer.text
+    assert 'placeholder="type a path' in c.get("/").text  # not a path that looks filled in
 
 
 def test_a_config_with_errors_shows_every_problem_next_to_its_field(tmp_path):

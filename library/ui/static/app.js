@@ -26,6 +26,13 @@ function filterFields() {
   if (firstProblem) firstProblem.closest("details").open = true;
 }
 
+function loadOnEnter(e) {
+  // The TOML box is inside the form: Enter there would submit the form (Check); it means Load.
+  if (e.key !== "Enter") return;
+  e.preventDefault();
+  document.getElementById("load-button").click();
+}
+
 function bindForm() {
   ["search", "family", "only-set"].forEach((id) => {
     const el = document.getElementById(id);
@@ -34,6 +41,12 @@ function bindForm() {
       el.dataset.bound = "1";
     }
   });
+  const path = document.getElementById("config-path");
+  if (path && !path.dataset.bound) {
+    path.addEventListener("keydown", loadOnEnter);
+    path.addEventListener("input", () => { document.getElementById("config-path-problem").textContent = ""; });
+    path.dataset.bound = "1";
+  }
   filterFields();
 }
 
