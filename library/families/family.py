@@ -7,7 +7,7 @@ The loop, the model wrapper, the caches and sampling only ever call these method
 
 Conditioning travels as two dicts of tensors: `text` (token ids from `tokenizer`, or the outputs of
 `encode_text`, which always hold "encoder_hidden_states") and `conditioning` (per-image extras from
-`batch_conditioning`, e.g. SDXL's size ids).
+`batch_conditioning`, e.g. SDXL's size ids, and from `control_conditioning`, an edit model's control images).
 """
 from __future__ import annotations
 
@@ -63,6 +63,9 @@ class Family(ABC):
     offers_weighted_captions: bool = False  # kohya's weighted_captions: SD1.x / SD2.x / SDXL's CLIP encoders only
     # The options configured / objective / metadata_fields read (library.families.settings builds them from a run)
     settings_type: ClassVar[type[FamilySettings]] = FamilySettings
+    # Control (reference) images per training item and sample prompt that an edit model takes (Kontext 1); a family
+    # taking a varying count says so in control_problems.
+    control_images: int = 0
 
     def configured(self, settings: FamilySettings) -> Family:
         """This family with the run's settings that shape its prompts and conditioning (FLUX's T5 length, mask,
@@ -88,6 +91,25 @@ class Family(ABC):
     def batch_conditioning(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """Per-image conditioning besides the text, read from a collated batch."""
         return {}
+
+    def control_conditioning(self, controls: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A batch's control images as latents scaled as the target latents are, (B, C, h_i, w_i) per control ->
+        the conditioning `denoise` reads. Called only for a family that takes control images."""
+        raise NotImplementedError(f"{self.name} takes no control images")
+
+    def control_problems(self, counts: Mapping[int, int]) -> list[str]:
+        """What is wrong with a dataset whose items bring `counts` (control images per item -> items) for this
+        family, one line each: controls it would ignore, or items without the count it takes."""
+        with_controls = sum(items for count, items in counts.items() if count)
+        if not self.control_images:
+            return [f"the dataset has control images ({with_controls} items pair with one or more through "
+                    f"control_directory or control_path), but {self.name} takes none: they would be ignored"
+                    ] if with_controls else []
+        return [f"{self.name} takes {self.control_images} control image{'s' if self.control_images > 1 else ''} "
+                f"per item; {items} item{'s' if items > 1 else ''} "
+                f"{'have' if items > 1 else 'has'} {count or 'none'}"
+                + ("" if count else " (give its subset a control_directory, or its metadata entry control_path)")
+                for count, items in sorted(counts.items()) if count != self.control_images]
 
     def prepare_denoiser(self, denoiser: torch.nn.Module, resolutions: Sequence[tuple[int, int]]) -> None:
         """Once the base is loaded and the family configured, with the datasets' (width, height) resolutions: what
@@ -174,6 +196,11 @@ class Family(ABC):
                           width: int, height: int) -> dict[str, Any]:
         """The pipeline's guidance arguments for a prompt's --l scale and --g guidance (and its encoded prompt)."""
         return {"guidance_scale": scale}
+
+    def sampling_controls(self, images: Sequence[Any], arguments: Mapping[str, Any]) -> dict[str, Any]:
+        """A sample prompt's control images (PIL, RGB; its --ci) and the pipeline's arguments so far -> the
+        arguments with them. Called only for a family that takes control images."""
+        raise UserError(f"sample prompts with a control image (--ci): {self.name} takes none")
 
     def vae_latents(self, latents: torch.Tensor, vae_config: Any, width: int, height: int) -> torch.Tensor:
         """The pipeline's output latents -> what the VAE decodes (the inverse of training's latent scaling)."""

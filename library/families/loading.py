@@ -20,12 +20,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LoadRequest:
-    """What loading a base model needs, as values: the path, the dtypes, the separate files and SD's options."""
+    """What loading a base model needs, as values: the path, the dtypes, the separate files, which variant the user
+    says the weights are (model_version, for the families whose files do not tell) and SD's options."""
     path: Path
     weight_dtype: torch.dtype = torch.float32
     vae_dtype: torch.dtype = torch.float32
     model_config: str | None = None  # a diffusers folder describing a single file's widths
     files: Mapping[str, str | None] = field(default_factory=dict)  # registry.file_options() -> path or None
+    model_version: str | None = None
     v2: bool = False
     v_parameterization: bool = False
     allow_pickle_checkpoints: bool = False
@@ -46,11 +48,12 @@ class LoadRequest:
 def load_components(model_path: str | Path, v2: bool = False, v_parameterization: bool = False,
                     weight_dtype: torch.dtype = torch.float32,
                     vae_dtype: torch.dtype = torch.float32, model_config: str | Path | None = None,
-                    allow_pickle_checkpoints: bool = False, **files: str | None) -> Components:
+                    allow_pickle_checkpoints: bool = False, model_version: str | None = None,
+                    **files: str | None) -> Components:
     """Load the denoiser, VAE, text encoders, tokenizers and noise schedule of a local diffusers folder or single
     file, of whichever registered family it is. `files` are the separate files a single transformer file is
     loaded with (registry.file_options(): clip_l, t5xxl, ae ...); `model_config` describes a single file's
-    widths.
+    widths; `model_version` is the variant the user says the weights are (the family checks it).
 
     Weights are loaded straight into their training dtype (casting afterwards makes diffusers warn and doubles
     the peak memory of the load), and the heap pages the load freed go back to the system.
@@ -63,11 +66,13 @@ def load_components(model_path: str | Path, v2: bool = False, v_parameterization
     transformers_logging.disable_progress_bar()
     path = Path(model_path)
     request = LoadRequest(path=path, weight_dtype=weight_dtype, vae_dtype=vae_dtype,
-                          model_config=None if model_config is None else str(model_config), files=files, v2=v2,
-                          v_parameterization=v_parameterization, allow_pickle_checkpoints=allow_pickle_checkpoints)
+                          model_config=None if model_config is None else str(model_config), files=files,
+                          model_version=model_version, v2=v2, v_parameterization=v_parameterization,
+                          allow_pickle_checkpoints=allow_pickle_checkpoints)
     try:
         entry = entry_for(path)
         _check_file_options(entry, request)
+        _check_model_version(entry, request)
         return entry.load_file(request) if path.is_file() else entry.load_folder(request)
     finally:
         return_free_heap()  # the read and converted copies of the weights: 0.4-1 GiB for SDXL
@@ -83,6 +88,15 @@ def _check_file_options(entry: FamilyEntry, request: LoadRequest) -> None:
     what = f"a {entry.title} file" if request.path.is_file() else "a folder, which brings its own parts"
     raise UserError(f"{', '.join(extra)}: not read for {request.path} ({what}); separate files go with a "
                     f"transformer file: {'; '.join(readers)}")
+
+
+def _check_model_version(entry: FamilyEntry, request: LoadRequest) -> None:
+    """model_version for a family that has no variants to tell is a mistake, not something to ignore."""
+    if request.model_version is None or any(option.name == "model_version" for option in entry.options):
+        return
+    readers = [e.title for e in ENTRIES if any(option.name == "model_version" for option in e.options)]
+    raise UserError(f"model_version {request.model_version!r}: not read for {request.path} (a {entry.title} model); "
+                    f"it tells the variant of {', '.join(readers)} weights; remove it")
 
 
 def caption_tokenizer(model: str | Path | None, model_config: str | Path | None = None) -> Any:

@@ -1,7 +1,8 @@
 """Sample images during training: kohya's prompt files, samplers by kohya name, and a sampling round.
 
 A round renders each prompt with the family's diffusers pipeline built around the trainer's own modules (LoRA
-attached), writes `<output_dir>/sample/<output_name>_<step or e<epoch>>_<index>_<seed>.png`, and leaves the
+attached), writes `<output_dir>/sample/<output_name>_<step or e<epoch>>_<index>_<seed>.png` (for an edit model's
+prompt with control images, musubi's --ci, those images left of the result in the one PNG), and leaves the
 training state exactly as it found it: train/eval flags, grad mode, autocast and every global random stream.
 """
 from __future__ import annotations
@@ -33,11 +34,12 @@ logger = logging.getLogger(__name__)
 DEFAULT_STEPS = 30
 MAX_STEPS = 1000  # kohya clamps --s to 1..1000; outside that range it is reported as a mistake here
 
-# Keys of a TOML / JSON prompt entry (kohya's names), and the .txt options that set them.
+# Keys of a TOML / JSON prompt entry (kohya's names; control_image musubi's, a path or a list of them), and the
+# .txt options that set them (--ci may be given more than once).
 PROMPT_KEYS = ("prompt", "negative_prompt", "width", "height", "seed", "sample_steps", "scale", "sample_sampler",
-               "guidance_scale")
+               "guidance_scale", "control_image")
 TXT_OPTIONS = {"n": "negative_prompt", "w": "width", "h": "height", "d": "seed", "s": "sample_steps", "l": "scale",
-               "ss": "sample_sampler", "g": "guidance_scale"}
+               "ss": "sample_sampler", "g": "guidance_scale", "ci": "control_image"}
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class SamplePrompt:
     sampler: str | None = None
     index: int = 0
     guidance: float | None = None  # kohya's --g: the guidance input of FLUX.1 dev (None: the family's default)
+    control_images: tuple[str, ...] = ()  # musubi's --ci: an edit model's control images, drawn left of the result
 
 
 @dataclass(frozen=True)
@@ -126,10 +129,19 @@ def _size(value: Any) -> int:
     return max(64, size - size % 8)
 
 
+def _control_images(value: Any) -> tuple[str, ...]:
+    paths = tuple(_text(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+    missing = [path for path in paths if not Path(path).is_file()]
+    if missing or not paths:
+        raise ValueError(f"not an image file: {', '.join(missing)}" if missing else "no path")
+    return paths
+
+
 _CONVERT: dict[str, Callable[[Any], Any]] = {
     "prompt": _text, "negative_prompt": _text, "width": _size, "height": _size,
     "seed": lambda v: _integer(v, 0, 2**64 - 1), "sample_steps": lambda v: _integer(v, 1, MAX_STEPS),
     "scale": _number, "sample_sampler": canonical_sampler, "guidance_scale": _number,
+    "control_image": _control_images,
 }
 
 
@@ -150,19 +162,24 @@ def _make_prompt(values: Mapping[str, Any], labels: Mapping[str, str], where: st
         prompt=out["prompt"], negative_prompt=out.get("negative_prompt", ""),
         width=out.get("width", _size(default_size[0])), height=out.get("height", _size(default_size[1])),
         seed=out.get("seed"), steps=out.get("sample_steps", DEFAULT_STEPS), scale=out.get("scale"),
-        sampler=out.get("sample_sampler"), index=index, guidance=out.get("guidance_scale"))
+        sampler=out.get("sample_sampler"), index=index, guidance=out.get("guidance_scale"),
+        control_images=out.get("control_image", ()))
 
 
-def _split_line(line: str) -> tuple[dict[str, str], dict[str, str], list[str]]:
+def _split_line(line: str) -> tuple[dict[str, Any], dict[str, str], list[str]]:
     """kohya's line form: `prompt --n neg --w 512 ...`; returns (values, labels, unknown option names)."""
     # A line that starts with an option has an empty prompt, not a prompt called "--w 512".
     prompt, *parts = (" " + line if line.startswith("--") else line).split(" --")
-    values, labels, unknown = {"prompt": prompt}, {}, []
+    values: dict[str, Any] = {"prompt": prompt}
+    labels, unknown = {}, []
     for part in parts:
         name, _, value = part.strip().partition(" ")
         key = TXT_OPTIONS.get(name.lower())
         if key is None:
             unknown.append(f"--{name}")
+        elif key == "control_image":  # one --ci per control image, in order
+            values[key] = [*values.get(key, []), value.strip()]
+            labels[key] = f"--{name}"
         else:
             values[key], labels[key] = value.strip(), f"--{name}"
     return values, labels, unknown
@@ -268,7 +285,8 @@ def prompt_seed(prompt: SamplePrompt, base_seed: int) -> int:
 
 @torch.no_grad()
 def generate_image(prompt: SamplePrompt, models: SamplingModels, seed: int, sampler: str = "ddim") -> Any:
-    """Render one prompt to a PIL image. Call inside `sampling_mode`; the modules must be on their device."""
+    """Render one prompt to a PIL image (with its control images on the left, for an edit model's prompt with
+    --ci). Call inside `sampling_mode`; the modules must be on their device."""
     family = models.family
     scheduler = family.sampling_scheduler(models.scheduler_config)
     if scheduler is None:
@@ -285,6 +303,9 @@ def generate_image(prompt: SamplePrompt, models: SamplingModels, seed: int, samp
         text = {"prompt": prompt.prompt, "negative_prompt": prompt.negative_prompt or None}
     guidance = family.sampling_guidance(sampling_scale(prompt, family), prompt.guidance, positive, prompt.width,
                                         prompt.height)
+    controls = [_control_image(path) for path in prompt.control_images]
+    if controls:
+        guidance = family.sampling_controls(controls, guidance)
     latents = pipe(**text, width=prompt.width, height=prompt.height, num_inference_steps=prompt.steps,
                    generator=generator, output_type="latent", return_dict=False, **guidance)[0]
     # Decoded here rather than by the pipeline: the VAE may be fp32 beside an fp16 UNet (no_half_vae), and
@@ -292,7 +313,31 @@ def generate_image(prompt: SamplePrompt, models: SamplingModels, seed: int, samp
     vae_dtype = next(models.vae.parameters()).dtype
     vae_input = family.vae_latents(latents.to(vae_dtype), models.vae.config, prompt.width, prompt.height)
     pixels = models.vae.decode(vae_input, return_dict=False)[0]
-    return pipe.image_processor.postprocess(pixels, output_type="pil")[0]
+    image = pipe.image_processor.postprocess(pixels, output_type="pil")[0]
+    return side_by_side([*controls, image]) if controls else image
+
+
+def _control_image(path: str) -> Any:
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            return ImageOps.exif_transpose(image).convert("RGB")
+    except (OSError, UnidentifiedImageError) as e:
+        raise UserError(f"sample prompt --ci {path}: cannot read the image ({e})") from None
+
+
+def side_by_side(images: Sequence[Any]) -> Any:
+    """One image holding `images` left to right, top-aligned on white (a sample's control images, then the
+    result)."""
+    from PIL import Image
+
+    canvas = Image.new("RGB", (sum(i.width for i in images), max(i.height for i in images)), "white")
+    left = 0
+    for image in images:
+        canvas.paste(image, (left, 0))
+        left += image.width
+    return canvas
 
 
 @contextmanager

@@ -26,7 +26,14 @@ from library.training.accelerator import gathered, loading_whole, prepare_accele
 from library.training.caching import on_device
 from library.training.faults import Interrupted, Preemption, agree, non_finite, non_finite_error, outcome, reported_save
 from library.training.hub import HubUploader
-from library.training.model import DiffusionModel, batch_latents, diffusion_loss, lora_modules, save_lora
+from library.training.model import (
+    DiffusionModel,
+    batch_conditioning,
+    batch_latents,
+    diffusion_loss,
+    lora_modules,
+    save_lora,
+)
 from library.training.optim import schedule_free_eval
 from library.training.setup import Session, build_session, claim_output_dir
 from library.training.state import epoch_name, prune_epochs, prune_steps, state_dir_name, step_name
@@ -194,7 +201,7 @@ class Trainer:
             if "loss_mask" in batch:
                 extra["mask"] = batch["loss_mask"]
             with accelerator.autocast():
-                conditioning = {**s.components.family.batch_conditioning(batch),
+                conditioning = {**batch_conditioning(s.components.family, batch, s.components.vae, s.vae_dtype),
                                 **s.components.family.step_conditioning(latents.shape[0], generator)}
                 per_sample = diffusion_loss(s.model, latents, batch["text"], conditioning, noise, timesteps, obj,
                                             **extra)
@@ -323,7 +330,7 @@ class Trainer:
         latents = batch_latents(batch, s.components.vae, generator, s.vae_dtype).to(s.weight_dtype)
         noise = s.objective.sample_noise(latents, generator)
         text = _expand(batch["text"], n)
-        conditioning = _expand(s.components.family.batch_conditioning(batch), n)
+        conditioning = _expand(batch_conditioning(s.components.family, batch, s.components.vae, s.vae_dtype), n)
         masked = {"mask": batch["loss_mask"].expand(n, *batch["loss_mask"].shape[1:])} if "loss_mask" in batch else {}
         with self.accelerator.autocast():
             return diffusion_loss(s.unwrapped, latents.expand(n, *latents.shape[1:]), text, conditioning,

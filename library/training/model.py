@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 from safetensors import SafetensorError
@@ -12,9 +13,11 @@ from safetensors import SafetensorError
 from library.config import Config, UserError
 from library.config.network_args import network_args_of
 from library.data.cache import check_finite_latents, sample_cached_latents
+from library.data.dataset import TrainingData
 from library.families.family import Components, Family
 from library.memory.offload import install_offloading
 from library.memory.precision import BasePrecision
+from library.monitoring.sampling import SamplePrompt
 from library.network import kohya_format
 from library.network import targets as network_setup
 from library.training import adapters as adapter_training
@@ -98,6 +101,45 @@ def batch_latents(batch: dict[str, Any], vae: torch.nn.Module, generator: torch.
     latents = encode_latents(vae, batch["pixels"], generator, vae_dtype)
     check_finite_latents(latents, batch["path"])
     return latents
+
+
+@torch.no_grad()
+def batch_controls(batch: Mapping[str, Any], vae: torch.nn.Module, vae_dtype: torch.dtype) -> list[torch.Tensor]:
+    """An edit dataset's control images as latents in the denoiser's range, one (B, C, h, w) tensor per control
+    index: the VAE posterior's mean (cached, or encoded here one image at a time as the cache encodes it), scaled as
+    the target latents are. Empty for a dataset without control images."""
+    if "control_latents" in batch:
+        means = [mean.to(vae_dtype) for mean in batch["control_latents"]]
+    elif "control_pixels" in batch:
+        # The encoding runs at the VAE's own dtype, as the cache's does, whatever autocast the caller is in.
+        with torch.autocast(batch["control_pixels"][0].device.type, enabled=False):
+            means = [torch.cat([vae.encode(image[None].to(dtype=vae_dtype)).latent_dist.mean for image in pixels])
+                     for pixels in batch["control_pixels"]]
+        for mean in means:
+            check_finite_latents(mean, [f"the control image of {path}" for path in batch["path"]])
+    else:
+        return []
+    return [scale_latents(mean, vae.config) for mean in means]
+
+
+def batch_conditioning(family: Family, batch: Mapping[str, Any], vae: torch.nn.Module,
+                       vae_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The batch's per-image conditioning: the family's own, and its control images' latents (edit datasets)."""
+    conditioning = family.batch_conditioning(batch)
+    controls = batch_controls(batch, vae, vae_dtype)
+    return {**conditioning, **family.control_conditioning(controls)} if controls else conditioning
+
+
+def check_controls(family: Family, data: TrainingData, prompts: Sequence[SamplePrompt]) -> None:
+    """Before training: the dataset's control images, and the sample prompts' (--ci), against what the family
+    takes, so that control images are never silently ignored and an edit model never trains without them."""
+    records = [*data.records, *(data.validation.records if data.validation is not None else [])]
+    problems = family.control_problems(Counter(len(record.controls) for record in records))
+    problems += [f"sample prompt {prompt.index + 1} names {len(prompt.control_images)} control images (--ci); "
+                 f"{family.name} takes {family.control_images or 'none'}"
+                 for prompt in prompts if len(prompt.control_images) > family.control_images]
+    if problems:
+        raise UserError(problems)
 
 
 @dataclass(frozen=True)

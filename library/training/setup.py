@@ -52,6 +52,7 @@ from library.training.model import (
     DiffusionModel,
     NetworkSpec,
     build_model,
+    check_controls,
     compile_repeated_blocks,
     load_adapter,
     lora_modules,
@@ -60,12 +61,7 @@ from library.training.model import (
     trained_parts,
 )
 from library.training.optim import build_optimizer
-from library.training.preflight import (
-    OutputLock,
-    check_free_space,
-    check_free_space_for_resume,
-    prepare_output_dir,
-)
+from library.training.preflight import OutputLock, check_free_space, check_free_space_for_resume, prepare_output_dir
 from library.training.schedules import build_lr_scheduler, warmup_steps
 from library.training.start import fast_forward, initial_position, resume_note
 from library.training.state import (
@@ -149,6 +145,7 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     data = build_training_data(config, None, seed, accelerator.num_processes)
     components, settings = load_base(config, accelerator, data, weight_dtype, vae_dtype)
     family = components.family
+    check_controls(family, data, prompts)
     spec = network_spec(config, family)
     data.set_tokenizer(family.tokenizer(components, config.max_token_length))
     objective = family.objective(components, settings, accelerator.device)
@@ -213,7 +210,7 @@ def load_base(config: Config, accelerator: Accelerator, data: TrainingData, weig
     with reading(precision.read_rule([config.pretrained_model_name_or_path] if separate else [], text_files)):
         components = load_components(config.pretrained_model_name_or_path, config.v2, config.v_parameterization,
                                      weight_dtype, vae_dtype, config.model_config, config.allow_pickle_checkpoints,
-                                     **files)
+                                     model_version=config.model_version, **files)
     if config.vae is not None:  # kohya's separate VAE file
         components.vae = load_vae(config.vae, components.vae, vae_dtype)
     settings = settings_from(components.family.settings_type, config)

@@ -1,4 +1,5 @@
-"""The options kohya's flux_train_network.py reads for FLUX.1 (Chroma reads them too, from its own entry)."""
+"""The options kohya's flux_train_network.py reads for FLUX.1 (Chroma reads them too, from its own entry), and
+musubi-tuner's model_version, which tells FLUX.1 Kontext [dev]'s single file from dev's."""
 from __future__ import annotations
 
 from library.config.option_types import Option, to_bool, to_float, to_str
@@ -6,6 +7,7 @@ from library.families.shared.options import (
     AE,
     BLOCKS_TO_SWAP,
     CLIP_L,
+    MODEL_VERSION,
     PREDICTION_TYPE,
     SIGMA_DENSITY,
     T5_PROMPTS,
@@ -28,4 +30,4 @@ KOHYA_FLUX = (T5XXL, AE, VAE, *T5_PROMPTS, GUIDANCE_SCALE, MODEL_TYPE, TEXT_ENCO
 SPLIT_MODE = Option("split_mode", to_bool, False,
                     "FLUX: deprecated in sd-scripts, where it means blocks_to_swap 18 unless blocks_to_swap is set; "
                     "so here", group="training")
-OPTIONS = (CLIP_L, *KOHYA_FLUX, BLOCKS_TO_SWAP, SPLIT_MODE)
+OPTIONS = (CLIP_L, MODEL_VERSION, *KOHYA_FLUX, BLOCKS_TO_SWAP, SPLIT_MODE)

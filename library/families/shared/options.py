@@ -32,6 +32,14 @@ VAE = _model("vae", to_str, None,
              "a VAE to use instead of the model's (a diffusers VAE folder, or a .safetensors file with diffusers' or "
              "the original key names, e.g. SDXL's fp16-fixed VAE); FLUX.1's is ae", is_path=True, metavar="PATH")
 
+# --- which variant of a family the weights are, where its files do not tell -------------------------------------
+# No schema-level choices: each family that lists it checks the value against its own variants (FLUX.1: dev,
+# schnell, kontext) and names them when it does not take one.
+MODEL_VERSION = _model("model_version", to_str, None,
+                       "musubi-tuner's --model_version: which variant of the family the weights are where the files "
+                       "do not tell (FLUX.1: dev, schnell or kontext; a FluxKontextPipeline folder is kontext by "
+                       "itself, a flux1-kontext-dev.safetensors file needs model_version = \"kontext\")")
+
 # --- T5 prompts (kohya's FLUX and SD3 trainers) -----------------------------------------------------------------
 T5_PROMPTS = (
     _model("t5xxl_max_token_length", to_int, None,
@@ -85,8 +93,8 @@ TIMESTEP_SAMPLING = (
                "FLUX: how sigmas are drawn: sigma (the discrete_flow_shift schedule, shaped by weighting_scheme), "
                "uniform, sigmoid (sigmoid of sigmoid_scale * normal), shift (sigmoid, then shifted by "
                "discrete_flow_shift), flux_shift (sigmoid, then shifted by the image size as FLUX's sampler does); "
-               "Z-Image / Qwen-Image (musubi-tuner's) also qwen_shift (Qwen-Image's image-size shift) and logsnr "
-               "(logit_mean, logit_std)", choices=choices.MUSUBI_TIMESTEP_SAMPLINGS),
+               "Z-Image / Qwen-Image / FLUX.2 (musubi-tuner's) also qwen_shift (Qwen-Image's image-size shift), "
+               "flux2_shift (FLUX.2's) and logsnr (logit_mean, logit_std)", choices=choices.MUSUBI_TIMESTEP_SAMPLINGS),
     _objective("sigmoid_scale", to_float, 1.0,
                "FLUX: scale of the normal draw in sigmoid / shift / flux_shift sampling"),
     _objective("discrete_flow_shift", to_float, 3.0,
