@@ -1,7 +1,8 @@
-"""FLUX.1 (dev and schnell): CLIP-L pooled output and T5 hidden states condition a rectified-flow transformer that
-sees the 16-channel latents packed 2x2 into tokens, with image ids for its rotary positions; dev also takes a
-guidance input. Trained with the flow-matching objective (library.families.flow_matching), as kohya's
-flux_train_network.py does.
+"""FLUX.1 (dev and schnell; Kontext [dev] in library.families.flux.kontext): CLIP-L pooled output and T5 hidden
+states condition a rectified-flow transformer that sees the 16-channel latents packed 2x2 into tokens, with image ids
+for its rotary positions; dev also takes a guidance input. Trained with the flow-matching objective
+(library.families.flow_matching), as kohya's flux_train_network.py does. Which FLUX.1 a folder or file holds is told
+in library.families.flux.variants.
 
 The loop keeps latents unpacked ([B, 16, H/8, W/8]): packing happens around the transformer call in `denoise`,
 so masks, losses and caches see the same shapes as for SD.
@@ -20,11 +21,10 @@ from library.config.network_args import NetworkArgs
 from library.families.family import Components, Family, Tokenizer
 from library.families.flow_matching import FlowMatchingObjective, FlowSettings, unsupported
 from library.families.flux import lora as flux_lora
-from library.families.loading import LoadRequest
 from library.families.settings import value_of
 from library.families.shared import checks as transformer_checks
 from library.families.shared.clip_text import tokenize
-from library.families.shared.diffusers_folder import load_folder, transformer_class
+from library.families.shared.diffusers_folder import transformer_class
 from library.families.shared.sampling import flow_euler_scheduler, pooled_prompt_embeds, unscaled_latents
 
 logger = logging.getLogger(__name__)
@@ -211,16 +211,32 @@ class Flux(FluxArchitecture):
                 text: Mapping[str, torch.Tensor], conditioning: Mapping[str, torch.Tensor]) -> torch.Tensor:
         batch, _, height, width = noisy.shape
         transformer_checks.check_latent_size("FLUX", height, width)
+        inputs = self.with_references(transformer_inputs(noisy, timesteps,
+                                                         text["encoder_hidden_states"].to(noisy.dtype)), conditioning)
         extra: dict[str, Any] = {}
-        if self.apply_t5_attn_mask:
-            mask = joint_attention_mask(text["t5_attn_mask"].to(device=noisy.device, dtype=torch.bool), height, width)
-            extra["joint_attention_kwargs"] = {"attention_mask": mask[:, None, None, :]}
+        if self.apply_t5_attn_mask:  # the text's padding masked; every image token (target and reference) seen
+            text_mask = text["t5_attn_mask"].to(device=noisy.device, dtype=torch.bool)
+            image = torch.ones(batch, inputs["hidden_states"].shape[1], dtype=torch.bool, device=noisy.device)
+            extra["joint_attention_kwargs"] = {"attention_mask": torch.cat([text_mask, image], dim=1)[:, None, None]}
         guidance = None
         if denoiser.config.guidance_embeds:
             guidance = torch.full((batch,), self.guidance_scale, device=noisy.device, dtype=torch.float32)
-        out = denoiser(**transformer_inputs(noisy, timesteps, text["encoder_hidden_states"].to(noisy.dtype)),
-                       pooled_projections=text["pooled"].to(noisy.dtype), guidance=guidance, **extra)[0]
-        return unpack_latents(out, height, width)
+        out = denoiser(**inputs, pooled_projections=text["pooled"].to(noisy.dtype), guidance=guidance, **extra)[0]
+        # Reference tokens follow the target's: the prediction, and so the loss, is the target's tokens only.
+        return unpack_latents(out[:, :(height // 2) * (width // 2)], height, width)
+
+    def with_references(self, inputs: dict[str, Any], conditioning: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """The transformer's inputs with reference images' tokens and positions appended to the image sequence
+        (FLUX.1 Kontext's); FLUX.1 dev and schnell have none."""
+        return inputs
+
+    def control_problems(self, counts: Mapping[int, int]) -> list[str]:
+        problems = super().control_problems(counts)
+        if problems and not self.control_images:
+            problems.append("FLUX.1 Kontext [dev] trains from control images: its diffusers folder (model_index.json "
+                            "names FluxKontextPipeline) is recognised; for its single file "
+                            "(flux1-kontext-dev.safetensors) set model_version = \"kontext\"")
+        return problems
 
     def block_swap_plan(self, denoiser: torch.nn.Module, blocks_to_swap: int) -> list[tuple[Any, int]]:
         """kohya's split: half (rounded down) of the count in double blocks, twice the rest in single blocks, each
@@ -282,14 +298,3 @@ def is_flux_folder(path: Path) -> bool:
 def is_schnell(transformer: torch.nn.Module) -> bool:
     """Told from the weights, as kohya does: schnell has no guidance embedding."""
     return not any(name.startswith(GUIDANCE_KEY) for name, _ in transformer.named_parameters())
-
-
-def load_flux_folder(request: LoadRequest) -> Components:
-    """A diffusers FLUX.1 folder, offline."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-    from transformers import AutoTokenizer, CLIPTextModel, CLIPTokenizer, T5EncoderModel
-
-    return load_folder(request, "FLUX", {
-        "transformer": FluxTransformer2DModel, "vae": AutoencoderKL, "text_encoder": CLIPTextModel,
-        "text_encoder_2": T5EncoderModel, "tokenizer": CLIPTokenizer, "tokenizer_2": AutoTokenizer,
-        "scheduler": FlowMatchEulerDiscreteScheduler}, lambda transformer, _: Flux(schnell=is_schnell(transformer)))

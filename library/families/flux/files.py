@@ -1,7 +1,8 @@
 """FLUX.1 from kohya's separate files: the BFL transformer (`flux1-dev.safetensors` layout, optionally behind
 `model.diffusion_model.`), and the `clip_l`, `t5xxl` and `ae` files. Their widths come from the released models'
 configs shipped in configs/flux1/ (dev or schnell is the file's), or from `model_config`, a diffusers FLUX folder
-whose configs, tokenizers and scheduler describe the files (its weights are not read).
+whose configs, tokenizers and scheduler describe the files (its weights are not read). FLUX.1 Kontext [dev]'s file
+has dev's keys: model_version = "kontext" (or a FluxKontextPipeline model_config) says it is Kontext's.
 
 Weights are built on the meta device and assigned from the files, cast to the training dtype tensor by tensor as
 they are read (fp8-stored files are upcast, as kohya does without fp8_base), so a 12 B transformer is never
@@ -17,7 +18,7 @@ import torch
 from library.config import UserError
 from library.core.memory import return_free_heap
 from library.families.family import Components
-from library.families.flux.family import Flux
+from library.families.flux.variants import flux_variant, is_kontext_folder
 from library.families.loading import LoadRequest
 from library.families.shared.clip_tokenizer import load_tokenizer
 from library.families.shared.diffusers_folder import transformer_components
@@ -54,10 +55,11 @@ def load_flux_files(request: LoadRequest) -> Components:
         raise UserError(f"{path} is a FLUX.1 transformer file: it needs {', '.join(missing)} (the CLIP-L, T5-XXL "
                         "and autoencoder files)")
     config_dir = Path(str(model_config)) if model_config else SHIPPED_CONFIG
+    guidance = BFL_GUIDANCE in marked_keys(path, BFL_PREFIX)
+    family = flux_variant(not guidance, is_kontext_folder(config_dir), request.model_version, path)  # before the read
     local = {"local_files_only": True}
     with reading(path, "the FLUX files"):
         state = {k.removeprefix(BFL_PREFIX): v for k, v in read_safetensors(path, dtype=weight_dtype).items()}
-        guidance = BFL_GUIDANCE in state
         config = dict(FluxTransformer2DModel.load_config(config_dir, subfolder="transformer", **local))
         config["guidance_embeds"] = guidance  # dev or schnell is the file's, not the folder's
         with init_empty_weights():
@@ -87,7 +89,7 @@ def load_flux_files(request: LoadRequest) -> Components:
 
         tokenizers = [load_tokenizer(config_dir, "tokenizer"), load_t5_tokenizer(config_dir / "tokenizer_2")]
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(config_dir, subfolder="scheduler", **local)
-    return transformer_components(transformer, vae, [clip, t5], tokenizers, scheduler, Flux(schnell=not guidance))
+    return transformer_components(transformer, vae, [clip, t5], tokenizers, scheduler, family)
 
 
 def _layout(num_layers: int, num_single_layers: int, approximator_layers: int | None = None,

@@ -4,7 +4,8 @@ The module layout is FLUX's (double and single transformer blocks with a guidanc
 a shift factor, CLIP-L and T5 text encoders, the flow-matching scheduler), so key names and code paths match
 the real model; only widths shrink. The T5 tokenizer is a small Unigram vocabulary (shared.tiny_parts).
 
-    python -m library.families.tiny OUTPUT_DIR --family flux [--seed N] [--overwrite]
+    python -m library.families.tiny OUTPUT_DIR --family flux [--seed N] [--overwrite] [--files]
+    python -m library.families.tiny OUTPUT_DIR --family flux_kontext [--seed N] [--overwrite] [--files]
 """
 from __future__ import annotations
 
@@ -72,8 +73,20 @@ def save_tiny_flux(path: str | os.PathLike[str], seed: int = 0, overwrite: bool 
     return target
 
 
+def save_tiny_flux_kontext(path: str | os.PathLike[str], seed: int = 0, overwrite: bool = False) -> Path:
+    """Write a tiny FluxKontextPipeline folder at `path` (atomically) and return it: the same parts as the tiny
+    FLUX.1 dev (Kontext [dev] is dev's architecture), named a Kontext pipeline in its model_index.json."""
+    from diffusers import FluxKontextPipeline
+
+    target = Path(path).absolute()
+    tiny_parts.check_target(target, overwrite)
+    tiny_parts.write_pipeline(FluxKontextPipeline(**build_tiny_flux(seed)), target, ("tokenizer",))
+    logger.info("wrote tiny FLUX.1 Kontext model (seed=%d) to %s", seed, target)
+    return target
+
+
 def save_tiny_flux_files(folder: str | os.PathLike[str], target: str | os.PathLike[str]) -> dict[str, Path]:
-    """The tiny FLUX folder's weights as kohya's separate files: the BFL-layout transformer (behind
+    """The tiny FLUX (or FLUX.1 Kontext) folder's weights as kohya's separate files: the BFL-layout transformer (behind
     `model.diffusion_model.`, as BFL ships it), clip_l, t5xxl and ae. Returns their paths by option name."""
     from diffusers import AutoencoderKL, FluxTransformer2DModel
     from transformers import CLIPTextModel, T5EncoderModel
