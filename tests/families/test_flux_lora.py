@@ -7,8 +7,15 @@ import torch
 
 from library.config.network_args import parse_network_args
 from library.families.flux import lora as flux_lora
-from library.network import kohya_format, lora
-from tests.helpers.lora_files import attached, deltas, file_delta
+from library.network import kohya_format
+from tests.helpers.lora_files import (
+    deltas,
+    file_delta,
+    flux_pipelines_and_kohya_file,
+    flux_trained,
+    flux_transformer_inputs,
+    lora_names,
+)
 
 RANK, ALPHA = 4, 2.0
 
@@ -29,14 +36,6 @@ def transformer():
 def kohya_names(transformer, *args):
     names, overrides = flux_lora.targets(transformer, RANK, ALPHA, net(*args))
     return {flux_lora.bfl_name(n)[0] for n in names}, names, overrides
-
-
-def transformer_inputs(g: torch.Generator) -> dict:
-    """One tiny FLUX transformer call's arguments (16 image tokens, 8 text tokens), drawn from `g`."""
-    return dict(hidden_states=torch.randn(1, 16, 64, generator=g), encoder_hidden_states=torch.randn(1, 8, 32,
-                generator=g), pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.4]),
-                guidance=torch.tensor([3.5]), img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(8, 3),
-                return_dict=False)
 
 
 def test_default_targets_are_kohyas_double_and_single_block_layers(transformer):
@@ -76,33 +75,8 @@ def test_what_is_not_offered_is_an_error_naming_it(transformer, arg, message):
         flux_lora.targets(transformer, RANK, ALPHA, settings)
 
 
-def trained(transformer, *args, seed=0):
-    """The transformer with LoRA attached and random (non-zero) up weights, as after some training."""
-    modules, overrides = flux_lora.targets(transformer, RANK, ALPHA, net(*args))
-    return attached(transformer, modules, overrides, seed)
-
-
-def pipelines_and_kohya_file(tiny_flux_dir, *network_args):
-    """Two FluxPipelines of the tiny folder; the second's transformer (trained with `network_args`) and CLIP-L get
-    random LoRA, written as kohya's FLUX file: (untouched pipe, ours, our transformer, the file's tensors)."""
-    from diffusers import FluxPipeline
-
-    from library.families.flux.family import Flux
-
-    pipe = FluxPipeline.from_pretrained(tiny_flux_dir, local_files_only=True)
-    ours = FluxPipeline.from_pretrained(tiny_flux_dir, local_files_only=True)
-    model = trained(ours.transformer, *network_args)
-    lora.attach_lora(ours.text_encoder, lora.text_encoder_target_modules(ours.text_encoder), RANK, ALPHA)
-    with torch.no_grad():
-        for _, layer in lora.lora_layers(ours.text_encoder):
-            layer.lora_B["default"].weight.normal_()
-    state = Flux().export_lora_keys(kohya_format.kohya_state_dict({"lora_unet": model,
-                                                                   "lora_te1": ours.text_encoder}, ALPHA))
-    return pipe, ours, model, state
-
-
 def test_fused_keys_carry_exactly_the_split_deltas(transformer):
-    model = trained(transformer)
+    model = flux_trained(transformer)
     exported = flux_lora.to_kohya(kohya_format.kohya_state_dict({"lora_unet": model}, ALPHA))
     split = deltas(model)
     d = "transformer_blocks.0.attn."
@@ -121,7 +95,7 @@ def test_fused_keys_carry_exactly_the_split_deltas(transformer):
 
 
 def test_reading_the_fused_file_back_restores_every_tensor(transformer):
-    model = trained(transformer, "single_dim=8")
+    model = flux_trained(transformer, "single_dim=8")
     ours = kohya_format.kohya_state_dict({"lora_unet": model})
     back = flux_lora.from_kohya(flux_lora.to_kohya(ours))
     assert set(back) == set(ours)
@@ -166,7 +140,7 @@ def test_diffusers_load_lora_weights_consumes_every_key_and_matches_our_output(t
     from diffusers import FluxPipeline
 
 
-    pipe, ours, model, state = pipelines_and_kohya_file(tiny_flux_dir, "train_blocks=double")
+    pipe, ours, model, state = flux_pipelines_and_kohya_file(tiny_flux_dir, "train_blocks=double")
     path = tmp_path / "flux_lora.safetensors"
     kohya_format.save_lora_file(path, state, {})
     # Every key of the file becomes exactly one of our modules' A / B (diffusers raises on keys it cannot place).
@@ -183,7 +157,7 @@ def test_diffusers_load_lora_weights_consumes_every_key_and_matches_our_output(t
     assert len(lora_names(pipe.text_encoder)) == len(lora_names(ours.text_encoder))
 
     g = torch.Generator().manual_seed(5)
-    inputs = transformer_inputs(g)
+    inputs = flux_transformer_inputs(g)
     with torch.no_grad():
         expected, got = model(**inputs)[0], pipe.transformer(**inputs)[0]
         base = FluxPipeline.from_pretrained(tiny_flux_dir, local_files_only=True).transformer(**inputs)[0]
@@ -192,12 +166,6 @@ def test_diffusers_load_lora_weights_consumes_every_key_and_matches_our_output(t
     assert not torch.allclose(expected, base, atol=1e-3)  # the LoRA changes the output
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(te_got, te_expected, rtol=1e-4, atol=1e-5)
-
-
-def lora_names(model) -> list[str]:
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    return [name for name, module in model.named_modules() if isinstance(module, BaseTunerLayer)]
 
 
 def test_flux_network_args_are_refused_for_a_unet():
@@ -231,7 +199,7 @@ def test_to_peft_loads_single_blocks_too_and_matches_our_output(tiny_flux_dir, t
     give every trained layer (double, single, CLIP-L) the delta the trainer's LoRA has."""
 
 
-    pipe, ours, model, state = pipelines_and_kohya_file(tiny_flux_dir)  # all blocks
+    pipe, ours, model, state = flux_pipelines_and_kohya_file(tiny_flux_dir)  # all blocks
     assert any(key.startswith("lora_unet_single_blocks_0_linear1") for key in state)
     converted = flux_lora.to_peft(state, {"transformer": pipe.transformer, "text_encoder": pipe.text_encoder})
     assert len(converted) == 2 * (len(lora_names(model)) + len(lora_names(ours.text_encoder)))
@@ -239,7 +207,7 @@ def test_to_peft_loads_single_blocks_too_and_matches_our_output(tiny_flux_dir, t
     assert len(lora_names(pipe.transformer)) == len(lora_names(model)) == 20
 
     g = torch.Generator().manual_seed(5)
-    inputs = transformer_inputs(g)
+    inputs = flux_transformer_inputs(g)
     with torch.no_grad():
         expected, got = model(**inputs)[0], pipe.transformer(**inputs)[0]
         ids = torch.randint(0, 50, (1, 77), generator=g)

@@ -15,6 +15,7 @@ from library.families.entry import Ref
 from library.families.loading import load_components
 from library.families.registry import ENTRIES, entry_for, file_options, network_modules, tiny_models
 from tests.helpers import REPO
+from tests.helpers.runs import shipped_data_args
 
 BY_NAME = {entry.name: entry for entry in ENTRIES}
 TINY = [(entry.name, tiny.name) for entry in ENTRIES for tiny in entry.tiny]
@@ -129,7 +130,7 @@ def test_each_shipped_config_parses_for_a_model_of_its_family(family, name, buil
     assert path.is_file(), f"{family} names {name}, which is not in configs/"
     folder, _ = built[BY_NAME[family].tiny[0].name]
     config, notes = parse_config(["--config", str(path), "--pretrained_model_name_or_path", str(folder),
-                                  "--train_data_dir", str(sample_data_dir), "--output_dir", str(tmp_path)])
+                                  *shipped_data_args(path, sample_data_dir), "--output_dir", str(tmp_path)])
     assert config.network_module in BY_NAME[family].network_modules + NETWORK_MODULES
     assert all("no effect" in note for note in notes), notes
 

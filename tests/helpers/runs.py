@@ -5,7 +5,10 @@ import itertools
 from pathlib import Path
 from typing import Any, Mapping
 
+import tomllib
+
 from library.config import Config, parse_config
+from tests.helpers import REPO
 
 # The options a tiny in-process run starts from: 64 px images of the quickstart with their .txt captions, batches
 # of 2, seed 3. A test's own options override them; `run={}` starts from the schema's defaults instead.
@@ -79,3 +82,15 @@ def family_settings(family: Any, **given: Any) -> Any:
     from library.families.settings import settings_from
 
     return settings_from(family.settings_type, given_config(**given))
+
+
+def shipped_data_args(config: Path, data: Path) -> list[str]:
+    """The data options that parse a shipped config (configs/*.toml) against test images: --train_data_dir `data`,
+    or, for a config naming a dataset_config (a path from the repository root, as a user runs it from there), that
+    file of the repository, whatever the current folder."""
+    values = tomllib.loads(config.read_text(encoding="utf-8"))
+    tables = [values, *(v for v in values.values() if isinstance(v, dict))]
+    dataset = next((table["dataset_config"] for table in tables if "dataset_config" in table), None)
+    if dataset is None:
+        return ["--train_data_dir", str(data)]
+    return ["--dataset_config", str(REPO / dataset)]

@@ -7,6 +7,7 @@ from library.config import parse_config
 from library.network.kohya_format import load_kohya_lora, read_metadata
 from tests.helpers import REPO
 from tests.helpers.cli import assert_user_error, run_cli, write
+from tests.helpers.runs import shipped_data_args
 
 
 @pytest.fixture()
@@ -96,7 +97,7 @@ def test_output_config_writes_a_reloadable_file(base_toml, tmp_path):
 def test_every_shipped_config_validates(path, tiny_sd1_dir, sample_data_dir, tmp_path):
     # Paths in example configs point at the user's files; everything else must pass as written.
     config, notes = parse_config(["--config", str(path), "--pretrained_model_name_or_path", str(tiny_sd1_dir),
-                                  "--train_data_dir", str(sample_data_dir), "--output_dir", str(tmp_path)])
+                                  *shipped_data_args(path, sample_data_dir), "--output_dir", str(tmp_path)])
     assert config.network_dim >= 1
     assert all("no effect" in note for note in notes)
 
