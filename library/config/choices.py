@@ -7,9 +7,9 @@ LOSS_TYPES: tuple[str, ...] = ("l1", "l2", "huber", "smooth_l1")
 HUBER_SCHEDULES: tuple[str, ...] = ("constant", "exponential", "snr")
 
 # Flow matching (library.families.flow_matching): kohya's FLUX trainer's sigma draws, and musubi-tuner's image
-# trainers' (library.families.shared.musubi_flow), which add two.
+# trainers' (library.families.shared.musubi_flow), which add three.
 TIMESTEP_SAMPLINGS: tuple[str, ...] = ("sigma", "uniform", "sigmoid", "shift", "flux_shift")
-MUSUBI_TIMESTEP_SAMPLINGS: tuple[str, ...] = (*TIMESTEP_SAMPLINGS, "qwen_shift", "logsnr")
+MUSUBI_TIMESTEP_SAMPLINGS: tuple[str, ...] = (*TIMESTEP_SAMPLINGS, "qwen_shift", "flux2_shift", "logsnr")
 PREDICTION_TYPES: tuple[str, ...] = ("raw", "additive", "sigma_scaled")
 WEIGHTING_SCHEMES: tuple[str, ...] = ("none", "uniform", "sigma_sqrt", "logit_normal", "mode", "cosmap")
 

@@ -149,9 +149,9 @@ def unsupported(settings: Mapping[str, Any], family: str = "FLUX") -> list[str]:
         problems.append(f"loss_type {loss_type} with huber_schedule snr: not for {family} (the schedule "
                         "follows a DDPM SNR); set huber_schedule to constant or exponential")
     sampling = settings.get("timestep_sampling")
-    if sampling in ("qwen_shift", "logsnr"):
+    if sampling in ("qwen_shift", "flux2_shift", "logsnr"):
         problems.append(f"timestep_sampling {sampling}: not for {family} (musubi-tuner's sampling, "
-                        "offered for Z-Image and Qwen-Image; kohya's FLUX trainer has no such choice)")
+                        "offered for its families; kohya's FLUX trainer has no such choice)")
     return problems
 
 

@@ -48,8 +48,8 @@ def musubi_reference(mode: str, generator: torch.Generator, batch: int, h: int, 
         logsnr = torch.normal(mean=logit_mean, std=logit_std, size=(batch,), generator=generator)
         return torch.sigmoid(-logsnr / 2)
     if mode != "shift":
-        x1, y1, x2, y2 = (256, 0.5, 4096, 1.15) if mode == "flux_shift" else (256, 0.5, 8192, 0.9)
-        shift = math.exp(lin(x1, y1, x2, y2)((h // 2) * (w // 2)))
+        x1, y1, x2, y2 = (256, 0.5, 4096, 1.15) if mode in ("flux_shift", "flux2_shift") else (256, 0.5, 8192, 0.9)
+        shift = math.exp(lin(x1, y1, x2, y2)(h * w if mode == "flux2_shift" else (h // 2) * (w // 2)))
     t = (torch.randn((batch,), generator=generator) * sigmoid_scale).sigmoid()
     return (t * shift) / (1 + (shift - 1) * t)
 

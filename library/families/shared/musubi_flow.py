@@ -5,8 +5,8 @@ What differs from kohya's FLUX objective (library.families.flow_matching): the p
 model_prediction_type), `sigma` sampling draws from the unshifted 1000-step schedule (musubi's
 FlowMatchDiscreteScheduler applies its shift only when sampling images), sigma_sqrt / cosmap weight the loss
 whatever the sampling, the defaults are musubi's (discrete_flow_shift 1.0, weighting_scheme none), and there are
-musubi's image-size shifts (qwen_shift) and logsnr sampling. Timesteps travel through the loop as 1000 * sigma,
-as for FLUX.
+musubi's image-size shifts (qwen_shift, flux2_shift) and logsnr sampling. Timesteps travel through the loop as
+1000 * sigma, as for FLUX.
 """
 from __future__ import annotations
 
@@ -49,9 +49,12 @@ def lin_function(x1: float, y1: float, x2: float, y2: float, x: float) -> float:
 
 
 def image_shift(mode: str, latent_size: tuple[int, int]) -> float:
-    """exp(mu) of musubi's resolution-dependent shifts, from the unpacked latent size (2x2 patches)."""
+    """exp(mu) of musubi's resolution-dependent shifts, from the loop's latent size: flux_shift and qwen_shift count
+    its 2x2 patches, flux2_shift (flux_shift's line) its positions, as musubi does (FLUX.2's latents come patched)."""
     height, width = latent_size
     tokens = (height // 2) * (width // 2)
+    if mode == "flux2_shift":
+        return math.exp(lin_function(256, 0.5, 4096, 1.15, height * width))
     if mode == "flux_shift":
         return math.exp(lin_function(256, 0.5, 4096, 1.15, tokens))
     return math.exp(lin_function(256, 0.5, 8192, 0.9, tokens))  # qwen_shift
