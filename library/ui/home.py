@@ -6,7 +6,8 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 
-from library.ui import schema, security
+from library.ui import preflight, schema, security
+from library.ui.run_status import RUN_CONFIG
 from library.ui.web import RootsDep, SettingsDep, form_context, page
 
 router = APIRouter()
@@ -14,8 +15,21 @@ ICON = Path(__file__).resolve().parent / "static" / "favicon.ico"
 
 
 @router.get("/", response_class=HTMLResponse)
-async def index(request: Request, roots: RootsDep) -> HTMLResponse:
-    return page(request, "index.html", **form_context(request, schema.FormState()), roots=roots.paths, cwd=roots.cwd)
+async def index(request: Request, roots: RootsDep, clone: str = "") -> HTMLResponse:
+    state, message = cloned(roots, clone) if clone else (schema.FormState(), "")
+    return page(request, "index.html", **form_context(request, state, message), roots=roots.paths, cwd=roots.cwd)
+
+
+def cloned(roots: security.Roots, run: str) -> tuple[schema.FormState, str]:
+    """The form holding a run's config with a new output folder: a new run from it that overwrites nothing."""
+    directory = roots.resolve(run)
+    config = directory / RUN_CONFIG if directory is not None else None
+    if config is None or not config.is_file():
+        return schema.FormState(general=[f"{run}: no {RUN_CONFIG} of a run under the UI's folders to copy"]), ""
+    state, _ = schema.from_file(config)
+    folder = preflight.new_folder(str(directory), lambda path: Path(path).exists())
+    state.values["output_dir"] = folder
+    return state, f"a new run from {directory.name}'s config, into {folder}: check it, then start it"
 
 
 @router.get("/favicon.ico", include_in_schema=False)

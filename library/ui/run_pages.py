@@ -6,12 +6,13 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
-from library.monitoring.events import EVENTS_FILE
-from library.ui import schema, security
+from library.monitoring.events import EVENTS_FILE, read_events
+from library.ui import preflight, schema, security
 from library.ui.runs import RunManager
 from library.ui.web import ManagerDep, RootsDep, form_page, form_values, page
 
@@ -40,21 +41,36 @@ async def start(request: Request, roots: RootsDep, manager: ManagerDep) -> HTMLR
         values[STATE_OPTION] = "true"
     state, text = schema.check(values, roots.problem)
     output_dir = roots.resolve(values.get("output_dir", "")) if values.get("output_dir") else None
-    if output_dir is None and "output_dir" not in state.problems:
-        state.problems["output_dir"] = ["output_dir is required to start a run here: the run's folder"]
-    elif output_dir is not None and output_dir.is_dir() and manager.status(output_dir).status in (
-            "queued", "running"):
-        state.problems.setdefault("output_dir", []).append(
-            f"output_dir: {values['output_dir']} is in use by a run that is queued or running; stop it or "
-            "choose another folder")
+    offer = output_problems(state, values, output_dir, roots, manager, form.get("_overwrite") == "yes")
     config_path = str(form.get("_config_path", ""))
-    if not state.ok:
-        return form_page(request, state, "not started: fix the problems first", 400, config_path, form)
+    if not state.ok or output_dir is None:
+        return form_page(request, state, "not started: fix the problems first", 400, config_path, form,
+                         new_folder=offer)
     manager.submit(output_dir, text)
     response = form_page(request, state, f"queued a run in {values['output_dir']}", config_path=config_path,
                          form=form)
     response.headers["HX-Trigger"] = "runs-changed"
     return response
+
+
+def output_problems(state: schema.FormState, values: dict[str, str], output_dir: Path | None,
+                    roots: security.Roots, manager: RunManager, overwrite: bool) -> str:
+    """The run's folder: required, not in use, and holding no earlier work unless the user said to overwrite it.
+    Returns the new folder offered instead of earlier work ("" when there is none)."""
+    if output_dir is None:
+        if "output_dir" not in state.problems:
+            state.problems["output_dir"] = ["output_dir is required to start a run here: the run's folder"]
+        return ""
+    typed = values["output_dir"]
+    if output_dir.is_dir() and manager.status(output_dir).status in ("queued", "running"):
+        state.problems.setdefault("output_dir", []).append(
+            f"output_dir: {typed} is in use by a run that is queued or running; stop it or choose another folder")
+        return ""
+    earlier = None if overwrite else preflight.earlier_work(output_dir, values.get("output_name"))
+    if earlier is None:
+        return ""
+    state.problems.setdefault("output_dir", []).append(f"output_dir: {typed} {earlier}")
+    return preflight.new_folder(typed, lambda path: (real := roots.resolve(path)) is not None and real.exists())
 
 
 @router.get("", response_class=HTMLResponse)
@@ -89,14 +105,26 @@ async def stop(request: Request, roots: RootsDep, manager: ManagerDep) -> HTMLRe
 
 @router.post("/resume", response_class=HTMLResponse)
 async def resume(request: Request, roots: RootsDep, manager: ManagerDep) -> HTMLResponse:
-    directory = await posted_run_dir(request, roots)
+    form = await request.form()
+    directory = run_dir(roots, str(form.get("path", "")))
     if directory is None:
         return HTMLResponse(NOT_A_RUN, status_code=404)
-    if not manager.status(directory).can_resume:
+    status = manager.status(directory)
+    if not status.can_resume:
         return HTMLResponse('<span class="problem">nothing to resume: the run has no saved state, is still '
                             'running, or was not started here</span>', status_code=409)
+    if status.status == "finished" and form.get("confirm") != "overwrite":
+        return page(request, "resume_finished.html", status_code=409, run=status.as_dict(),
+                    state=latest_state(directory), lora=preflight.finished_lora(directory, status.output_name),
+                    new_folder=preflight.new_folder(str(directory), lambda path: Path(path).exists()))
     manager.submit(directory, "", resume=True)
     return HTMLResponse('<span class="ok">resume queued</span>', headers={"HX-Trigger": "runs-changed"})
+
+
+def latest_state(directory: Path) -> dict[str, Any] | None:
+    """The newest training state the run saved (its "state" events over every attempt), which --resume latest
+    picks up."""
+    return next((e for e in reversed(list(read_events(directory / EVENTS_FILE))) if e["event"] == "state"), None)
 
 
 @router.get("/events")

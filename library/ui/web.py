@@ -60,8 +60,10 @@ def chosen_family(model: str, form: Mapping[str, Any], roots: security.Roots) ->
 
 
 def form_page(request: Request, state: schema.FormState, message: str = "", status_code: int = 200,
-              config_path: str = "", form: Mapping[str, Any] | None = None) -> HTMLResponse:
-    return page(request, "form.html", status_code, **form_context(request, state, message, config_path, form))
+              config_path: str = "", form: Mapping[str, Any] | None = None, new_folder: str = "") -> HTMLResponse:
+    """The editor's form; `new_folder`: the folder offered instead of an output folder holding earlier work."""
+    return page(request, "form.html", status_code, new_folder=new_folder,
+                **form_context(request, state, message, config_path, form))
 
 
 def form_values(form: FormData) -> dict[str, str]:

@@ -53,6 +53,8 @@ def lora_file(path: Path, metadata: dict[str, str] | None = None) -> None:
 def finished_run(run_dir: Path, output_name: str = "mine", total: int = 4) -> Path:
     """A run folder as a finished run leaves it: its config, events, final LoRA file and a state."""
     write_events(run_dir, [*attempt(0, total, total, 1_700_000_000.0, output_name),
+                           {"event": "state", "time": 1_700_000_050.0, "step": 2,
+                            "path": f"{output_name}-step00000002-state"},
                            {"event": "save", "time": 1_700_000_100.0, "step": total,
                             "path": f"{output_name}.safetensors"},
                            {"event": "end", "time": 1_700_000_101.0, "status": "finished", "step": total}])
@@ -62,3 +64,13 @@ def finished_run(run_dir: Path, output_name: str = "mine", total: int = 4) -> Pa
     lora_file(run_dir / f"{output_name}.safetensors")
     (run_dir / f"{output_name}-step00000002-state").mkdir()
     return run_dir
+
+
+def stand_in_python(folder: Path, release: Path | None = None) -> str:
+    """An executable the UI can run in place of python: it takes train_network.py's command line (so the UI sees a
+    trainer among the processes) and exits 0 at once, or once `release` exists."""
+    script = folder / "stand_in_python"
+    wait = f'while [ ! -e "{release}" ]; do sleep 0.1; done\n' if release is not None else ""
+    script.write_text(f"#!/bin/sh\n{wait}exit 0\n", encoding="utf-8")
+    script.chmod(0o755)
+    return str(script)

@@ -200,6 +200,13 @@ def test_configure_train_watch_stop_resume_in_a_browser(ui, browser, place):
     assert (run_dir / "quickstart_lora.safetensors").is_file()
 
 
+def click(browser, element_id: str) -> None:
+    """Click an element after scrolling it to the middle of the window (the sticky toolbar covers the top)."""
+    element = by_id(browser, element_id)
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", element)
+    element.click()
+
+
 def set_field(browser, name: str, value: str) -> None:
     field = by_id(browser, f"opt-{name}")
     browser.execute_script("arguments[0].closest('details').open = true; arguments[0].scrollIntoView()", field)
@@ -225,3 +232,23 @@ def test_load_never_destroys_the_form_and_enter_in_the_box_loads(ui, browser, pl
     box.send_keys("configs/quickstart.toml" + Keys.ENTER)  # Load, not Check
     wait.until(lambda d: "loaded configs/quickstart.toml" in by_id(d, "form-message").text)
     assert by_id(browser, "opt-network_dim").get_attribute("value") == "8"
+
+
+def test_finished_work_asks_first_and_offers_a_new_folder(ui, browser, place):
+    wait = waiting(browser)
+    run = finished_run(place / "run")
+    lora = (run / "mine.safetensors").read_bytes()
+    browser.get(f"{ui}/runs/view?path={run}")
+    wait.until(lambda d: by_id(d, "run-status").text == "finished" and by_id(d, "resume-button").is_enabled())
+    by_id(browser, "resume-button").click()
+    wait.until(lambda d: "has finished" in by_id(d, "action-result").text)
+    assert "overwrites mine.safetensors" in by_id(browser, "action-result").text
+    by_id(browser, "clone-button").click()  # the default: a new run in a new folder
+    wait.until(lambda d: by_id(d, "opt-output_dir").get_attribute("value") == f"{run}-2")
+    assert by_id(browser, "opt-pretrained_model_name_or_path").get_attribute("value") == "models/digits-base"
+    set_field(browser, "output_dir", str(run))
+    by_id(browser, "start-button").click()
+    wait.until(lambda d: "holds a finished LoRA" in by_id(d, "field-output_dir").text)
+    click(browser, "use-new-folder")
+    assert by_id(browser, "opt-output_dir").get_attribute("value") == f"{run}-2"
+    assert (run / "mine.safetensors").read_bytes() == lora and not (run / "ui_runs.json").exists()

@@ -10,6 +10,7 @@ import shutil
 import stat
 import struct
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -21,6 +22,7 @@ from library.config.options import OPTIONS  # noqa: E402
 from library.ui import security  # noqa: E402
 from library.ui.app import Settings, create_app  # noqa: E402
 from library.ui.model_family import FAMILIES  # noqa: E402
+from tests.helpers.ui import finished_run, stand_in_python  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 ORIGIN = {"Origin": "http://127.0.0.1:7860"}
@@ -267,3 +269,23 @@ def test_lora_metadata_and_a_command_line_run_in_the_list(tmp_path):
     # Resume needs the run_config.toml of a run started from the UI, and a saved state.
     assert c.post("/runs/resume", data={"path": str(run)}, headers=ORIGIN).status_code == 409
     assert c.post("/runs/resume", data={"path": "/etc"}, headers=ORIGIN).status_code == 404
+
+
+def test_finished_work_is_overwritten_only_when_the_user_says_so(tmp_path):
+    run = finished_run(tmp_path / "run")
+    kept = {name: (run / name).read_bytes() for name in ("mine.safetensors", "run_config.toml")}
+    c = client([REPO, tmp_path], python=stand_in_python(tmp_path))
+    form = {"pretrained_model_name_or_path": "models/digits-base", "train_data_dir": "data/digits/train",
+            "output_dir": str(run), "output_name": "mine"}
+    started = c.post("/runs/start", data=form, headers=ORIGIN)
+    assert started.status_code == 400
+    assert "holds a finished LoRA, mine.safetensors" in field_html(started.text, "output_dir")
+    assert f'data-folder="{run}-2"' in started.text  # the offer: a new folder
+    resumed = c.post("/runs/resume", data={"path": str(run)}, headers=ORIGIN)
+    assert resumed.status_code == 409 and "has finished" in resumed.text and "step 2" in resumed.text
+    assert f"/?clone={quote(str(run))}" in resumed.text
+    assert {name: (run / name).read_bytes() for name in kept} == kept and not (run / "ui_runs.json").exists()
+    clone = shown_values(c.get("/", params={"clone": str(run)}).text)
+    assert clone["output_dir"] == f"{run}-2" and clone["pretrained_model_name_or_path"] == "models/digits-base"
+    assert "queued a run" in c.post("/runs/start", data={**form, "_overwrite": "yes"}, headers=ORIGIN).text
+    assert len(json.loads((run / "ui_runs.json").read_text())) == 1

@@ -50,6 +50,14 @@ function bindForm() {
   filterFields();
 }
 
+document.addEventListener("click", (e) => {
+  // The offer of a new output folder instead of one holding earlier work: the field takes it, nothing starts.
+  const use = e.target.closest("#use-new-folder");
+  if (!use) return;
+  document.getElementById("opt-output_dir").value = use.dataset.folder;
+  document.getElementById("new-folder-offer").remove();
+});
+
 document.addEventListener("htmx:beforeSwap", (e) => {
   // Problems come back with status 400 / 403 / 404: show them rather than dropping the response.
   if (e.detail.xhr.status >= 400 && e.detail.xhr.status < 500) {
@@ -83,7 +91,7 @@ function fmtDuration(seconds) {
 
 function postForm(url, data) {
   const body = new URLSearchParams(data);
-  return fetch(url, {method: "POST", body, credentials: "same-origin"}).then((r) => r.text());
+  return fetch(url, {method: "POST", body, credentials: "same-origin"}).then((r) => r.text().then((t) => [r.ok, t]));
 }
 
 function runView() {
@@ -187,13 +195,14 @@ function runView() {
   connect();
 
   document.getElementById("stop-button").addEventListener("click", () => {
-    postForm("/runs/stop", {path: dir}).then((t) => { document.getElementById("action-result").innerHTML = t; });
+    postForm("/runs/stop", {path: dir}).then(([, t]) => { document.getElementById("action-result").innerHTML = t; });
   });
   document.getElementById("resume-button").addEventListener("click", () => {
-    postForm("/runs/resume", {path: dir}).then((t) => {
-      document.getElementById("action-result").innerHTML = t;
-      seenSamples.clear(); document.getElementById("samples").replaceChildren();
-      setTimeout(connect, 500);
+    postForm("/runs/resume", {path: dir}).then(([ok, t]) => {
+      const result = document.getElementById("action-result");
+      result.innerHTML = t;
+      htmx.process(result);  // a finished run's question carries its own buttons
+      if (ok) setTimeout(connect, 500);
     });
   });
 }
