@@ -280,6 +280,41 @@ def test_ci_names_control_images_in_line_toml_and_json_prompts(tmp_path):
         load_prompts(tmp_path / "bad.txt")
 
 
+def test_a_ci_sample_is_fluxkontextpipelines_image_beside_its_control(kontext, tmp_path):
+    """Our sample of a --ci prompt is what FluxKontextPipeline draws from the same embeddings, seed, guidance (2.5
+    by default, musubi's) and control image (cropped from the top left to multiples of 16), drawn right of the
+    control; with apply_t5_attn_mask the control's tokens are attended too."""
+    import dataclasses
+
+    from diffusers import FluxKontextPipeline
+
+    from library.monitoring.sampling import generate_image
+    from tests.helpers.family_checks import pipeline_scheduler, sampling_models
+
+    control = tmp_path / "start.png"
+    Image.fromarray(np.random.default_rng(1).integers(0, 256, (40, 70, 3), dtype=np.uint8)).save(control)
+    (tmp_path / "p.txt").write_text(f"make it blue --ci {control} --w 64 --h 64 --s 2 --d 5\n")
+    prompt = load_prompts(tmp_path / "p.txt")[0]
+    masked = dataclasses.replace(kontext.family, t5_max_length=16, apply_t5_attn_mask=True)
+    with torch.no_grad():
+        ours = np.asarray(generate_image(prompt, sampling_models(kontext, masked), seed=5))
+        encoded = sampling_models(kontext, masked).encode_text(prompt.prompt)
+        pipe = FluxKontextPipeline(scheduler=pipeline_scheduler(kontext), vae=kontext.vae,
+                                   text_encoder=kontext.text_encoders[0], tokenizer=kontext.tokenizers[0],
+                                   text_encoder_2=kontext.text_encoders[1], tokenizer_2=kontext.tokenizers[1],
+                                   transformer=kontext.denoiser)
+        start = Image.open(control).convert("RGB").crop((0, 0, 64, 32))
+        mask = torch.cat([encoded["t5_attn_mask"].bool(), torch.ones(1, 16 + 8, dtype=torch.bool)], dim=1)
+        theirs = pipe(image=start, prompt_embeds=encoded["encoder_hidden_states"],
+                      pooled_prompt_embeds=encoded["pooled"], width=64, height=64, num_inference_steps=2,
+                      guidance_scale=2.5, max_area=64 * 64, _auto_resize=False,
+                      joint_attention_kwargs={"attention_mask": mask[:, None, None]},
+                      generator=torch.Generator().manual_seed(5)).images[0]
+    assert ours.shape == (64, 70 + 64, 3)
+    assert np.array_equal(ours[:40, :70], np.asarray(Image.open(control).convert("RGB")))
+    assert np.abs(ours[:, 70:].astype(int) - np.asarray(theirs).astype(int)).max() <= 1
+
+
 # --- the LoRA file in diffusers ---------------------------------------------------------------------------------
 
 def test_diffusers_kontext_pipeline_loads_every_key_with_our_weight_change(kontext_dir, tmp_path):
