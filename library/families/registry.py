@@ -13,12 +13,13 @@ from library.config.options import add_family_options
 from library.families.chroma.entry import ENTRY as CHROMA
 from library.families.entry import FamilyEntry, TinyModel
 from library.families.flux.entry import ENTRY as FLUX
+from library.families.flux2.entry import ENTRY as FLUX2
 from library.families.qwen_image.entry import ENTRY as QWEN_IMAGE
 from library.families.sd.entry import ENTRY as SD
 from library.families.sd3.entry import ENTRY as SD3
 from library.families.z_image.entry import ENTRY as Z_IMAGE
 
-ENTRIES: tuple[FamilyEntry, ...] = (SD, FLUX, CHROMA, SD3, Z_IMAGE, QWEN_IMAGE)
+ENTRIES: tuple[FamilyEntry, ...] = (SD, FLUX, CHROMA, SD3, Z_IMAGE, QWEN_IMAGE, FLUX2)
 
 
 def entry_for(path: str | Path) -> FamilyEntry:

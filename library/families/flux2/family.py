@@ -1,0 +1,296 @@
+"""FLUX.2 [klein] (4B, 9B and their undistilled bases): a double- and single-stream transformer over 2x2 patches of
+a 32-channel autoencoder's latents, conditioned on hidden states 9, 18 and 27 of a Qwen3 language model (4B or
+8B) read through its chat template and stacked per token, and optionally on reference images. Trained as
+musubi-tuner's flux_2_train_network.py trains it: the transformer only (musubi never trains the text encoder), the
+model's time input sigma, its raw output trained against noise - x0, and musubi's timestep sampling
+(library.families.shared.musubi_flow; musubi recommends flux2_shift).
+
+The loop's latents are the autoencoder's patched and normalised view (library.families.flux2.latents.Flux2Vae,
+[B, 128, H/16, W/16]); `denoise` flattens them into tokens with their (t, h, w, l) positions, as Flux2KleinPipeline
+and musubi's call_dit do, appends the reference images' tokens (a dataset's control images) with theirs, and gives
+the text tokens theirs; the transformer sees every text token, padding included (neither the pipeline nor musubi
+masks them).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from library.config import UserError
+from library.families.family import Components, Tokenizer
+from library.families.flux2 import latents as flux2_latents
+from library.families.flux2 import lora as flux2_lora
+from library.families.flux2.transformer import fuse_attention_projections
+from library.families.loading import LoadRequest
+from library.families.shared import musubi_flow
+from library.families.shared.diffusers_folder import load_folder, transformer_class
+from library.families.shared.separate_files import marked_keys
+
+logger = logging.getLogger(__name__)
+
+TRANSFORMER_CLASS = "Flux2Transformer2DModel"
+FILE_MARKER, COMFY_PREFIX = "single_stream_modulation.lin.weight", "model.diffusion_model."
+KLEIN_PIPELINE = "Flux2KleinPipeline"
+HIDDEN_LAYERS = (9, 18, 27)  # Qwen3's hidden states FLUX.2 [klein] reads (musubi's OUTPUT_LAYERS_QWEN3)
+MAX_SEQUENCE_LENGTH = 512  # tokens, chat template included: the pipeline's and musubi's fixed length
+IMPLEMENTATION = "https://github.com/black-forest-labs/flux2"  # musubi's IMPL_FLUX_2
+REFERENCE = "reference_"  # conditioning keys of the reference images' latents: reference_0, reference_1, ...
+MAX_REFERENCES = 10  # BFL's stated limit for FLUX.2's reference images; the transformer itself sets none
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One of musubi-tuner's --model_version values: its architecture names (ss_base_model_version and
+    modelspec.architecture, as musubi writes them) and whether it is step-distilled (sampled without CFG)."""
+    architecture: str
+    spec: str
+    distilled: bool
+
+
+VARIANTS = {
+    "klein-4b": Variant("flux_2_klein_4b", "Flux.2-klein-4b", True),
+    "klein-base-4b": Variant("flux_2_klein_4b", "Flux.2-klein-4b", False),
+    "klein-9b": Variant("flux_2_klein_9b", "Flux.2-klein-9b", True),
+    "klein-base-9b": Variant("flux_2_klein_9b", "Flux.2-klein-9b", False),
+    "dev": Variant("flux_2_dev", "Flux.2-dev", True),
+}
+KLEIN_9B_TEXT_WIDTH = 3 * 4096  # the transformer's text input: three Qwen3-8B layers (klein 9B); 4B's is 3 x 2560
+
+
+def swap_split(count: int, double: int, single: int) -> tuple[int, int]:
+    """musubi's (double, single) blocks to swap for `count` in a transformer of `double` and `single` blocks."""
+    ratio = single / double
+    swap_double = int(round(count / (1.0 + ratio / 2.0)))
+    swap_single = int(round(swap_double * ratio))
+    if double * 2 < single:
+        while swap_double >= 1 and swap_double > double - 2:
+            swap_double, swap_single = swap_double - 1, swap_single + 2
+    else:
+        while swap_single >= 2 and swap_single > single - 2:
+            swap_double, swap_single = swap_double + 1, swap_single - 2
+    if swap_double == swap_single == 0:
+        return (0, 1) if single >= double else (1, 0)
+    return swap_double, swap_single
+
+
+def chat_prompt(tokenizer: Any, caption: str) -> str:
+    """The caption as Flux2KleinPipeline and musubi give it to Qwen3: a user turn of the chat template with the
+    generation prompt, thinking disabled."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": caption}], tokenize=False,
+                                         add_generation_prompt=True, enable_thinking=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Flux2(musubi_flow.MusubiFamily):
+    """FLUX.2 [klein]; `version` is musubi's model_version of the weights. Nothing in the prompts depends on the
+    config."""
+    version: str = "klein-base-4b"
+    control_images = MAX_REFERENCES
+    display_name = "FLUX.2"
+    implementation = IMPLEMENTATION
+    refused_options = (
+        ("clip_skip", "FLUX.2 reads Qwen3's hidden states 9, 18 and 27, as musubi-tuner and the pipeline do"),
+        ("max_token_length", f"prompts are {MAX_SEQUENCE_LENGTH} Qwen3 tokens, musubi-tuner's fixed length"),
+        ("t5xxl_max_token_length", "FLUX.2 has no T5"),
+        ("apply_t5_attn_mask", "FLUX.2 has no T5, and its transformer sees the padding unmasked"),
+        ("clip_l", "FLUX.2 has no CLIP-L"), ("t5xxl", "FLUX.2 has no T5"),
+        ("vae", "FLUX.2's autoencoder comes with the model (its vae/ folder)"),
+        ("network_train_text_encoder_only", "musubi-tuner trains FLUX.2's transformer only"))
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return f"flux2-{self.version}"
+
+    @property
+    def base_model_version(self) -> str:  # type: ignore[override]
+        return VARIANTS[self.version].architecture
+
+    @property
+    def default_sampling_scale(self) -> float:  # type: ignore[override]
+        """musubi's sample guidance scale without --l: 1.0 (no CFG) for the distilled models, 4.0 for the bases."""
+        return 1.0 if VARIANTS[self.version].distilled else 4.0
+
+    # --- prompts ----------------------------------------------------------------------------------------------
+    def tokenizer(self, components: Components, max_token_length: int | None) -> Tokenizer:
+        tokenizer = components.tokenizers[0]
+
+        def tokens(caption: str) -> dict[str, torch.Tensor]:
+            encoded = tokenizer(chat_prompt(tokenizer, caption), padding="max_length",
+                                max_length=MAX_SEQUENCE_LENGTH, truncation=True, return_tensors="pt")
+            return {"input_ids": encoded.input_ids[0], "attention_mask": encoded.attention_mask[0]}
+        return tokens
+
+    def encode_text(self, text_encoders: Sequence[torch.nn.Module], tokens: Mapping[str, torch.Tensor],
+                    clip_skip: int | None) -> dict[str, torch.Tensor]:
+        """Qwen3's hidden states 9, 18 and 27 side by side per token ([B, 512, 3 x width]), as the pipeline's
+        _get_qwen3_prompt_embeds and musubi's Qwen3Embedder stack them. The language model runs without its head."""
+        output = text_encoders[0].model(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"],
+                                        output_hidden_states=True, use_cache=False)
+        stacked = torch.stack([output.hidden_states[k] for k in HIDDEN_LAYERS], dim=1)
+        batch, layers, length, width = stacked.shape
+        return {"encoder_hidden_states": stacked.permute(0, 2, 1, 3).reshape(batch, length, layers * width)}
+
+    # --- the denoiser ------------------------------------------------------------------------------------------
+    def control_conditioning(self, controls: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Reference images' latents (the autoencoder's patched, normalised view, as the target's), in order."""
+        return {f"{REFERENCE}{i}": control for i, control in enumerate(controls)}
+
+    def control_problems(self, counts: Mapping[int, int]) -> list[str]:
+        """Any number of reference images up to MAX_REFERENCES per item, none included (text-to-image)."""
+        return [f"{self.name} takes at most {MAX_REFERENCES} reference (control) images per item; {items} "
+                f"item{'s' if items > 1 else ''} {'have' if items > 1 else 'has'} {count}"
+                for count, items in sorted(counts.items()) if count > MAX_REFERENCES]
+
+    def denoise(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
+                text: Mapping[str, torch.Tensor], conditioning: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The image's tokens, then its reference images' (musubi's call_dit, the pipeline's image input), with
+        their positions; the prediction is cut back to the image's tokens, so the loss sees the target only."""
+        _, _, height, width = noisy.shape
+        states = text["encoder_hidden_states"].to(noisy.dtype)
+        tokens = flux2_latents.pack(noisy)
+        ids = flux2_latents.image_ids(height, width, device=noisy.device)
+        references = [conditioning[f"{REFERENCE}{i}"].to(noisy.device, noisy.dtype)
+                      for i in range(sum(key.startswith(REFERENCE) for key in conditioning))]
+        if references:
+            reference_tokens, reference_ids = flux2_latents.reference_tokens(references)
+            tokens, ids = torch.cat([tokens, reference_tokens], dim=1), torch.cat([ids, reference_ids])
+        out = denoiser(hidden_states=tokens, encoder_hidden_states=states,
+                       timestep=(timesteps.float() / 1000).to(noisy.dtype), img_ids=ids,
+                       txt_ids=flux2_latents.text_ids(states.shape[1], noisy.device), guidance=None,
+                       return_dict=False)[0]
+        return flux2_latents.unpack(out[:, :height * width], height, width)
+
+    def block_swap_plan(self, denoiser: torch.nn.Module, blocks_to_swap: int) -> list[tuple[Any, int]]:
+        """musubi's split (flux2_models.enable_block_swap): the count spread over double and single blocks by their
+        ratio, a double block counting as two single ones, each at most its number of blocks less 2 (klein 4B: up
+        to 13, 9B: 16)."""
+        double, single = denoiser.transformer_blocks, denoiser.single_transformer_blocks
+        swap_double, swap_single = swap_split(blocks_to_swap, len(double), len(single))
+        if swap_double > len(double) - 2 or swap_single > len(single) - 2:
+            raise UserError(f"blocks_to_swap {blocks_to_swap}: FLUX.2 swaps at most {len(double) - 2} double and "
+                            f"{len(single) - 2} single blocks; this asks for {swap_double} double and {swap_single} "
+                            "single blocks")
+        return [(double, swap_double), (single, swap_single)]
+
+    # --- LoRA files and metadata -------------------------------------------------------------------------------
+    def denoiser_lora_targets(self, denoiser: torch.nn.Module, rank: int, alpha: float,
+                              net: Any) -> tuple[list[str], dict[str, tuple[int, float]]]:
+        try:
+            return flux2_lora.targets(denoiser, net), {}
+        except ValueError as e:
+            raise UserError(str(e)) from None
+
+    def export_lora_keys(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return flux2_lora.to_file(state_dict)
+
+    def import_lora_keys(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return flux2_lora.from_file(state_dict)
+
+    def metadata_flags(self, v_prediction: bool) -> dict[str, Any]:
+        # musubi's: ss_base_model_version its architecture_full_name, modelspec "<arch>/lora" and BFL's URL
+        variant = VARIANTS[self.version]
+        return {"base_model": variant.architecture, "architecture": f"{variant.spec}/lora",
+                "implementation": IMPLEMENTATION}
+
+    # --- sampling ----------------------------------------------------------------------------------------------
+    def pipeline(self, denoiser: Any, vae: Any, text_encoders: Sequence[Any], tokenizers: Sequence[Any],
+                 scheduler: Any) -> Any:
+        from diffusers import Flux2KleinPipeline
+
+        return Flux2KleinPipeline(scheduler=scheduler, vae=vae.vae, text_encoder=text_encoders[0],
+                                  tokenizer=tokenizers[0], transformer=denoiser,
+                                  is_distilled=VARIANTS[self.version].distilled)
+
+    def sampling_guidance(self, scale: float, guidance: float | None, positive: Mapping[str, torch.Tensor],
+                          width: int, height: int) -> dict[str, Any]:
+        """--l (default 4.0 for the bases, 1.0 for the distilled models: musubi's) above 1 runs CFG with the
+        negative prompt (--n, else the empty one): neg + scale * (pos - neg), as the pipeline and musubi compute
+        it; the distilled models sample without CFG whatever the scale, as in the pipeline."""
+        if guidance is not None:
+            logger.warning("sample prompt --g %g: FLUX.2 [klein] has no guidance input; use --l for CFG", guidance)
+        if scale > 1 and VARIANTS[self.version].distilled:
+            logger.warning("sample prompt --l %g: %s is step-distilled and samples without CFG", scale, self.version)
+        return {"guidance_scale": scale}
+
+    def sampling_controls(self, images: Sequence[Any], arguments: Mapping[str, Any]) -> dict[str, Any]:
+        """A prompt's --ci images are the pipeline's reference images, sized as it sizes them (at most 1024 x 1024
+        pixels in area, sides cropped to multiples of 16)."""
+        return {**arguments, "image": list(images)}
+
+    def vae_latents(self, latents: torch.Tensor, vae_config: Any, width: int, height: int) -> torch.Tensor:
+        # The pipeline's latents are the autoencoder's own; Flux2Vae decodes its patched, normalised view.
+        return flux2_latents.normalised(flux2_latents.patchify(latents), vae_config)
+
+    def prompt_embeds(self, positive: Mapping[str, torch.Tensor],
+                      negative: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        return {"prompt_embeds": positive["encoder_hidden_states"],
+                "negative_prompt_embeds": negative["encoder_hidden_states"]}
+
+
+def is_flux2_folder(path: Path) -> bool:
+    return transformer_class(path) == TRANSFORMER_CLASS
+
+
+def is_flux2_file(path: Path) -> bool:
+    """BFL's FLUX.2 transformer file (flux2-klein-*.safetensors, flux2-dev.safetensors; ComfyUI's with its prefix):
+    its shared single-stream modulation, diffusers' own test for one."""
+    return FILE_MARKER in marked_keys(path, COMFY_PREFIX)
+
+
+def load_flux2_file(request: LoadRequest) -> Components:
+    raise UserError(f"{request.path} is a FLUX.2 transformer file; FLUX.2 is read from diffusers folders only for now "
+                    "(black-forest-labs/FLUX.2-klein-base-4B's layout: transformer/, vae/, text_encoder/, "
+                    "tokenizer/, scheduler/, model_index.json)")
+
+
+def pipeline_index(path: Path) -> dict[str, Any]:
+    """A FLUX.2 folder's model_index.json; a UserError unless it is Flux2KleinPipeline's."""
+    try:
+        index = json.loads((path / "model_index.json").read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: not a FLUX.2 diffusers folder; its model_index.json cannot be read ({e})") from None
+    if index.get("_class_name") != KLEIN_PIPELINE:
+        raise UserError(f"{path}: a {index.get('_class_name')} folder; FLUX.2 [dev] (Mistral Small 3.1 text "
+                        f"encoder) is not offered yet, only FLUX.2 [klein] ({KLEIN_PIPELINE} folders)")
+    return index
+
+
+def folder_version(index: Mapping[str, Any], transformer: Any) -> str:
+    """The model_version a FLUX.2 [klein] folder holds: distilled or base by the pipeline's is_distilled, 4B or 9B
+    by the transformer's text width."""
+    size = "9b" if transformer.config.joint_attention_dim == KLEIN_9B_TEXT_WIDTH else "4b"
+    return f"klein-{size}" if index.get("is_distilled") else f"klein-base-{size}"
+
+
+def checked_version(told: str, model_version: str | None, path: Path) -> str:
+    """The variant `path` holds (`told`), checked against the user's model_version."""
+    if model_version is not None and model_version not in VARIANTS:
+        raise UserError(f"model_version {model_version!r}: FLUX.2 takes {', '.join(VARIANTS)} (musubi-tuner's names)")
+    if model_version not in (None, told):
+        raise UserError(f"model_version {model_version}: {path} holds FLUX.2 {told}; set model_version = "
+                        f"\"{told}\" or leave it out")
+    return told
+
+
+def load_flux2_folder(request: LoadRequest) -> Components:
+    """A diffusers FLUX.2 [klein] folder (black-forest-labs/FLUX.2-klein-* layout), offline; its double blocks'
+    projections fused as musubi trains them (library.families.flux2.transformer)."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    index = pipeline_index(request.path)
+
+    def family(transformer: Any, _: Any) -> Flux2:
+        return Flux2(checked_version(folder_version(index, transformer), request.model_version, request.path))
+
+    components = load_folder(request, "FLUX.2", {
+        "transformer": Flux2Transformer2DModel, "vae": AutoencoderKLFlux2, "text_encoder": Qwen3ForCausalLM,
+        "tokenizer": AutoTokenizer, "scheduler": FlowMatchEulerDiscreteScheduler}, family,
+        vae_view=flux2_latents.Flux2Vae)
+    fuse_attention_projections(components.denoiser)
+    return components

@@ -1,0 +1,89 @@
+"""A tiny FLUX.2 [klein]-shaped model built from configs, for tests and tries (nothing fetched from a hub).
+
+The classes are the real ones at tiny widths, as Flux2KleinPipeline takes them: Flux2Transformer2DModel (double
+and single stream blocks, 4-axis rotary positions, no guidance input: klein's), AutoencoderKLFlux2 (32 latent
+channels, 8x down, batch-norm statistics set away from 0 / 1 so that the normalisation shows), a Qwen3 language
+model (Qwen3ForCausalLM) of 28 layers, since FLUX.2 reads its hidden states 9, 18 and 27, with a byte-level BPE
+tokenizer and chat template built here, and FLUX.2's scheduler config (resolution-dependent shift). The folder is
+klein's undistilled base (is_distilled false), the checkpoint musubi-tuner recommends training.
+
+    python -m library.families.tiny OUTPUT_DIR --family flux2_klein [--seed N] [--overwrite]
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from library.families.flux2.family import HIDDEN_LAYERS
+from library.families.shared import tiny_parts
+
+logger = logging.getLogger(__name__)
+
+TEXT_WIDTH = 16  # Qwen3's hidden size; the transformer's text input is three layers of it
+WIDTH = 32  # the transformer's inner dim: 2 heads of 16
+PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (PAD, IM_START, IM_END, "<think>", "</think>")
+# What Qwen3's chat template gives one user turn with the generation prompt (with enable_thinking false, as FLUX.2
+# asks, the empty think block), the only use FLUX.2 makes of it.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+_CORPUS = ("user assistant a an the photo picture image of in on with and sks dog cat person red green blue white "
+           "black yellow orange shape circle square triangle diamond digit zero one two three four five six seven "
+           "eight nine number written drawn small large")
+# FLUX.2 [klein]'s scheduler config (black-forest-labs/FLUX.2-klein-4B scheduler/scheduler_config.json); the
+# pipeline passes its own empirical mu, so only use_dynamic_shifting matters for sampling.
+SCHEDULER_CONFIG = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5,
+                    "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096,
+                    "time_shift_type": "exponential"}
+
+
+def build_tokenizer(corpus: str = _CORPUS) -> Any:
+    """A Qwen2-style byte-level BPE tokenizer (Qwen's special tokens, pad <|endoftext|>) with the chat template
+    above."""
+    return tiny_parts.build_qwen_bpe_tokenizer(corpus, SPECIAL_TOKENS, 400, chat_template=CHAT_TEMPLATE)
+
+
+def build_tiny_flux2_klein(seed: int = 0) -> dict[str, Any]:
+    """The components of a tiny Flux2KleinPipeline. Weights depend only on the seed; the caller's global RNG state
+    is left untouched."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = build_tokenizer()
+
+    def transformer() -> Any:
+        return Flux2Transformer2DModel(
+            patch_size=1, in_channels=128, num_layers=2, num_single_layers=2, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=len(HIDDEN_LAYERS) * TEXT_WIDTH, timestep_guidance_channels=32,
+            axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False)
+
+    def vae() -> Any:
+        model = AutoencoderKLFlux2(block_out_channels=(32, 32, 32, 32), layers_per_block=1, latent_channels=32,
+                                   norm_num_groups=32, sample_size=64)
+        # The released statistics are far from the initial 0 / 1; random ones make the normalisation visible.
+        model.bn.running_mean.copy_(torch.randn(model.bn.running_mean.shape) * 0.5)
+        model.bn.running_var.copy_(torch.rand(model.bn.running_var.shape) * 1.5 + 0.5)
+        return model
+
+    def text_encoder() -> Any:
+        return Qwen3ForCausalLM(Qwen3Config(
+            vocab_size=len(tokenizer), hidden_size=TEXT_WIDTH, intermediate_size=2 * TEXT_WIDTH,
+            num_hidden_layers=max(HIDDEN_LAYERS) + 1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+            max_position_embeddings=1024, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id))
+
+    models = {"transformer": transformer, "vae": vae, "text_encoder": text_encoder}
+    return tiny_parts.seeded_parts(seed, 51, models, tokenizer=tokenizer,
+                                   scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG), is_distilled=False)
+
+
+def save_tiny_flux2_klein(path: str | os.PathLike[str], seed: int = 0, overwrite: bool = False) -> Path:
+    """Write a tiny Flux2KleinPipeline folder at `path` (atomically) and return it."""
+    return tiny_parts.save_pipeline(path, overwrite, "Flux2KleinPipeline", lambda: build_tiny_flux2_klein(seed),
+                                    "FLUX.2 [klein]", seed)
