@@ -13,7 +13,7 @@ from fastapi.responses import RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
-from library.ui import dataset, editor, files, home, run_pages, security
+from library.ui import dataset, editor, files, home, run_pages, security, web
 from library.ui.runs import RunManager
 from library.ui.settings import Settings
 
@@ -28,6 +28,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.roots = roots
     app.state.manager = RunManager(roots.paths, python=settings.python, cwd=roots.cwd)
     app.state.templates = Jinja2Templates(directory=str(HERE / "templates"))
+    app.state.templates.env.filters.update(when=web.when, duration=web.duration)
     app.middleware("http")(guard)
     app.mount("/static", StaticFiles(directory=str(HERE / "static")), name="static")
     for page in (home, editor, dataset, files, run_pages):

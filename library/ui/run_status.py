@@ -7,10 +7,12 @@ import os
 import signal
 import socket
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from library.config import read_toml
 from library.core.run_files import LOCK_FILE  # the trainer's lock on the folder (library/training/preflight.py)
 from library.monitoring.events import EVENTS_FILE, read_events
 
@@ -34,12 +36,21 @@ class RunStatus:
     samples: list[str] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)  # of the latest invocation
     can_resume: bool = False
+    started: float | None = None  # the run's first start (earlier attempts it resumed from included)
+    duration: float | None = None  # seconds its attempts ran, the current one up to now
+    family: str = ""  # the model's family, as the UI detected it when it queued the run
+    phase: str = ""  # while running: loading, training, sampling, saving, finishing or stopping
+
+    @property
+    def name(self) -> str:
+        return self.output_name or self.run_dir.name
 
     def as_dict(self) -> dict[str, Any]:
-        return {"dir": str(self.run_dir), "name": self.run_dir.name, "status": self.status, "step": self.step,
-                "total_steps": self.total_steps, "message": self.message, "log_tail": self.log_tail,
-                "output_name": self.output_name, "files": self.files, "states": self.states,
-                "samples": self.samples, "can_resume": self.can_resume}
+        return {"dir": str(self.run_dir), "name": self.name, "folder": self.run_dir.name, "status": self.status,
+                "step": self.step, "total_steps": self.total_steps, "message": self.message,
+                "log_tail": self.log_tail, "output_name": self.output_name, "files": self.files,
+                "states": self.states, "samples": self.samples, "can_resume": self.can_resume,
+                "started": self.started, "duration": self.duration, "family": self.family, "phase": self.phase}
 
 
 def trainer_alive(pid: int | None) -> bool:
@@ -96,16 +107,17 @@ def _numbered(run_dir: Path, suffix: str, directories: bool) -> list[str]:
 
 def run_status(run_dir: Path, process: subprocess.Popen | None = None, queued: bool = False) -> RunStatus:
     """A run's status from its files and, when this UI started it, its process."""
-    events = list(read_events(run_dir / EVENTS_FILE))
-    starts = [i for i, e in enumerate(events) if e["event"] == "start"]
-    latest = events[starts[-1]:] if starts else []
+    attempts = split_attempts(list(read_events(run_dir / EVENTS_FILE)))
+    latest = attempts[-1] if attempts else []
     launches = read_launches(run_dir)
-    launch = launches[-1] if launches else None
+    launch = launches[-1] if launches else {}
     start_time = latest[0].get("time", 0) if latest else None
     # The latest launch never wrote its "start": it is loading, or it failed before locking the folder.
-    unstarted = launch is not None and (start_time is None or start_time < launch.get("time", 0) - 1)
-    status = RunStatus(run_dir, "failed", events=[] if unstarted else latest)
-    status.output_name = next((e.get("output_name") for e in latest if e["event"] == "start"), None)
+    unstarted = bool(launch) and (start_time is None or start_time < launch.get("time", 0) - 1)
+    config = run_config(run_dir)
+    status = RunStatus(run_dir, "failed", events=[] if unstarted else latest, family=launch.get("family") or "")
+    status.output_name = next((e.get("output_name") for e in latest if e["event"] == "start"),
+                              None) or config.get("output_name")
     for event in status.events:
         if event["event"] in ("plan", "step"):
             status.step = event.get("step", status.step)
@@ -115,24 +127,99 @@ def run_status(run_dir: Path, process: subprocess.Popen | None = None, queued: b
     status.samples = [f"sample/{name}" for name in _numbered(run_dir / "sample", ".png", False)]
     end = next((e for e in reversed(status.events) if e["event"] == "end"), None)
     alive = process is not None and process.poll() is None
-    pid = (launch or {}).get("pid") if unstarted else next(
-        (e.get("pid") for e in latest if e["event"] == "start"), None)
+    pid = launch.get("pid") if unstarted else next((e.get("pid") for e in latest if e["event"] == "start"), None)
     if queued:
         status.status, status.message = "queued", "waiting for the run before it to finish"
     elif alive or (end is None and (lock_holder(run_dir) or trainer_alive(pid))):
         status.status = "running"
-        status.message = "loading" if unstarted or status.total_steps is None else ""
+        status.phase = phase(status.events, config, unstarted, bool(launch.get("stop_requested")))
+        status.message = PHASES[status.phase]
     elif end is not None and not unstarted:
         status.status, status.message = end.get("status", "failed"), end.get("message", "")
     else:
-        exit_status = (launch or {}).get("exit") if (unstarted or end is None) else None
+        exit_status = launch.get("exit") if (unstarted or end is None) else None
         status.status = "finished" if exit_status == 0 else "failed"
         status.message = describe_exit(exit_status)
     if status.status in ("failed", "stopped", "running"):
         status.log_tail = log_tail(run_dir)
     status.can_resume = (run_dir / RUN_CONFIG).is_file() and bool(status.states) and status.status in (
         "stopped", "failed", "finished")
+    status.started, status.duration = timing(history(attempts), launch, status.status == "running")
     return status
+
+
+def split_attempts(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The events of each invocation on the folder (each begins with its "start"), oldest first."""
+    attempts: list[list[dict[str, Any]]] = []
+    for event in events:
+        if event["event"] == "start" or not attempts:
+            attempts.append([])
+        attempts[-1].append(event)
+    return attempts
+
+
+def history(attempts: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
+    """The attempts of the latest run: back to the last one that started from step 0 (a resume starts from its
+    state's step; a new run in the same folder from 0)."""
+    for index in range(len(attempts) - 1, -1, -1):
+        plan = next((e for e in attempts[index] if e["event"] == "plan"), None)
+        if plan is not None and not plan.get("step"):
+            return attempts[index:]
+    return attempts
+
+
+def timing(attempts: list[list[dict[str, Any]]], launch: dict[str, Any],
+           running: bool) -> tuple[float | None, float | None]:
+    """(the first start, the seconds the attempts ran): from each attempt's first to last event, the running
+    one's up to now."""
+    if not attempts:
+        return launch.get("time"), None
+    spans = [a[-1].get("time", 0) - a[0].get("time", 0) for a in attempts]
+    if running:
+        spans[-1] = time.time() - attempts[-1][0].get("time", 0)
+    return attempts[0][0].get("time"), max(0.0, sum(spans))
+
+
+PHASES = {"": "", "loading": "loading the model and data", "training": "",
+          "sampling": "making sample images after this step", "saving": "saving a LoRA file after this step",
+          "finishing": "the last step is done: final samples and saving the LoRA",
+          "stopping": "stopping: the trainer finishes its step and saves a state"}
+
+
+def phase(events: list[dict[str, Any]], config: dict[str, Any], unstarted: bool, stopping: bool) -> str:
+    """What a running trainer is doing, from its events: they say when a step, a sample round or a save is done,
+    not when one begins, so a round is told from the config's schedule and the last step written."""
+    if stopping:
+        return "stopping"
+    plan = next((e for e in events if e["event"] == "plan"), None)
+    if unstarted or plan is None:
+        return "loading"
+    last = events[-1]
+    step, total = last.get("step") or 0, plan.get("total_steps") or 0
+    if last["event"] in ("step", "samples", "save", "state", "validation") and total and step >= total:
+        return "finishing"
+    if last["event"] == "step":
+        if config.get("sample_prompts") and due(step, config.get("sample_every_n_steps")):
+            return "sampling"
+        if due(step, config.get("save_every_n_steps")):
+            return "saving"
+    return "training"
+
+
+def due(step: int, every: Any) -> bool:
+    return isinstance(every, int) and every > 0 and step % every == 0
+
+
+def run_config(run_dir: Path) -> dict[str, Any]:
+    """The options of the config the UI started the run with (kohya's tables flattened); {} without one."""
+    try:
+        tables = read_toml(run_dir / RUN_CONFIG)
+    except (OSError, ValueError):
+        return {}
+    flat: dict[str, Any] = {}
+    for key, value in tables.items():
+        flat.update(value if isinstance(value, dict) else {key: value})
+    return flat
 
 
 def describe_exit(exit_status: int | None) -> str:

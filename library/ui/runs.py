@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from library.core.atomic import write_atomically
+from library.ui.model_family import model_family
 from library.ui.run_status import (
     LAUNCHES,
     LOG_FILE,
@@ -28,6 +29,7 @@ from library.ui.run_status import (
     find_runs,
     lock_holder,
     read_launches,
+    run_config,
     run_status,
     trainer_alive,
 )
@@ -41,6 +43,13 @@ class Job:
     argv: list[str]
     process: subprocess.Popen | None = None
     queued_at: float = field(default_factory=time.time)
+    family: str = ""  # the model's, for the runs list
+
+
+def model_family_of(run_dir: Path, cwd: Path) -> str:
+    """The family of the model the run's config names, as the trainer's registry tells it ("" when none does)."""
+    model = run_config(run_dir).get("pretrained_model_name_or_path")
+    return (model_family(cwd / str(model)) or "") if isinstance(model, str) and model else ""
 
 
 class RunManager:
@@ -54,6 +63,7 @@ class RunManager:
         self.queue: list[Job] = []
         self.current: Job | None = None
         self._lock = threading.Lock()
+        self._records = threading.Lock()  # read-modify-write of the folders' launch records
         self._on_change = on_change
 
     def submit(self, run_dir: Path, config_text: str, resume: bool = False) -> None:
@@ -64,7 +74,7 @@ class RunManager:
             write_atomically(config, lambda tmp: tmp.write_text(config_text, encoding="utf-8"))
         argv = [self.python, str(TRAINER), "--config", str(config)] + (["--resume", "latest"] if resume else [])
         with self._lock:
-            self.queue.append(Job(run_dir, argv))
+            self.queue.append(Job(run_dir, argv, family=model_family_of(run_dir, self.cwd)))
         self.start_next()
 
     def start_next(self) -> None:
@@ -98,7 +108,8 @@ class RunManager:
                     self.current = None
                 self.start_next()
                 return
-        launches.append({"time": time.time(), "argv": job.argv, "pid": job.process.pid, "exit": None})
+        launches.append({"time": time.time(), "argv": job.argv, "pid": job.process.pid, "exit": None,
+                         "family": job.family})
         self._write_launches(job.run_dir, launches)
         threading.Thread(target=self._wait, args=(job, len(launches) - 1), daemon=True).start()
         self._changed()
@@ -106,15 +117,20 @@ class RunManager:
     def _wait(self, job: Job, index: int) -> None:
         assert job.process is not None
         exit_status = job.process.wait()
-        launches = read_launches(job.run_dir)
-        if index < len(launches):
-            launches[index]["exit"] = exit_status
-            self._write_launches(job.run_dir, launches)
+        self._record(job.run_dir, index, exit=exit_status)
         with self._lock:
             if self.current is job:
                 self.current = None
         self._changed()
         self.start_next()
+
+    def _record(self, run_dir: Path, index: int, **fields: Any) -> None:
+        """Add `fields` to launch `index` (-1: the latest) of the folder's record."""
+        with self._records:
+            launches = read_launches(run_dir)
+            if -len(launches) <= index < len(launches):
+                launches[index].update(fields)
+                self._write_launches(run_dir, launches)
 
     @staticmethod
     def _write_launches(run_dir: Path, launches: list[dict[str, Any]]) -> None:
@@ -145,15 +161,16 @@ class RunManager:
             current = self.current if self.current is not None and self.current.run_dir == run_dir else None
         if current is not None and current.process is not None and current.process.poll() is None:
             current.process.send_signal(signal.SIGTERM)
-            return "stopping: the trainer finishes its step and saves a state"
-        pid = lock_holder(run_dir)
-        if pid is None:
-            launches = read_launches(run_dir)
-            pid = launches[-1].get("pid") if launches else None
-            pid = pid if trainer_alive(pid) else None
-        if pid is None:
-            return "not running"
-        os.kill(pid, signal.SIGTERM)
+        else:
+            pid = lock_holder(run_dir)
+            if pid is None:
+                launches = read_launches(run_dir)
+                pid = launches[-1].get("pid") if launches else None
+                pid = pid if trainer_alive(pid) else None
+            if pid is None:
+                return "not running"
+            os.kill(pid, signal.SIGTERM)
+        self._record(run_dir, -1, stop_requested=time.time())  # every page shows "stopping" until it ends
         return "stopping: the trainer finishes its step and saves a state"
 
     def all_runs(self) -> list[RunStatus]:

@@ -2,6 +2,7 @@
 and rendering the templates, the config editor's form among them."""
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any, Mapping
 
 from fastapi import Depends, Request
@@ -36,6 +37,19 @@ ManagerDep = Annotated[RunManager, Depends(manager_of)]
 
 def page(request: Request, name: str, status_code: int = 200, **context: Any) -> HTMLResponse:
     return request.app.state.templates.TemplateResponse(request, name, context, status_code=status_code)
+
+
+def when(seconds: float | None) -> str:
+    """A time as the runs list shows it (the UI's local time)."""
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(seconds)) if seconds else ""
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    whole = int(round(seconds))
+    hours, minutes = whole // 3600, whole % 3600 // 60
+    return (f"{hours}h " if hours else "") + (f"{minutes}m " if hours or minutes else "") + f"{whole % 60}s"
 
 
 def form_context(request: Request, state: schema.FormState, message: str = "", config_path: str = "",

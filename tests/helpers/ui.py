@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,8 @@ def finished_run(run_dir: Path, output_name: str = "mine", total: int = 4) -> Pa
     (run_dir / "run_config.toml").write_text(
         f'output_dir = "{run_dir}"\noutput_name = "{output_name}"\npretrained_model_name_or_path = '
         f'"models/digits-base"\ntrain_data_dir = "data/digits/train"\n', encoding="utf-8")
+    (run_dir / "ui_runs.json").write_text(json.dumps([{"time": 1_699_999_999.0, "argv": [], "pid": 999999, "exit": 0,
+                                                        "family": "sd"}]), encoding="utf-8")
     lora_file(run_dir / f"{output_name}.safetensors")
     (run_dir / f"{output_name}-step00000002-state").mkdir()
     return run_dir
@@ -70,7 +74,36 @@ def stand_in_python(folder: Path, release: Path | None = None) -> str:
     """An executable the UI can run in place of python: it takes train_network.py's command line (so the UI sees a
     trainer among the processes) and exits 0 at once, or once `release` exists."""
     script = folder / "stand_in_python"
-    wait = f'while [ ! -e "{release}" ]; do sleep 0.1; done\n' if release is not None else ""
+    # Waiting, it lets SIGTERM pass (as the trainer finishes its step first) so a test sees "stopping".
+    wait = f'trap "" TERM\nwhile [ ! -e "{release}" ]; do sleep 0.1; done\n' if release is not None else ""
     script.write_text(f"#!/bin/sh\n{wait}exit 0\n", encoding="utf-8")
     script.chmod(0o755)
     return str(script)
+
+
+PRETEND_TRAINER = """
+import json, os, signal, socket, sys, time
+run = sys.argv[1]
+def write(event, **fields):
+    with open(os.path.join(run, "events.jsonl"), "a") as f:
+        f.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\\n")
+def stop(*_):
+    write("end", status="stopped", message="stopped by SIGTERM; state saved")
+    os.remove(os.path.join(run, "train.lock"))
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+with open(os.path.join(run, "train.lock"), "w") as f:
+    json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
+write("start", pid=os.getpid(), output_name="pretend")
+write("plan", total_steps=100000, step=0)
+for step in range(1, 100000):
+    write("step", step=step, total_steps=100000, loss=1.0, s_per_step=0.2, timestep_loss=[], lr={})
+    time.sleep(0.2)
+"""
+
+
+def pretend_trainer(run_dir: Path) -> subprocess.Popen:
+    """A process the UI takes for a trainer (train_network in its command line, the folder's lock, its events): it
+    steps until SIGTERM, then writes a stopped end as the trainer does."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([sys.executable, "-c", PRETEND_TRAINER, str(run_dir), "train_network"])

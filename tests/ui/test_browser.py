@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.ui import finished_run
+from tests.helpers.ui import finished_run, pretend_trainer
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
@@ -237,7 +237,7 @@ def test_load_never_destroys_the_form_and_enter_in_the_box_loads(ui, browser, pl
 def test_finished_work_asks_first_and_offers_a_new_folder(ui, browser, place):
     wait = waiting(browser)
     run = finished_run(place / "run")
-    lora = (run / "mine.safetensors").read_bytes()
+    kept = [(run / name).read_bytes() for name in ("mine.safetensors", "run_config.toml", "ui_runs.json")]
     browser.get(f"{ui}/runs/view?path={run}")
     wait.until(lambda d: by_id(d, "run-status").text == "finished" and by_id(d, "resume-button").is_enabled())
     by_id(browser, "resume-button").click()
@@ -251,4 +251,26 @@ def test_finished_work_asks_first_and_offers_a_new_folder(ui, browser, place):
     wait.until(lambda d: "holds a finished LoRA" in by_id(d, "field-output_dir").text)
     click(browser, "use-new-folder")
     assert by_id(browser, "opt-output_dir").get_attribute("value") == f"{run}-2"
-    assert (run / "mine.safetensors").read_bytes() == lora and not (run / "ui_runs.json").exists()
+    assert [(run / name).read_bytes() for name in ("mine.safetensors", "run_config.toml", "ui_runs.json")] == kept
+
+
+def test_a_stopped_run_shows_no_speed_eta_or_stopping(ui, browser, place):
+    wait = waiting(browser)
+    run = place / "run"
+    trainer = pretend_trainer(run)
+    try:
+        wait.until(lambda d: (run / "events.jsonl").exists())  # it holds the folder's lock
+        browser.get(f"{ui}/runs/view?path={run}")
+        wait.until(lambda d: by_id(d, "run-status").text == "running" and by_id(d, "run-eta").text != "–")
+        assert by_id(browser, "run-name").text == "pretend" and by_id(browser, "run-speed").text == "0.200"
+        by_id(browser, "stop-button").click()
+        wait.until(lambda d: by_id(d, "run-status").text == "stopped")
+        wait.until(lambda d: by_id(d, "action-result").text == "")
+        assert by_id(browser, "run-eta").text == "–" and by_id(browser, "run-speed").text == "–"
+        assert "state saved" in by_id(browser, "run-message").text
+        browser.refresh()  # a page opened after the end shows the same
+        wait.until(lambda d: by_id(d, "run-status").text == "stopped" and int(by_id(d, "run-step").text) > 1)
+        assert by_id(browser, "run-eta").text == "–" and by_id(browser, "run-speed").text == "–"
+    finally:
+        trainer.kill()
+        trainer.wait()

@@ -9,6 +9,7 @@ import re
 import shutil
 import stat
 import struct
+import time
 from pathlib import Path
 from urllib.parse import quote
 
@@ -22,10 +23,19 @@ from library.config.options import OPTIONS  # noqa: E402
 from library.ui import security  # noqa: E402
 from library.ui.app import Settings, create_app  # noqa: E402
 from library.ui.model_family import FAMILIES  # noqa: E402
-from tests.helpers.ui import finished_run, stand_in_python  # noqa: E402
+from tests.helpers.ui import attempt, finished_run, stand_in_python, write_events  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 ORIGIN = {"Origin": "http://127.0.0.1:7860"}
+
+
+def wait_for(check, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := check():
+            return value
+        time.sleep(0.2)
+    raise AssertionError("timed out")
 
 
 def client(roots: list[Path], **settings) -> TestClient:
@@ -264,7 +274,7 @@ def test_lora_metadata_and_a_command_line_run_in_the_list(tmp_path):
     assert status["status"] == "finished" and status["step"] == 4 and status["files"] == ["mine.safetensors"]
     stream = c.get("/runs/events", params={"path": str(run)}).text
     assert stream.count("event: run") == 5 and '"status": "finished"' in stream and "event: done" in stream
-    assert "<h1>" + str(run) in c.get("/runs/view", params={"path": str(run)}).text
+    assert '<h1 id="run-name">mine</h1>' in c.get("/runs/view", params={"path": str(run)}).text
     assert "not running" in c.post("/runs/stop", data={"path": str(run)}, headers=ORIGIN).text
     # Resume needs the run_config.toml of a run started from the UI, and a saved state.
     assert c.post("/runs/resume", data={"path": str(run)}, headers=ORIGIN).status_code == 409
@@ -273,7 +283,7 @@ def test_lora_metadata_and_a_command_line_run_in_the_list(tmp_path):
 
 def test_finished_work_is_overwritten_only_when_the_user_says_so(tmp_path):
     run = finished_run(tmp_path / "run")
-    kept = {name: (run / name).read_bytes() for name in ("mine.safetensors", "run_config.toml")}
+    kept = {name: (run / name).read_bytes() for name in ("mine.safetensors", "run_config.toml", "ui_runs.json")}
     c = client([REPO, tmp_path], python=stand_in_python(tmp_path))
     form = {"pretrained_model_name_or_path": "models/digits-base", "train_data_dir": "data/digits/train",
             "output_dir": str(run), "output_name": "mine"}
@@ -284,8 +294,38 @@ def test_finished_work_is_overwritten_only_when_the_user_says_so(tmp_path):
     resumed = c.post("/runs/resume", data={"path": str(run)}, headers=ORIGIN)
     assert resumed.status_code == 409 and "has finished" in resumed.text and "step 2" in resumed.text
     assert f"/?clone={quote(str(run))}" in resumed.text
-    assert {name: (run / name).read_bytes() for name in kept} == kept and not (run / "ui_runs.json").exists()
+    assert {name: (run / name).read_bytes() for name in kept} == kept
     clone = shown_values(c.get("/", params={"clone": str(run)}).text)
     assert clone["output_dir"] == f"{run}-2" and clone["pretrained_model_name_or_path"] == "models/digits-base"
     assert "queued a run" in c.post("/runs/start", data={**form, "_overwrite": "yes"}, headers=ORIGIN).text
-    assert len(json.loads((run / "ui_runs.json").read_text())) == 1
+    assert len(json.loads((run / "ui_runs.json").read_text())) == 2
+
+
+def test_runs_list_a_name_start_time_duration_family_and_a_running_runs_phase(tmp_path):
+    finished_run(tmp_path / "done")
+    release, prompts = tmp_path / "release", tmp_path / "prompts.txt"
+    prompts.write_text("a photo of sks\n", encoding="utf-8")
+    c = client([REPO, tmp_path], python=stand_in_python(tmp_path, release))
+    listing = html.unescape(c.get("/runs").text)
+    row = listing[listing.index('data-dir="' + str(tmp_path / "done")):]
+    started = time.strftime("%Y-%m-%d %H:%M", time.localtime(1_700_000_000))
+    assert ">mine</a>" in row and started in row and "1m 41s" in row and '"family">sd<' in row
+    assert "<h1 id=\"run-name\">mine</h1>" in c.get("/runs/view", params={"path": str(tmp_path / "done")}).text
+    run = tmp_path / "run"
+    c.post("/runs/start", headers=ORIGIN, data={
+        "pretrained_model_name_or_path": "models/digits-base", "train_data_dir": "data/digits/train",
+        "output_dir": str(run), "output_name": "live", "sample_prompts": str(prompts), "sample_every_n_steps": "2"})
+
+    def status() -> dict:
+        return c.get("/runs/status", params={"path": str(run)}).json()
+    assert status()["phase"] == "loading" and status()["name"] == "live" and status()["family"] == "sd"
+    write_events(run, attempt(0, 2, 4, time.time(), "live"))
+    assert status()["phase"] == "sampling"  # step 2 was written and a sample round is due after it
+    write_events(run, [{"event": "samples", "time": time.time(), "step": 2, "paths": []},
+                       *attempt(2, 4, 4, time.time(), "live")[2:]])
+    assert status()["phase"] == "finishing"
+    assert "stopping" in c.post("/runs/stop", data={"path": str(run)}, headers=ORIGIN).text
+    assert status()["phase"] == "stopping" and "stopping" in status()["message"]
+    release.touch()
+    final = wait_for(lambda: (s := status())["status"] != "running" and s)
+    assert final["phase"] == "" and final["duration"] is not None

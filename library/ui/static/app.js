@@ -106,6 +106,7 @@ function runView() {
   const steps = [], losses = [], speeds = [];
   const seenSamples = new Set();
   let total = null;
+  let runState = null;  // the last status: speed and ETA only while running
 
   function onRun(event) {
     if (event.event === "start") {
@@ -120,10 +121,12 @@ function runView() {
       total = event.total_steps || total;
       document.getElementById("run-step").textContent = event.step;
       document.getElementById("run-loss").textContent = event.loss.toFixed(4);
-      document.getElementById("run-speed").textContent = event.s_per_step.toFixed(3);
       const recent = speeds.slice(-20);
       const mean = recent.reduce((a, b) => a + b, 0) / recent.length;
-      if (total) document.getElementById("run-eta").textContent = fmtDuration((total - event.step) * mean);
+      if (runState === null || runState === "running") {
+        document.getElementById("run-speed").textContent = event.s_per_step.toFixed(3);
+        if (total) document.getElementById("run-eta").textContent = fmtDuration((total - event.step) * mean);
+      }
       const mids = event.timestep_loss.map((b) => (b[0] + b[1]) / 2);
       bins.setData([mids, event.timestep_loss.map((b) => b[2])]);
       binsEl.dataset.points = String(mids.length);
@@ -175,7 +178,17 @@ function runView() {
     const el = document.getElementById("run-status");
     el.textContent = s.status;
     el.className = "status-" + s.status;
+    runState = s.status;
+    document.getElementById("run-phase").textContent = s.phase && s.phase !== "training" ? s.phase : "";
     document.getElementById("run-message").textContent = s.message || "";
+    document.getElementById("run-duration").textContent = s.duration == null ? "–" : fmtDuration(s.duration);
+    if (s.status !== "running") {
+      // A run that ended has no speed or time left; a Stop's "stopping..." is answered by the status itself.
+      document.getElementById("run-speed").textContent = "–";
+      document.getElementById("run-eta").textContent = "–";
+      const result = document.getElementById("action-result");
+      if (result.textContent.startsWith("stopping")) result.textContent = "";
+    }
     if (s.log_tail && s.log_tail.length) document.getElementById("log").textContent = s.log_tail.join("\n");
     listFiles("files", s.files, true);
     listFiles("states", s.states, false);
