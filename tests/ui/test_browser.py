@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.ui import finished_run, pretend_trainer
+from tests.helpers.ui import attempt, finished_run, pretend_trainer, write_events
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
@@ -195,7 +195,7 @@ def test_configure_train_watch_stop_resume_in_a_browser(ui, browser, place):
     wait.until(lambda d: by_id("run-status").text == "running")
     wait.until(lambda d: by_id("run-status").text == "finished")
     phase('finished')
-    assert by_id("run-step").text == "20"
+    assert by_id("run-step").text == "20" and points() == 20  # the steps before the resume too
     wait.until(lambda d: "quickstart_lora.safetensors" in by_id("files").text)
     assert (run_dir / "quickstart_lora.safetensors").is_file()
 
@@ -274,3 +274,14 @@ def test_a_stopped_run_shows_no_speed_eta_or_stopping(ui, browser, place):
     finally:
         trainer.kill()
         trainer.wait()
+
+
+def test_the_loss_chart_shows_the_whole_run_across_a_resume(ui, browser, place):
+    run = place / "run"
+    write_events(run, [*attempt(0, 6, 10, 1_700_000_000.0), {"event": "end", "time": 1_700_000_009.0,
+                                                             "status": "stopped", "message": "state saved"}])
+    write_events(run, [*attempt(4, 10, 10, 1_700_000_100.0),  # resumed from the state of step 4
+                       {"event": "end", "time": 1_700_000_120.0, "status": "finished", "step": 10}])
+    browser.get(f"{ui}/runs/view?path={run}")
+    waiting(browser).until(lambda d: by_id(d, "run-status").text == "finished")
+    assert by_id(browser, "loss-chart").get_attribute("data-points") == "10"

@@ -109,9 +109,13 @@ function runView() {
   let runState = null;  // the last status: speed and ETA only while running
 
   function onRun(event) {
-    if (event.event === "start") {
-      steps.length = 0; losses.length = 0; speeds.length = 0;  // a resume starts a new invocation
-    } else if (event.event === "plan") {
+    if (event.event === "plan") {
+      // Each attempt on the folder plans from its first step: a resume from its state's (the steps after it are
+      // trained again), a new run from 0. The chart keeps the run's history up to there.
+      const kept = steps.findIndex((s) => s > event.step);
+      if (kept >= 0) { steps.length = kept; losses.length = kept; speeds.length = kept; }
+      loss.setData([steps, losses]);
+      lossEl.dataset.points = String(steps.length);
       total = event.total_steps;
       document.getElementById("run-total").textContent = total;
     } else if (event.event === "step") {
@@ -200,6 +204,7 @@ function runView() {
   let source = null;
   function connect() {
     if (source) source.close();
+    steps.length = 0; losses.length = 0; speeds.length = 0;  // the stream starts from the first event again
     source = new EventSource("/runs/events?" + q);
     source.addEventListener("run", (e) => onRun(JSON.parse(e.data)));
     source.addEventListener("status", (e) => onStatus(JSON.parse(e.data)));
