@@ -5,8 +5,10 @@ create_app puts what the routes share on app.state (settings, roots, the run man
 one router per page; library.ui.web hands that state to the routes as FastAPI dependencies."""
 from __future__ import annotations
 
+import asyncio
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import RedirectResponse, Response
@@ -21,8 +23,16 @@ HERE = Path(__file__).resolve().parent
 CONTENT_SECURITY_POLICY = "default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'"
 
 
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Starting, the UI takes up the runs queued on disk; stopping, it starts nothing more (the queue stays)."""
+    await asyncio.to_thread(app.state.manager.adopt)
+    yield
+    app.state.manager.close()
+
+
 def create_app(settings: Settings) -> FastAPI:
-    app = FastAPI(title="lora-trainer", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="lora-trainer", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     roots = security.Roots(settings.roots, settings.cwd)
     app.state.settings = settings
     app.state.roots = roots

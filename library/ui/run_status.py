@@ -25,7 +25,7 @@ _SKIP_DIRS = {".git", "node_modules", "__pycache__", "sample", "logs", ".venv", 
 @dataclass
 class RunStatus:
     run_dir: Path
-    status: str  # queued, running, finished, stopped, failed
+    status: str  # queued, running, finished, stopped, failed, not started
     step: int = 0
     total_steps: int | None = None
     message: str = ""
@@ -111,6 +111,10 @@ def run_status(run_dir: Path, process: subprocess.Popen | None = None, queued: b
     latest = attempts[-1] if attempts else []
     launches = read_launches(run_dir)
     launch = launches[-1] if launches else {}
+    if "queued" in launch and "time" not in launch:
+        return waiting_run(run_dir, launch, queued)
+    if not launch and not attempts:
+        return RunStatus(run_dir, "not started", message="no trainer has run in this folder")
     start_time = latest[0].get("time", 0) if latest else None
     # The latest launch never wrote its "start": it is loading, or it failed before locking the folder.
     unstarted = bool(launch) and (start_time is None or start_time < launch.get("time", 0) - 1)
@@ -145,6 +149,15 @@ def run_status(run_dir: Path, process: subprocess.Popen | None = None, queued: b
     status.can_resume = (run_dir / RUN_CONFIG).is_file() and bool(status.states) and status.status in (
         "stopped", "failed", "finished")
     status.started, status.duration = timing(history(attempts), launch, status.status == "running")
+    return status
+
+
+def waiting_run(run_dir: Path, launch: dict[str, Any], queued: bool) -> RunStatus:
+    """A run queued on disk that never started: waiting in the queue, or taken off it."""
+    status = RunStatus(run_dir, "queued", message="waiting for the run before it to finish", started=launch["queued"],
+                       family=launch.get("family") or "", output_name=run_config(run_dir).get("output_name"))
+    if launch.get("cancelled") and not queued:
+        status.status, status.message = "not started", "taken off the queue before it started"
     return status
 
 

@@ -53,7 +53,9 @@ def model_family_of(run_dir: Path, cwd: Path) -> str:
 
 
 class RunManager:
-    """Starts queued runs one at a time; each launch is recorded in its folder before the process starts."""
+    """Starts queued runs one at a time. The queue is kept on disk: a queued run is a launch record without a
+    start time in its folder's ui_runs.json (written atomically), which the launch completes; a UI started later
+    takes up the records it finds (adopt) after the runs a previous UI left running."""
 
     def __init__(self, roots: list[Path], python: str = sys.executable, cwd: Path | None = None,
                  on_change: Callable[[], None] | None = None):
@@ -62,6 +64,8 @@ class RunManager:
         self.cwd = cwd or Path.cwd()
         self.queue: list[Job] = []
         self.current: Job | None = None
+        self.waiting_for: list[Path] = []  # runs a previous UI started that are still running
+        self.closed = False
         self._lock = threading.Lock()
         self._records = threading.Lock()  # read-modify-write of the folders' launch records
         self._on_change = on_change
@@ -73,25 +77,57 @@ class RunManager:
         if not resume:
             write_atomically(config, lambda tmp: tmp.write_text(config_text, encoding="utf-8"))
         argv = [self.python, str(TRAINER), "--config", str(config)] + (["--resume", "latest"] if resume else [])
+        job = Job(run_dir, argv, family=model_family_of(run_dir, self.cwd))
+        with self._records:
+            launches = read_launches(run_dir)
+            launches.append({"queued": job.queued_at, "argv": argv, "pid": None, "exit": None, "family": job.family})
+            self._write_launches(run_dir, launches)
         with self._lock:
-            self.queue.append(Job(run_dir, argv, family=model_family_of(run_dir, self.cwd)))
+            self.queue.append(job)
         self.start_next()
+
+    def adopt(self) -> None:
+        """Take up the runs queued on disk under the roots (oldest first), to start once the runs that a previous
+        UI left running have ended."""
+        jobs, running = [], []
+        for run_dir in find_runs(self.roots):
+            launches = read_launches(run_dir)
+            last = launches[-1] if launches else {}
+            if "queued" in last and "time" not in last and not last.get("cancelled") and last.get("argv"):
+                jobs.append(Job(run_dir, list(last["argv"]), queued_at=last["queued"], family=last.get("family", "")))
+            elif last.get("pid") and run_status(run_dir).status == "running":
+                running.append(run_dir)
+        with self._lock:
+            known = {job.run_dir for job in self.queue}
+            self.queue += sorted((job for job in jobs if job.run_dir not in known), key=lambda job: job.queued_at)
+            self.waiting_for = running
+        if running:
+            threading.Thread(target=self._wait_for_previous, daemon=True).start()
+        self.start_next()
+
+    def _wait_for_previous(self) -> None:
+        while not self.closed and any(run_status(d).status == "running" for d in self.waiting_for):
+            time.sleep(1.0)
+        with self._lock:
+            self.waiting_for = []
+        self.start_next()
+
+    def close(self) -> None:
+        """The UI stops: nothing more is started; the queue stays on disk for the next UI."""
+        self.closed = True
 
     def start_next(self) -> None:
         with self._lock:
-            if self.current is not None and self.current.process is not None and self.current.process.poll() is None:
+            if self.closed or self.waiting_for or not self.queue:
                 return
-            if self.current is not None and self.current.process is not None:
-                return  # its waiter has not recorded the exit yet; it calls start_next when it has
-            if not self.queue:
-                return
+            if self.current is not None:
+                return  # starting, running, or its waiter has not recorded the exit yet (it calls start_next)
             # A run started elsewhere (the command line, a previous UI) on the same folder holds its lock.
             job = self.queue.pop(0)
             self.current = job
         self._launch(job)
 
     def _launch(self, job: Job) -> None:
-        launches = read_launches(job.run_dir)
         with open(job.run_dir / LOG_FILE, "ab") as log:
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(job.argv[1:])}\n".encode())
             log.flush()
@@ -102,16 +138,13 @@ class RunManager:
                                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
             except OSError as e:
                 log.write(f"could not start the trainer: {e}\n".encode())
-                launches.append({"time": time.time(), "argv": job.argv, "pid": None, "exit": 127})
-                self._write_launches(job.run_dir, launches)
+                self._record(job.run_dir, -1, time=time.time(), exit=127)
                 with self._lock:
                     self.current = None
                 self.start_next()
                 return
-        launches.append({"time": time.time(), "argv": job.argv, "pid": job.process.pid, "exit": None,
-                         "family": job.family})
-        self._write_launches(job.run_dir, launches)
-        threading.Thread(target=self._wait, args=(job, len(launches) - 1), daemon=True).start()
+        self._record(job.run_dir, -1, time=time.time(), pid=job.process.pid)
+        threading.Thread(target=self._wait, args=(job, len(read_launches(job.run_dir)) - 1), daemon=True).start()
         self._changed()
 
     def _wait(self, job: Job, index: int) -> None:
@@ -157,6 +190,7 @@ class RunManager:
             for job in self.queue:
                 if job.run_dir == run_dir:
                     self.queue.remove(job)
+                    self._record(run_dir, -1, cancelled=time.time())
                     return "removed from the queue"
             current = self.current if self.current is not None and self.current.run_dir == run_dir else None
         if current is not None and current.process is not None and current.process.poll() is None:

@@ -329,3 +329,24 @@ def test_runs_list_a_name_start_time_duration_family_and_a_running_runs_phase(tm
     release.touch()
     final = wait_for(lambda: (s := status())["status"] != "running" and s)
     assert final["phase"] == "" and final["duration"] is not None
+
+
+def test_a_queued_run_survives_a_ui_restart_and_one_taken_off_the_queue_is_not_started(tmp_path):
+    release = tmp_path / "release"
+    python = stand_in_python(tmp_path, release)
+    form = {"pretrained_model_name_or_path": "models/digits-base", "train_data_dir": "data/digits/train"}
+    first, waiting, dropped = tmp_path / "first", tmp_path / "waiting", tmp_path / "dropped"
+
+    def status(c: TestClient, run: Path) -> str:
+        return c.get("/runs/status", params={"path": str(run)}).json()["status"]
+    with client([REPO, tmp_path], python=python) as ui:
+        for run in (first, waiting, dropped):
+            assert "queued a run" in ui.post("/runs/start", data={**form, "output_dir": str(run)}, headers=ORIGIN).text
+        assert "removed" in ui.post("/runs/stop", data={"path": str(dropped)}, headers=ORIGIN).text
+        assert [status(ui, run) for run in (first, waiting, dropped)] == ["running", "queued", "not started"]
+    with client([REPO, tmp_path], python=python) as restarted:  # shares nothing with `ui` but the folders
+        assert [status(restarted, run) for run in (first, waiting, dropped)] == ["running", "queued", "not started"]
+        assert str(waiting) in restarted.get("/runs").text
+        release.touch()  # the first run ends; the restarted UI starts the one queued before the restart
+        wait_for(lambda: status(restarted, waiting) == "finished")
+    assert status(restarted, dropped) == "not started"

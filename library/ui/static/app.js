@@ -181,7 +181,7 @@ function runView() {
   function onStatus(s) {
     const el = document.getElementById("run-status");
     el.textContent = s.status;
-    el.className = "status-" + s.status;
+    el.className = "status-" + s.status.replace(" ", "-");
     runState = s.status;
     document.getElementById("run-phase").textContent = s.phase && s.phase !== "training" ? s.phase : "";
     document.getElementById("run-message").textContent = s.message || "";
