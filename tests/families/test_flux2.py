@@ -1,6 +1,7 @@
-"""FLUX.2 [klein]: prompts, latents and the transformer call against Flux2KleinPipeline's own, the variant a folder
-holds, musubi-tuner's objective and LoRA layout (read by diffusers' loader and by ComfyUI's key rule), and sampling
-with the pipeline."""
+"""FLUX.2 [klein]: prompts, latents, reference images and the transformer call against Flux2KleinPipeline's own, the
+variant a folder or BFL's files hold, musubi-tuner's objective, LoRA layout (read by diffusers' loader and by
+ComfyUI's key rule) and block swap split, sampling with the pipeline, and training: the shipped config, exact resume,
+edit pairs with a --ci sample, two gloo processes and fp8_base."""
 from __future__ import annotations
 
 import json
@@ -32,6 +33,8 @@ from tests.helpers.family_checks import (
 )
 from tests.helpers.lora_files import attached, file_delta
 from tests.helpers.runs import family_settings, train
+
+pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +75,29 @@ def test_a_klein_base_folder_is_told_and_model_version_is_checked_against_it(kle
     (distilled / "model_index.json").write_text(json.dumps({**index, "_class_name": "Flux2Pipeline"}))
     with pytest.raises(UserError, match=r"Flux2Pipeline folder; FLUX.2 \[dev\] .* not offered yet"):
         load_components(distilled)
+
+
+def test_bfls_files_load_as_the_folder_with_or_without_model_config(klein_dir, components, tmp_path):
+    """The files musubi's users keep (BFL's transformer, the Qwen3 split files, BFL's ae.safetensors) load to the
+    folder's weights: widths read from their shapes, or from model_config; the text encoder is refused as a folder
+    option and required with a file; model_version tells the distilled model and must fit the file's size."""
+    from safetensors.torch import load_file, save_file
+
+    from library.families.flux2.tiny import save_tiny_flux2_klein_files
+
+    files = save_tiny_flux2_klein_files(klein_dir, tmp_path)
+    separate = {"text_encoder": str(files["text_encoder"]), "ae": str(files["ae"])}
+    musubi_lora.assert_same_weights(musubi_lora.load_split_files(files, klein_dir), components)
+    loaded = load_components(files["transformer"], **separate)
+    musubi_lora.assert_same_weights(loaded, components)
+    assert loaded.family == Flux2("klein-base-4b") and isinstance(loaded.vae, flux2_latents.Flux2Vae)
+    assert load_components(files["transformer"], model_version="klein-4b", **separate).family.version == "klein-4b"
+    with pytest.raises(UserError, match='holds FLUX.2 klein-4b; set model_version = "klein-4b"'):
+        load_components(files["transformer"], model_version="klein-9b", **separate)
+    dev = tmp_path / "flux2-dev.safetensors"  # [dev]'s transformer has a guidance input
+    save_file({**load_file(files["transformer"]), "guidance_in.in_layer.weight": torch.zeros(32, 32)}, str(dev))
+    with pytest.raises(UserError, match=r"FLUX.2 \[dev\]'s transformer .* not offered yet"):
+        load_components(dev, **separate)
 
 
 # --- prompts, latents and the transformer call, against the pipeline ---------------------------------------------
@@ -252,54 +278,6 @@ def test_sampling_is_flux2_klein_pipelines_with_musubis_cfg(components, tmp_path
     assert not np.array_equal(ours, plain)
 
 
-# --- the shipped config, trained -------------------------------------------------------------------------------------
-
-CONFIG = REPO / "configs" / "flux2_lora.toml"
-# The shipped config at the tiny model's size: no buckets, fp32, a rank-4 LoRA, steps instead of epochs.
-RUN = {"resolution": 64, "enable_bucket": "false", "mixed_precision": "no", "save_precision": "float",
-       "network_dim": 4, "network_alpha": 2, "learning_rate": 1e-3, "max_train_epochs": 0, "save_every_n_epochs": 0,
-       "train_batch_size": 2, "seed": 3, "output_name": "last", "caption_extension": ".txt"}
-
-
-@pytest.fixture(scope="module")
-def reference(klein_dir, small_dataset, tmp_path_factory):
-    """Four steps of the shipped config (flux2_shift) on four images, the state saved at step 2."""
-    from accelerate.state import AcceleratorState
-
-    root = tmp_path_factory.mktemp("flux2_run")
-    data = small_dataset(root / "data")
-    result = train(klein_dir, data, root / "out", "--config", str(CONFIG), "--max_train_steps", "4",
-                   "--save_every_n_steps", "2", "--save_state", run=RUN)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    return root, data, result
-
-
-def test_the_shipped_config_trains_and_writes_musubis_file(reference):
-    from library.network.kohya_format import load_kohya_lora
-
-    state, metadata = load_kohya_lora(reference[2].output_file)
-    modules = {key.split(".")[0] for key in state}
-    assert modules == musubi_modules(2, 2)  # the transformer's only: no text-encoder key
-    assert all(state[f"{m}.lora_up.weight"].abs().sum() > 0 for m in modules)
-    assert all(float(state[f"{m}.alpha"]) == 2.0 for m in modules)
-    assert metadata["ss_base_model_version"] == "flux_2_klein_4b"
-    assert metadata["modelspec.architecture"] == "Flux.2-klein-4b/lora"
-    assert metadata["modelspec.implementation"] == "https://github.com/black-forest-labs/flux2"
-    assert metadata["ss_network_module"] == "networks.lora_flux_2"
-    assert (metadata["ss_timestep_sampling"], metadata["ss_weighting_scheme"]) == ("flux2_shift", "none")
-
-
-def test_a_run_resumes_bit_exactly(reference, klein_dir, tmp_path):
-    from library.network.kohya_format import load_kohya_lora
-
-    root, data, straight = reference
-    resumed = train(klein_dir, data, tmp_path / "out", "--config", str(CONFIG), "--max_train_steps", "4",
-                    "--resume", str(root / "out" / "last-step00000002-state"), run=RUN)
-    assert resumed.losses == straight.losses[2:]
-    a, b = (load_kohya_lora(r.output_file)[0] for r in (straight, resumed))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 # --- reference images (edit pairs) -----------------------------------------------------------------------------------
 
 def noise_image(rng, height: int, width: int) -> Image.Image:
@@ -341,6 +319,8 @@ def test_reference_counts_are_any_up_to_the_limit(components):
     assert family.control_problems({0: 3, 1: 2, 10: 1}) == []
     assert family.control_problems({11: 2}) == ["flux2-klein-base-4b takes at most 10 reference (control) images "
                                                 "per item; 2 items have 11"]
+
+
 
 
 def write_pairs(root: Path, count: int = 4) -> Path:
@@ -392,6 +372,56 @@ def test_blocks_to_swap_split_as_musubi_with_its_documented_maxima():
         assert [count for _, count in family.block_swap_plan(model, most)] == split  # musubi's rounding
         with pytest.raises(UserError, match=f"FLUX.2 swaps at most {double - 2} double and {single - 2} single"):
             family.block_swap_plan(model, most + 1)
+
+
+# --- the shipped config, trained -------------------------------------------------------------------------------------
+
+CONFIG = REPO / "configs" / "flux2_lora.toml"
+# The shipped config at the tiny model's size: no buckets, fp32, a rank-4 LoRA, steps instead of epochs.
+RUN = {"resolution": 64, "enable_bucket": "false", "mixed_precision": "no", "save_precision": "float",
+       "network_dim": 4, "network_alpha": 2, "learning_rate": 1e-3, "max_train_epochs": 0, "save_every_n_epochs": 0,
+       "train_batch_size": 2, "seed": 3, "output_name": "last", "caption_extension": ".txt"}
+
+
+@pytest.fixture(scope="module")
+def reference(klein_dir, small_dataset, tmp_path_factory):
+    """Four steps of the shipped config (flux2_shift) on four images, the state saved at step 2."""
+    from accelerate.state import AcceleratorState
+
+    root = tmp_path_factory.mktemp("flux2_run")
+    data = small_dataset(root / "data")
+    result = train(klein_dir, data, root / "out", "--config", str(CONFIG), "--max_train_steps", "4",
+                   "--save_every_n_steps", "2", "--save_state", run=RUN)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return root, data, result
+
+
+def test_the_shipped_config_trains_and_writes_musubis_file(reference):
+    from library.network.kohya_format import load_kohya_lora
+
+    state, metadata = load_kohya_lora(reference[2].output_file)
+    modules = {key.split(".")[0] for key in state}
+    assert modules == musubi_modules(2, 2)  # the transformer's only: no text-encoder key
+    assert all(state[f"{m}.lora_up.weight"].abs().sum() > 0 for m in modules)
+    assert all(float(state[f"{m}.alpha"]) == 2.0 for m in modules)
+    assert metadata["ss_base_model_version"] == "flux_2_klein_4b"
+    assert metadata["modelspec.architecture"] == "Flux.2-klein-4b/lora"
+    assert metadata["modelspec.implementation"] == "https://github.com/black-forest-labs/flux2"
+    assert metadata["ss_network_module"] == "networks.lora_flux_2"
+    assert (metadata["ss_timestep_sampling"], metadata["ss_weighting_scheme"]) == ("flux2_shift", "none")
+
+
+def test_a_run_resumes_bit_exactly(reference, klein_dir, tmp_path):
+    from library.network.kohya_format import load_kohya_lora
+
+    root, data, straight = reference
+    resumed = train(klein_dir, data, tmp_path / "out", "--config", str(CONFIG), "--max_train_steps", "4",
+                    "--resume", str(root / "out" / "last-step00000002-state"), run=RUN)
+    assert resumed.losses == straight.losses[2:]
+    a, b = (load_kohya_lora(r.output_file)[0] for r in (straight, resumed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 
 
 @pytest.mark.slow  # about 30 s: two gloo processes, each importing torch and building the model

@@ -1,1 +1,1 @@
-"""FLUX.2 [klein]: diffusers folders, trained as musubi-tuner's flux_2_train_network.py trains them."""
+"""FLUX.2 [klein]: diffusers folders and the separate files musubi-tuner trains from."""

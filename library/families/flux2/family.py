@@ -29,12 +29,10 @@ from library.families.flux2.transformer import fuse_attention_projections
 from library.families.loading import LoadRequest
 from library.families.shared import musubi_flow
 from library.families.shared.diffusers_folder import load_folder, transformer_class
-from library.families.shared.separate_files import marked_keys
 
 logger = logging.getLogger(__name__)
 
 TRANSFORMER_CLASS = "Flux2Transformer2DModel"
-FILE_MARKER, COMFY_PREFIX = "single_stream_modulation.lin.weight", "model.diffusion_model."
 KLEIN_PIPELINE = "Flux2KleinPipeline"
 HIDDEN_LAYERS = (9, 18, 27)  # Qwen3's hidden states FLUX.2 [klein] reads (musubi's OUTPUT_LAYERS_QWEN3)
 MAX_SEQUENCE_LENGTH = 512  # tokens, chat template included: the pipeline's and musubi's fixed length
@@ -59,6 +57,11 @@ VARIANTS = {
     "klein-base-9b": Variant("flux_2_klein_9b", "Flux.2-klein-9b", False),
     "dev": Variant("flux_2_dev", "Flux.2-dev", True),
 }
+# FLUX.2 [klein]'s scheduler config (black-forest-labs/FLUX.2-klein-4B scheduler/scheduler_config.json); the
+# pipeline passes its own empirical mu, so only use_dynamic_shifting matters for sampling.
+SCHEDULER_CONFIG = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5,
+                    "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096,
+                    "time_shift_type": "exponential"}
 KLEIN_9B_TEXT_WIDTH = 3 * 4096  # the transformer's text input: three Qwen3-8B layers (klein 9B); 4B's is 3 x 2560
 
 
@@ -234,18 +237,6 @@ class Flux2(musubi_flow.MusubiFamily):
 
 def is_flux2_folder(path: Path) -> bool:
     return transformer_class(path) == TRANSFORMER_CLASS
-
-
-def is_flux2_file(path: Path) -> bool:
-    """BFL's FLUX.2 transformer file (flux2-klein-*.safetensors, flux2-dev.safetensors; ComfyUI's with its prefix):
-    its shared single-stream modulation, diffusers' own test for one."""
-    return FILE_MARKER in marked_keys(path, COMFY_PREFIX)
-
-
-def load_flux2_file(request: LoadRequest) -> Components:
-    raise UserError(f"{request.path} is a FLUX.2 transformer file; FLUX.2 is read from diffusers folders only for now "
-                    "(black-forest-labs/FLUX.2-klein-base-4B's layout: transformer/, vae/, text_encoder/, "
-                    "tokenizer/, scheduler/, model_index.json)")
 
 
 def pipeline_index(path: Path) -> dict[str, Any]:

@@ -7,7 +7,7 @@ model (Qwen3ForCausalLM) of 28 layers, since FLUX.2 reads its hidden states 9, 1
 tokenizer and chat template built here, and FLUX.2's scheduler config (resolution-dependent shift). The folder is
 klein's undistilled base (is_distilled false), the checkpoint musubi-tuner recommends training.
 
-    python -m library.families.tiny OUTPUT_DIR --family flux2_klein [--seed N] [--overwrite]
+    python -m library.families.tiny OUTPUT_DIR --family flux2_klein [--files] [--seed N] [--overwrite]
 """
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
-from library.families.flux2.family import HIDDEN_LAYERS
+from library.families.flux2.family import HIDDEN_LAYERS, SCHEDULER_CONFIG
+from library.families.flux2.files import bfl_ae_state_dict
+from library.families.flux2.transformer import bfl_state_dict, fuse_attention_projections
 from library.families.shared import tiny_parts
 
 logger = logging.getLogger(__name__)
@@ -36,11 +38,6 @@ CHAT_TEMPLATE = (
 _CORPUS = ("user assistant a an the photo picture image of in on with and sks dog cat person red green blue white "
            "black yellow orange shape circle square triangle diamond digit zero one two three four five six seven "
            "eight nine number written drawn small large")
-# FLUX.2 [klein]'s scheduler config (black-forest-labs/FLUX.2-klein-4B scheduler/scheduler_config.json); the
-# pipeline passes its own empirical mu, so only use_dynamic_shifting matters for sampling.
-SCHEDULER_CONFIG = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5,
-                    "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096,
-                    "time_shift_type": "exponential"}
 
 
 def build_tokenizer(corpus: str = _CORPUS) -> Any:
@@ -87,3 +84,26 @@ def save_tiny_flux2_klein(path: str | os.PathLike[str], seed: int = 0, overwrite
     """Write a tiny Flux2KleinPipeline folder at `path` (atomically) and return it."""
     return tiny_parts.save_pipeline(path, overwrite, "Flux2KleinPipeline", lambda: build_tiny_flux2_klein(seed),
                                     "FLUX.2 [klein]", seed)
+
+
+def save_tiny_flux2_klein_files(folder: str | os.PathLike[str], target: str | os.PathLike[str]) -> dict[str, Path]:
+    """The tiny FLUX.2 [klein] folder's weights as musubi-tuner's users keep them: the transformer in BFL's layout
+    (diffusion_models/), the Qwen3 text encoder split in two as the official repository splits it, with
+    transformers' names (text_encoders/), and the autoencoder in BFL's ae.safetensors layout (vae/). Returns their
+    paths by option name (`pretrained_model_name_or_path` as "transformer"; the text encoder's first part)."""
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+    from transformers import Qwen3ForCausalLM
+
+    parts = tiny_parts.read_parts(Path(folder), {"transformer": Flux2Transformer2DModel, "vae": AutoencoderKLFlux2,
+                                                 "text_encoder": Qwen3ForCausalLM})
+    fuse_attention_projections(parts["transformer"])
+    qwen = {k: v for k, v in parts["text_encoder"].state_dict().items() if k != "lm_head.weight"}  # tied
+    keys = sorted(qwen)
+    halves = [{k: qwen[k] for k in keys[:len(keys) // 2]}, {k: qwen[k] for k in keys[len(keys) // 2:]}]
+    files = {"transformer": (bfl_state_dict(parts["transformer"]), "diffusion_models/flux2-klein-tiny.safetensors"),
+             "text_encoder": (halves[0], "text_encoders/qwen3-tiny-00001-of-00002.safetensors"),
+             "text_encoder_2": (halves[1], "text_encoders/qwen3-tiny-00002-of-00002.safetensors"),
+             "ae": (bfl_ae_state_dict(parts["vae"]), "vae/ae.safetensors")}
+    paths = tiny_parts.save_files(Path(target), files)
+    del paths["text_encoder_2"]  # read with the first part
+    return paths

@@ -83,3 +83,42 @@ def bfl_state_dict(transformer: nn.Module) -> dict[str, torch.Tensor]:
             name = OUTER[module]
         out[f"{name}.{role}"] = tensor.detach()
     return out
+
+
+def from_bfl(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """BFL's layout (flux2-klein-*.safetensors, without ComfyUI's prefix) -> a fused Flux2Transformer2DModel's names;
+    the inverse of bfl_state_dict. Unknown keys pass through (the loader names them)."""
+    outer = {bfl: ours for ours, bfl in OUTER.items()}
+    layouts = {bfl: (ours, {v: k for k, v in layout.items()}) for ours, (bfl, layout) in BLOCK_LAYOUTS.items()}
+    out = {}
+    for key, tensor in state.items():
+        module, _, role = key.rpartition(".")
+        kind, _, rest = module.partition(".")
+        if kind in layouts:
+            index, _, inner = rest.partition(".")
+            ours, layout = layouts[kind]
+            name = f"{ours}.{index}.{layout.get(inner, inner)}"
+            role = "weight" if role == "scale" else role
+        elif module == "final_layer.adaLN_modulation.1":
+            name, tensor = "norm_out.linear", torch.cat(tensor.chunk(2)[::-1])
+        else:
+            name = outer.get(module, module)
+        out[f"{name}.{role}"] = tensor
+    return out
+
+
+def transformer_config(state: dict[str, torch.Tensor]) -> dict[str, object]:
+    """Flux2Transformer2DModel's config read from BFL-layout weights: the widths and block counts their shapes
+    give, FLUX.2's rope theta (2000) and norm epsilon (1e-6), and each of the 4 position axes a quarter of a head."""
+    def count(prefix: str) -> int:
+        return len({key.split(".")[1] for key in state if key.startswith(prefix)})
+
+    inner, in_channels = state["img_in.weight"].shape
+    head = state["single_blocks.0.norm.query_norm.scale"].shape[0]
+    return {"patch_size": 1, "in_channels": in_channels, "num_layers": count("double_blocks."),
+            "num_single_layers": count("single_blocks."), "attention_head_dim": head,
+            "num_attention_heads": inner // head, "joint_attention_dim": state["txt_in.weight"].shape[1],
+            "timestep_guidance_channels": state["time_in.in_layer.weight"].shape[1],
+            "mlp_ratio": state["double_blocks.0.img_mlp.2.weight"].shape[1] / inner,
+            "axes_dims_rope": (head // 4,) * 4, "rope_theta": 2000, "eps": 1e-6,
+            "guidance_embeds": "guidance_in.in_layer.weight" in state}
