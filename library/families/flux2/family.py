@@ -55,7 +55,6 @@ VARIANTS = {
     "klein-base-4b": Variant("flux_2_klein_4b", "Flux.2-klein-4b", False),
     "klein-9b": Variant("flux_2_klein_9b", "Flux.2-klein-9b", True),
     "klein-base-9b": Variant("flux_2_klein_9b", "Flux.2-klein-9b", False),
-    "dev": Variant("flux_2_dev", "Flux.2-dev", True),
 }
 # FLUX.2 [klein]'s scheduler config (black-forest-labs/FLUX.2-klein-4B scheduler/scheduler_config.json); the
 # pipeline passes its own empirical mu, so only use_dynamic_shifting matters for sampling.
@@ -216,8 +215,6 @@ class Flux2(musubi_flow.MusubiFamily):
         it; the distilled models sample without CFG whatever the scale, as in the pipeline."""
         if guidance is not None:
             logger.warning("sample prompt --g %g: FLUX.2 [klein] has no guidance input; use --l for CFG", guidance)
-        if scale > 1 and VARIANTS[self.version].distilled:
-            logger.warning("sample prompt --l %g: %s is step-distilled and samples without CFG", scale, self.version)
         return {"guidance_scale": scale}
 
     def sampling_controls(self, images: Sequence[Any], arguments: Mapping[str, Any]) -> dict[str, Any]:
@@ -260,6 +257,9 @@ def folder_version(index: Mapping[str, Any], transformer: Any) -> str:
 
 def checked_version(told: str, model_version: str | None, path: Path) -> str:
     """The variant `path` holds (`told`), checked against the user's model_version."""
+    if model_version == "dev":
+        raise UserError("model_version dev: FLUX.2 [dev] (Mistral Small 3.1 text encoder) is not offered yet, only "
+                        f"FLUX.2 [klein] ({', '.join(VARIANTS)})")
     if model_version is not None and model_version not in VARIANTS:
         raise UserError(f"model_version {model_version!r}: FLUX.2 takes {', '.join(VARIANTS)} (musubi-tuner's names)")
     if model_version not in (None, told):
