@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import html
+from pathlib import Path
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse
@@ -40,7 +41,7 @@ async def load_config(request: Request, roots: RootsDep, path: str = Query("", a
 @router.post("/validate", response_class=HTMLResponse)
 async def validate(request: Request, roots: RootsDep) -> HTMLResponse:
     form = await request.form()
-    state, _ = schema.check(form_values(form), roots.problem)
+    state, _ = schema.check(form_values(form), roots.problem, str(form.get("_prompts", "")))
     return form_page(request, state, "no problems found" if state.ok else "problems found",
                      config_path=str(form.get("_config_path", "")), form=form)
 
@@ -49,13 +50,19 @@ async def validate(request: Request, roots: RootsDep) -> HTMLResponse:
 async def save(request: Request, roots: RootsDep) -> HTMLResponse:
     form = await request.form()
     target = str(form.get("_config_path", "")).strip()
-    state, text = schema.check(form_values(form), roots.problem)
     real = roots.resolve(target) if target else None
+    # Prompts typed in the form go to a prompt file beside the config, which names it.
+    prompts_file = str(Path(target).with_name(Path(target).stem + "_prompts.txt")) if target else ""
+    state, text = schema.check(form_values(form), roots.problem, str(form.get("_prompts", "")), prompts_file)
     if real is None or real.suffix != ".toml":
         state.general.append(f"save as: {target or '(empty)'}: give a .toml path under the UI's folders")
         return form_page(request, state, "not saved", 400, config_path=target, form=form)
     if not state.ok:
         return form_page(request, state, "not saved: fix the problems first", 400, config_path=target, form=form)
     real.parent.mkdir(parents=True, exist_ok=True)
+    if state.prompts:
+        prompts = real.with_name(real.stem + "_prompts.txt")
+        write_atomically(prompts, lambda tmp: tmp.write_text(state.prompts, encoding="utf-8"))
     write_atomically(real, lambda tmp: tmp.write_text(text, encoding="utf-8"))
-    return form_page(request, state, f"saved {target}", config_path=target, form=form)
+    return form_page(request, state, f"saved {target}" + (f" and {prompts_file}" if state.prompts else ""),
+                     config_path=target, form=form)

@@ -1,4 +1,5 @@
-"""Files under the roots: images for the thumbnails and samples, and a LoRA file's metadata."""
+"""Files under the roots: images for the thumbnails and samples, downloads of them and of LoRA files, and a LoRA
+file's metadata."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,16 +12,20 @@ from library.ui.dataset import IMAGE_TYPES
 from library.ui.web import RootsDep
 
 router = APIRouter()
+DOWNLOADS = {".safetensors": "application/octet-stream"}  # LoRA files: downloaded, never shown
 
 
 @router.get("/files")
-async def files(path: str, roots: RootsDep) -> Response:
+async def files(path: str, roots: RootsDep, download: bool = False) -> Response:
+    """An image (shown, or downloaded with `download`), or a LoRA file (downloaded)."""
     real = roots.resolve(path)
     if real is None:
         return Response("outside the UI's folders", status_code=403)
-    if real.suffix.lower() not in IMAGE_TYPES or not real.is_file():
-        return Response("not an image", status_code=404)
-    return FileResponse(real, media_type=IMAGE_TYPES[real.suffix.lower()])
+    kind = IMAGE_TYPES.get(real.suffix.lower()) or DOWNLOADS.get(real.suffix.lower())
+    if kind is None or not real.is_file():
+        return Response("not an image or a LoRA file", status_code=404)
+    attachment = download or real.suffix.lower() in DOWNLOADS
+    return FileResponse(real, media_type=kind, filename=real.name if attachment else None)
 
 
 @router.get("/lora")

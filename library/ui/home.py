@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 
 from library.ui import preflight, schema, security
-from library.ui.run_status import RUN_CONFIG
+from library.ui.run_status import PROMPTS_FILE, RUN_CONFIG
 from library.ui.web import RootsDep, SettingsDep, form_context, page
 
 router = APIRouter()
@@ -29,6 +29,10 @@ def cloned(roots: security.Roots, run: str) -> tuple[schema.FormState, str]:
     state, _ = schema.from_file(config)
     folder = preflight.new_folder(str(directory), lambda path: Path(path).exists())
     state.values["output_dir"] = folder
+    typed = directory / PROMPTS_FILE  # prompts typed in the form for that run
+    if state.values.get("sample_prompts") == str(typed) and typed.is_file():
+        state.prompts = typed.read_text(encoding="utf-8")
+        del state.values["sample_prompts"]
     return state, f"a new run from {directory.name}'s config, into {folder}: check it, then start it"
 
 

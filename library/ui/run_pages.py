@@ -11,8 +11,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
+from library.core.atomic import write_atomically
 from library.monitoring.events import EVENTS_FILE, read_events
 from library.ui import preflight, schema, security
+from library.ui.run_status import PROMPTS_FILE
 from library.ui.runs import RunManager
 from library.ui.web import ManagerDep, RootsDep, form_page, form_values, page
 
@@ -39,13 +41,17 @@ async def start(request: Request, roots: RootsDep, manager: ManagerDep) -> HTMLR
     values = form_values(form)
     if not values.get(STATE_OPTION, "").strip():
         values[STATE_OPTION] = "true"
-    state, text = schema.check(values, roots.problem)
     output_dir = roots.resolve(values.get("output_dir", "")) if values.get("output_dir") else None
+    prompts_file = output_dir / PROMPTS_FILE if output_dir is not None else None
+    state, text = schema.check(values, roots.problem, str(form.get("_prompts", "")), str(prompts_file or ""))
     offer = output_problems(state, values, output_dir, roots, manager, form.get("_overwrite") == "yes")
     config_path = str(form.get("_config_path", ""))
-    if not state.ok or output_dir is None:
+    if not state.ok or output_dir is None or prompts_file is None:
         return form_page(request, state, "not started: fix the problems first", 400, config_path, form,
                          new_folder=offer)
+    if state.prompts:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        write_atomically(prompts_file, lambda tmp: tmp.write_text(state.prompts, encoding="utf-8"))
     manager.submit(output_dir, text)
     response = form_page(request, state, f"queued a run in {values['output_dir']}", config_path=config_path,
                          form=form)

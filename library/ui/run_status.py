@@ -15,10 +15,12 @@ from typing import Any
 from library.config import read_toml
 from library.core.run_files import LOCK_FILE  # the trainer's lock on the folder (library/training/preflight.py)
 from library.monitoring.events import EVENTS_FILE, read_events
+from library.ui.samples import sample_views
 
 RUN_CONFIG = "run_config.toml"
 LOG_FILE = "train.log"
 LAUNCHES = "ui_runs.json"
+PROMPTS_FILE = "sample_prompts.txt"  # sample prompts typed in the UI's form (kohya's .txt format)
 _SKIP_DIRS = {".git", "node_modules", "__pycache__", "sample", "logs", ".venv", "venv"}
 
 
@@ -33,7 +35,7 @@ class RunStatus:
     output_name: str | None = None
     files: list[str] = field(default_factory=list)  # LoRA files, newest last
     states: list[str] = field(default_factory=list)
-    samples: list[str] = field(default_factory=list)
+    samples: list[dict[str, Any]] = field(default_factory=list)  # path, when (step / epoch), order, prompt
     events: list[dict[str, Any]] = field(default_factory=list)  # of the latest invocation
     can_resume: bool = False
     started: float | None = None  # the run's first start (earlier attempts it resumed from included)
@@ -128,7 +130,7 @@ def run_status(run_dir: Path, process: subprocess.Popen | None = None, queued: b
             status.total_steps = event.get("total_steps", status.total_steps)
     status.files = _numbered(run_dir, ".safetensors", False)
     status.states = _numbered(run_dir, "-state", True)
-    status.samples = [f"sample/{name}" for name in _numbered(run_dir / "sample", ".png", False)]
+    status.samples = sample_views(run_dir, [f"sample/{name}" for name in _numbered(run_dir / "sample", ".png", False)])
     end = next((e for e in reversed(status.events) if e["event"] == "end"), None)
     alive = process is not None and process.poll() is None
     pid = launch.get("pid") if unstarted else next((e.get("pid") for e in latest if e["event"] == "start"), None)

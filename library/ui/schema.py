@@ -50,6 +50,7 @@ class FormState:
     notes: list[str] = field(default_factory=list)
     hidden_secrets: list[str] = field(default_factory=list)  # secrets set in a loaded file, never shown
     unreadable: bool = False  # a loaded file that is not TOML: its problem is in general
+    prompts: str = ""  # sample prompts typed in the form (kohya's .txt format), written as the run's prompt file
 
     @property
     def ok(self) -> bool:
@@ -149,27 +150,42 @@ def toml_string(text: str) -> str:
     return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
-def check(form: Mapping[str, str], path_check: Callable[[str, str], str | None]) -> tuple[FormState, str]:
+def check(form: Mapping[str, str], path_check: Callable[[str, str], str | None], prompts: str = "",
+          prompts_file: str = "") -> tuple[FormState, str]:
     """Run the command line's checks on the form: returns the state (values and problems) and the TOML text.
-    `path_check(option, value)` names a path option's problem beyond the trainer's (outside the UI's roots)."""
-    state = FormState(values={k: v for k, v in form.items() if k in OPTIONS and str(v).strip()})
+    `path_check(option, value)` names a path option's problem beyond the trainer's (outside the UI's roots).
+    `prompts`: sample prompts typed in the form, which the TOML names as sample_prompts = `prompts_file` (the
+    caller writes them there)."""
+    state = FormState(values={k: v for k, v in form.items() if k in OPTIONS and str(v).strip()},
+                      prompts=prompt_lines(prompts))
     values, state.problems = typed_values(form)
     for name, value in values.items():
         if OPTIONS[name].is_path or name == "output_dir":
             problem = path_check(name, str(value))
             if problem:
                 state.problems.setdefault(name, []).append(problem)
-    text = toml_text(values)
+    if state.prompts and "sample_prompts" in values:
+        state.problems.setdefault("sample_prompts", []).append(
+            "sample_prompts: give the prompts in the box below or as a file, not both")
     with tempfile.TemporaryDirectory(prefix="lora-ui-") as tmp:
         path = Path(tmp) / "config.toml"
-        path.write_text(text, encoding="utf-8")
+        typed = {"sample_prompts": str(Path(tmp) / "prompts.txt")} if state.prompts else {}
+        (Path(tmp) / "prompts.txt").write_text(state.prompts, encoding="utf-8")
+        path.write_text(toml_text({**values, **typed}), encoding="utf-8")
         try:
             _, notes = parse_config(["--config", str(path)], extra_checks=[dataset_toml_problems])
             state.notes = [n.replace(str(path), "config") for n in notes]
         except ConfigError as e:
             for problem in e.problems:
                 place(state, problem.replace(f"{path}: ", "").replace(str(path), "config"))
-    return state, text
+    named = {"sample_prompts": prompts_file} if state.prompts and prompts_file else {}
+    return state, toml_text({**values, **named})
+
+
+def prompt_lines(text: str) -> str:
+    """Typed prompts as kohya's .txt prompt file holds them: one per line, blank lines dropped."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return "".join(line + "\n" for line in lines)
 
 
 def place(state: FormState, problem: str) -> None:

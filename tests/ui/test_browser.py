@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.ui import attempt, finished_run, pretend_trainer, write_events
+from tests.helpers.ui import attempt, finished_run, pretend_trainer, sample_png, write_events
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
@@ -113,93 +113,6 @@ def console_errors(browser) -> list[str]:
     return [entry["message"] for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
 
 
-def test_no_console_error_on_any_page(ui, browser, place):
-    run = finished_run(place / "run")
-    console_errors(browser)
-    for path in ("/", "/login", f"/runs/view?path={run}"):
-        browser.get(ui + path)
-        waiting(browser).until(lambda d: d.execute_script("return document.readyState") == "complete")
-        time.sleep(1.0)  # the favicon and the run's event stream load after the page
-        assert console_errors(browser) == [], path
-
-
-def test_configure_train_watch_stop_resume_in_a_browser(ui, browser, place):
-    from selenium.common.exceptions import StaleElementReferenceException
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    shots = Path(os.environ.get("UI_SCREENSHOTS", place))
-    prompts = place / "prompts.txt"
-    prompts.write_text("a photo of sks --w 32 --h 32 --s 8 --d 1\n", encoding="utf-8")
-    run_dir = place / "run"
-    # Elements are replaced under the driver's feet (the form by HTMX, the run view by its events).
-    wait = WebDriverWait(browser, 300, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,))
-    started = time.monotonic()
-
-    def phase(name: str) -> None:
-        print(f"{time.monotonic() - started:6.1f} s  {name}")
-
-    def by_id(element_id: str):
-        return browser.find_element(By.ID, element_id)
-
-    def set_field(name: str, value: str) -> None:
-        field = by_id(f"opt-{name}")
-        browser.execute_script("arguments[0].closest('details').open = true; arguments[0].scrollIntoView()", field)
-        field.clear()
-        field.send_keys(value)
-
-    browser.get(ui)
-    by_id("config-path").send_keys("configs/quickstart.toml")
-    by_id("load-button").click()
-    wait.until(lambda d: "loaded configs/quickstart.toml" in by_id("form-message").text)
-    assert by_id("opt-network_dim").get_attribute("value") == "8"
-    # The quickstart's model is an SD folder: the family filter picks sd and hides FLUX's separate files.
-    assert by_id("family").get_attribute("value") == "sd"
-    assert not by_id("field-clip_l").is_displayed() and by_id("field-v2").is_displayed()
-    set_field("max_train_steps", "20")
-    set_field("sample_every_n_steps", "10")
-    # Four batches to a step: the stop lands before step 20 with seconds to spare even on a fast, quiet machine.
-    set_field("gradient_accumulation_steps", "4")
-    set_field("sample_prompts", str(prompts))
-    set_field("output_dir", str(run_dir))
-    by_id("check-button").click()
-    wait.until(lambda d: "no problems found" in by_id("form-message").text)
-    browser.execute_script("window.scrollTo(0, 0)")
-    browser.save_screenshot(str(shots / "ui_config.png"))
-
-    phase('config loaded and checked')
-    by_id("start-button").click()
-    wait.until(lambda d: "queued a run" in by_id("form-message").text)
-    phase('run queued')
-    browser.get(f"{ui}/runs/view?path={run_dir}")
-
-    def points() -> int:
-        return int(by_id("loss-chart").get_attribute("data-points"))
-
-    wait.until(lambda d: points() >= 2)
-    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#samples img"))
-    phase('loss points and a sample')
-    step = int(by_id("run-step").text)
-    assert 10 <= step < 20 and points() >= 10 and int(by_id("bins-chart").get_attribute("data-points")) >= 1
-    assert by_id("run-status").text == "running"
-    browser.save_screenshot(str(shots / "ui_run.png"))
-
-    by_id("stop-button").click()
-    wait.until(lambda d: by_id("run-status").text == "stopped")
-    wait.until(lambda d: "-state" in by_id("states").text)
-    assert "saved" in by_id("run-message").text
-
-    phase('stopped with a state')
-    wait.until(lambda d: by_id("resume-button").is_enabled())
-    by_id("resume-button").click()
-    wait.until(lambda d: by_id("run-status").text == "running")
-    wait.until(lambda d: by_id("run-status").text == "finished")
-    phase('finished')
-    assert by_id("run-step").text == "20" and points() == 20  # the steps before the resume too
-    wait.until(lambda d: "quickstart_lora.safetensors" in by_id("files").text)
-    assert (run_dir / "quickstart_lora.safetensors").is_file()
-
-
 def click(browser, element_id: str) -> None:
     """Click an element after scrolling it to the middle of the window (the sticky toolbar covers the top)."""
     element = by_id(browser, element_id)
@@ -212,6 +125,80 @@ def set_field(browser, name: str, value: str) -> None:
     browser.execute_script("arguments[0].closest('details').open = true; arguments[0].scrollIntoView()", field)
     field.clear()
     field.send_keys(value)
+
+
+def test_no_console_error_on_any_page(ui, browser, place):
+    run = finished_run(place / "run")
+    console_errors(browser)
+    for path in ("/", "/login", f"/runs/view?path={run}"):
+        browser.get(ui + path)
+        waiting(browser).until(lambda d: d.execute_script("return document.readyState") == "complete")
+        time.sleep(1.0)  # the favicon and the run's event stream load after the page
+        assert console_errors(browser) == [], path
+
+
+def test_configure_train_watch_stop_resume_in_a_browser(ui, browser, place):
+    from selenium.webdriver.common.by import By
+
+    shots = Path(os.environ.get("UI_SCREENSHOTS", place))
+    run_dir = place / "run"
+    wait = waiting(browser, 300)
+    started = time.monotonic()
+
+    def phase(name: str) -> None:
+        print(f"{time.monotonic() - started:6.1f} s  {name}")
+
+    browser.get(ui)
+    by_id(browser, "config-path").send_keys("configs/quickstart.toml")
+    by_id(browser, "load-button").click()
+    wait.until(lambda d: "loaded configs/quickstart.toml" in by_id(d, "form-message").text)
+    assert by_id(browser, "opt-network_dim").get_attribute("value") == "8"
+    # The quickstart's model is an SD folder: the family filter picks sd and hides FLUX's separate files.
+    assert by_id(browser, "family").get_attribute("value") == "sd"
+    assert not by_id(browser, "field-clip_l").is_displayed() and by_id(browser, "field-v2").is_displayed()
+    set_field(browser, "max_train_steps", "20")
+    set_field(browser, "sample_every_n_steps", "10")
+    # Four batches to a step: the stop lands before step 20 with seconds to spare even on a fast, quiet machine.
+    set_field(browser, "gradient_accumulation_steps", "4")
+    set_field(browser, "_prompts", "a photo of sks --w 32 --h 32 --s 8 --d 1")  # no prompt file to make
+    set_field(browser, "output_dir", str(run_dir))
+    by_id(browser, "check-button").click()
+    wait.until(lambda d: "no problems found" in by_id(d, "form-message").text)
+    browser.execute_script("window.scrollTo(0, 0)")
+    browser.save_screenshot(str(shots / "ui_config.png"))
+
+    phase("config loaded and checked")
+    by_id(browser, "start-button").click()
+    wait.until(lambda d: "queued a run" in by_id(d, "form-message").text)
+    phase("run queued")
+    browser.get(f"{ui}/runs/view?path={run_dir}")
+
+    def points() -> int:
+        return int(by_id(browser, "loss-chart").get_attribute("data-points"))
+
+    wait.until(lambda d: points() >= 2)
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#samples figcaption"))
+    phase("loss points and a sample")
+    step = int(by_id(browser, "run-step").text)
+    assert 10 <= step < 20 and points() >= 10 and int(by_id(browser, "bins-chart").get_attribute("data-points")) >= 1
+    assert by_id(browser, "run-status").text == "running"
+    assert browser.find_element(By.CSS_SELECTOR, "#samples figcaption").text == "a photo of sks"
+    browser.save_screenshot(str(shots / "ui_run.png"))
+
+    by_id(browser, "stop-button").click()
+    wait.until(lambda d: by_id(d, "run-status").text == "stopped")
+    wait.until(lambda d: "-state" in by_id(d, "states").text)
+    assert "saved" in by_id(browser, "run-message").text
+
+    phase("stopped with a state")
+    wait.until(lambda d: by_id(d, "resume-button").is_enabled())
+    by_id(browser, "resume-button").click()
+    wait.until(lambda d: by_id(d, "run-status").text == "running")
+    wait.until(lambda d: by_id(d, "run-status").text == "finished")
+    phase("finished")
+    assert by_id(browser, "run-step").text == "20" and points() == 20  # the steps before the resume too
+    wait.until(lambda d: "quickstart_lora.safetensors" in by_id(d, "files").text)
+    assert (run_dir / "quickstart_lora.safetensors").is_file()
 
 
 def test_load_never_destroys_the_form_and_enter_in_the_box_loads(ui, browser, place):
@@ -285,3 +272,20 @@ def test_the_loss_chart_shows_the_whole_run_across_a_resume(ui, browser, place):
     browser.get(f"{ui}/runs/view?path={run}")
     waiting(browser).until(lambda d: by_id(d, "run-status").text == "finished")
     assert by_id(browser, "loss-chart").get_attribute("data-points") == "10"
+
+
+def test_samples_show_their_prompts_grouped_by_step_with_downloads(ui, browser, place):
+    from selenium.webdriver.common.by import By
+
+    run = finished_run(place / "run")
+    for name, prompt in [("mine_000002_00_1.png", "a photo of sks"), ("mine_000002_01_1.png", "a drawing of sks"),
+                         ("mine_000004_00_1.png", "a photo of sks")]:
+        sample_png(run / "sample" / name, prompt)
+    browser.get(f"{ui}/runs/view?path={run}")
+    waiting(browser).until(lambda d: d.find_elements(By.CSS_SELECTOR, ".sample-group"))
+    groups = browser.find_elements(By.CSS_SELECTOR, ".sample-group")
+    assert [g.find_element(By.TAG_NAME, "h4").text for g in groups] == ["step 4", "step 2"]
+    assert [c.text for c in groups[1].find_elements(By.TAG_NAME, "figcaption")] == ["a photo of sks",
+                                                                                   "a drawing of sks"]
+    downloads = [a.get_attribute("href") for a in browser.find_elements(By.CSS_SELECTOR, "a.download")]
+    assert len(downloads) == 4 and any("mine.safetensors" in href for href in downloads)

@@ -23,7 +23,8 @@ from library.config.options import OPTIONS  # noqa: E402
 from library.ui import security  # noqa: E402
 from library.ui.app import Settings, create_app  # noqa: E402
 from library.ui.model_family import FAMILIES  # noqa: E402
-from tests.helpers.ui import attempt, finished_run, stand_in_python, write_events  # noqa: E402
+from library.ui.run_status import run_config  # noqa: E402
+from tests.helpers.ui import attempt, finished_run, sample_png, stand_in_python, write_events  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 ORIGIN = {"Origin": "http://127.0.0.1:7860"}
@@ -350,3 +351,32 @@ def test_a_queued_run_survives_a_ui_restart_and_one_taken_off_the_queue_is_not_s
         release.touch()  # the first run ends; the restarted UI starts the one queued before the restart
         wait_for(lambda: status(restarted, waiting) == "finished")
     assert status(restarted, dropped) == "not started"
+
+
+def test_prompts_typed_in_the_form_become_the_runs_prompt_file(tmp_path):
+    c = client([REPO, tmp_path], python=stand_in_python(tmp_path))
+    run = tmp_path / "run"
+    form = {"pretrained_model_name_or_path": "models/digits-base", "train_data_dir": "data/digits/train",
+            "output_dir": str(run), "sample_every_n_steps": "2", "_prompts": "a photo of sks --w 32\n\n a drawing \n"}
+    assert "no problems found" in c.post("/config/validate", data=form, headers=ORIGIN).text
+    assert "queued a run" in c.post("/runs/start", data=form, headers=ORIGIN).text
+    assert (run / "sample_prompts.txt").read_text() == "a photo of sks --w 32\na drawing\n"
+    assert run_config(run)["sample_prompts"] == str(run / "sample_prompts.txt")
+    both = c.post("/config/validate", data={**form, "sample_prompts": str(run / "sample_prompts.txt")},
+                  headers=ORIGIN).text
+    assert "not both" in field_html(both, "sample_prompts")
+
+
+def test_samples_come_with_their_prompt_and_step_and_lora_files_download(tmp_path):
+    run = finished_run(tmp_path / "run")
+    sample_png(run / "sample" / "mine_000004_00_1.png", "a photo of sks")
+    sample_png(run / "sample" / "mine_000002_01_1.png", "a drawing of sks")
+    c = client([tmp_path])
+    assert c.get("/runs/status", params={"path": str(run)}).json()["samples"] == [
+        {"path": "sample/mine_000002_01_1.png", "when": "step 2", "order": [0, 2, 1], "prompt": "a drawing of sks"},
+        {"path": "sample/mine_000004_00_1.png", "when": "step 4", "order": [0, 4, 0], "prompt": "a photo of sks"}]
+    lora = c.get("/files", params={"path": str(run / "mine.safetensors")})
+    assert lora.status_code == 200 and lora.content == (run / "mine.safetensors").read_bytes()
+    assert lora.headers["content-disposition"].startswith("attachment")
+    image = c.get("/files", params={"path": str(run / "sample" / "mine_000004_00_1.png"), "download": "1"})
+    assert image.headers["content-type"] == "image/png" and "attachment" in image.headers["content-disposition"]

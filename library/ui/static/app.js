@@ -104,7 +104,6 @@ function runView() {
   const loss = makeChart(lossEl, "loss", "step");
   const bins = makeChart(binsEl, "mean loss", "timestep");
   const steps = [], losses = [], speeds = [];
-  const seenSamples = new Set();
   let total = null;
   let runState = null;  // the last status: speed and ETA only while running
 
@@ -134,22 +133,57 @@ function runView() {
       const mids = event.timestep_loss.map((b) => (b[0] + b[1]) / 2);
       bins.setData([mids, event.timestep_loss.map((b) => b[2])]);
       binsEl.dataset.points = String(mids.length);
-    } else if (event.event === "samples") {
-      event.paths.forEach(addSample);
     }
   }
 
-  function addSample(rel) {
-    if (seenSamples.has(rel)) return;
-    seenSamples.add(rel);
+  function fileUrl(rel, download) {
+    return "/files?path=" + encodeURIComponent(dir + "/" + rel) + (download ? "&download=1" : "");
+  }
+
+  function sampleFigure(sample) {
     const fig = document.createElement("figure");
     fig.className = "thumb sample";
+    const link = document.createElement("a");
+    link.href = fileUrl(sample.path, false);
+    link.target = "_blank";
     const img = document.createElement("img");
-    img.src = "/files?path=" + encodeURIComponent(dir + "/" + rel);
+    img.src = link.href;
+    img.alt = sample.prompt;
+    link.append(img);
     const cap = document.createElement("figcaption");
-    cap.textContent = rel.replace(/^sample\//, "");
-    fig.append(img, cap);
-    document.getElementById("samples").append(fig);
+    cap.textContent = sample.prompt || sample.path.replace(/^sample\//, "");
+    cap.title = sample.path.replace(/^sample\//, "");
+    const save = document.createElement("a");
+    save.href = fileUrl(sample.path, true);
+    save.className = "download";
+    save.textContent = "download";
+    fig.append(link, cap, save);
+    return fig;
+  }
+
+  function showSamples(samples) {
+    // Grouped by the step (or epoch) they were made at, the newest first, each with its prompt.
+    const box = document.getElementById("samples");
+    const key = JSON.stringify(samples);
+    if (box.dataset.key === key) return;
+    box.dataset.key = key;
+    const groups = new Map();
+    samples.forEach((sample) => {
+      if (!groups.has(sample.when)) groups.set(sample.when, []);
+      groups.get(sample.when).push(sample);
+    });
+    box.replaceChildren(...[...groups.entries()].reverse().map(([when, items]) => {
+      const section = document.createElement("section");
+      section.className = "sample-group";
+      section.dataset.when = when;
+      const title = document.createElement("h4");
+      title.textContent = when || "samples";
+      const thumbs = document.createElement("div");
+      thumbs.className = "thumbs";
+      thumbs.append(...items.map(sampleFigure));
+      section.append(title, thumbs);
+      return section;
+    }));
   }
 
   function listFiles(id, names, withMetadata) {
@@ -161,6 +195,11 @@ function runView() {
       li.dataset.name = name;
       li.textContent = name + " ";
       if (withMetadata) {
+        const save = document.createElement("a");
+        save.href = fileUrl(name, true);
+        save.className = "download";
+        save.textContent = "download";
+        li.append(save, " ");
         const button = document.createElement("button");
         button.type = "button";
         button.textContent = "metadata";
@@ -196,7 +235,7 @@ function runView() {
     if (s.log_tail && s.log_tail.length) document.getElementById("log").textContent = s.log_tail.join("\n");
     listFiles("files", s.files, true);
     listFiles("states", s.states, false);
-    (s.samples || []).forEach(addSample);
+    showSamples(s.samples || []);
     document.getElementById("stop-button").disabled = !(s.status === "running" || s.status === "queued");
     document.getElementById("resume-button").disabled = !s.can_resume;
   }
