@@ -83,7 +83,10 @@ def test_each_entry_has_a_tiny_builder_a_shipped_config_and_a_docs_page_the_read
     assert entry.tiny, f"{entry.name}: no tiny builder"
     assert entry.configs, f"{entry.name}: no example config in configs/"
     assert entry.docs and (REPO / entry.docs).is_file(), f"{entry.name}: docs page {entry.docs!r} missing"
-    assert f"]({entry.docs})" in (REPO / "README.md").read_text(encoding="utf-8"), "not in the README's table"
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert f"]({entry.docs}" in readme, "not in the README's table"
+    offered = next(line for line in readme.splitlines() if "python -m library.families.tiny FOLDER --family" in line)
+    assert all(tiny.name in offered.split("--family ")[1].split("`")[0].split("|") for tiny in entry.tiny), offered
     assert set(entry.file_options) <= {option.name for option in entry.options if option.is_path}
 
 
