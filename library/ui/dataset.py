@@ -14,7 +14,7 @@ from library.config import Config, parse_config
 from library.core.atomic import write_atomically
 from library.data.captions import read_caption
 from library.data.dataset_config import resolve_datasets
-from library.data.scan import list_images
+from library.data.scan import list_images, scan_datasets
 from library.ui import schema, security
 from library.ui.runs import TRAINER
 from library.ui.web import RootsDep, SettingsDep, form_values, page, refused
@@ -29,12 +29,15 @@ router = APIRouter()
 @router.post("/dataset", response_class=HTMLResponse)
 async def dataset(request: Request, roots: RootsDep, settings: SettingsDep) -> HTMLResponse:
     form = await request.form()
-    state, text = schema.check(form_values(form), roots.problem)
+    values = form_values(form)
+    if not values.get("output_dir", "").strip():  # the dataset needs none; the config's checks do
+        values["output_dir"] = str(roots.paths[0] / "output")
+    state, text = schema.check(values, roots.problem)
     data_problems = {k: v for k, v in state.problems.items() if k not in ("output_dir",)}
     if data_problems or state.general:
         return page(request, "dataset.html", report="", subsets=[],
                     problems=[p for ps in data_problems.values() for p in ps] + state.general)
-    subsets = subset_views(config_from(text), roots)
+    subsets = await asyncio.to_thread(subset_views, config_from(text), roots)
     report = await asyncio.to_thread(dataset_check, text, settings.python, roots.cwd)
     return page(request, "dataset.html", report=report, subsets=subsets, problems=[])
 
@@ -50,19 +53,34 @@ async def caption(request: Request, roots: RootsDep) -> HTMLResponse:
         return HTMLResponse('<p class="problem">not an image</p>', status_code=400)
     if not extension.startswith(".") or "/" in extension or "\\" in extension or len(extension) > 16:
         return HTMLResponse('<p class="problem">not a caption extension</p>', status_code=400)
+    text = " ".join(str(form.get("caption", "")).split())
+    if not text:  # the dataset check rejects an empty caption file
+        return HTMLResponse('<span class="problem">not saved: a caption file must not be empty; write a caption, or '
+                            "delete the file to train with the folder's class tokens</span>", status_code=400)
     existing = read_caption(image, extension).path
-    target = existing if existing is not None else image.with_name(image.stem + extension)
+    target = existing or image.with_name(image.stem + folder_extension(list_images(image.parent), extension))
     if roots.resolve(target) is None:
         return refused(str(target))
-    text = " ".join(str(form.get("caption", "")).split())
     write_atomically(target, lambda tmp: tmp.write_text(text + "\n", encoding="utf-8"))
     return HTMLResponse(f'<span class="ok">saved {target.name}</span>')
 
 
+def folder_extension(images: list[Path], configured: str) -> str:
+    """The caption extension a folder uses: the configured one when any caption has it, else .txt when any caption
+    has that (the trainer reads .txt when the configured one is missing), else the configured one."""
+    for extension in dict.fromkeys((configured, ".txt")):
+        if any(image.with_name(image.stem + extension).is_file() for image in images):
+            return extension
+    return configured
+
+
 def subset_views(config: Config, roots: security.Roots) -> list[dict[str, Any]]:
-    """Each subset under the roots: its folder, repeats, image count and the first images with their captions."""
+    """Each subset under the roots: its folder, repeats, image count and the first images with their captions and
+    what the dataset check rejects them for."""
+    specs = resolve_datasets(config)
+    rejected = rejections(scan_datasets(specs).problems, roots)
     subsets = []
-    for spec in resolve_datasets(config):
+    for spec in specs:
         for subset in spec.subsets:
             directory = roots.resolve(subset.image_dir)
             if directory is None:
@@ -71,10 +89,30 @@ def subset_views(config: Config, roots: security.Roots) -> list[dict[str, Any]]:
             items = []
             for image in images[:THUMBNAILS_PER_SUBSET]:
                 found = read_caption(image, subset.caption_extension)
-                items.append({"path": str(image), "caption": found.text or "", "problem": found.problem or ""})
+                reasons = [r for key in caption_keys(image, subset.caption_extension) for r in rejected.get(key, [])]
+                items.append({"path": str(image), "name": image.name, "caption": found.text or "",
+                              "problems": reasons})
             subsets.append({"dir": str(directory), "repeats": subset.num_repeats, "is_reg": subset.is_reg,
-                            "count": len(images), "items": items, "extension": subset.caption_extension})
+                            "count": len(images), "items": items,
+                            "extension": folder_extension(images, subset.caption_extension),
+                            "rejected": sum(bool(item["problems"]) for item in items)})
     return subsets
+
+
+def rejections(problems: list[str], roots: security.Roots) -> dict[str, list[str]]:
+    """The dataset check's problems by the real path of the file they name (an image or its caption file), each
+    without the path."""
+    found: dict[str, list[str]] = {}
+    for problem in problems:
+        path, _, reason = problem.partition(": ")
+        real = roots.resolve(path)
+        found.setdefault(str(real) if real is not None else path, []).append(reason or problem)
+    return found
+
+
+def caption_keys(image: Path, extension: str) -> list[str]:
+    """The files whose problems are an image's: itself and the caption files the trainer would read for it."""
+    return list(dict.fromkeys([str(image)] + [str(image.with_name(image.stem + e)) for e in (extension, ".txt")]))
 
 
 def config_from(text: str) -> Config:

@@ -289,3 +289,29 @@ def test_samples_show_their_prompts_grouped_by_step_with_downloads(ui, browser, 
                                                                                    "a drawing of sks"]
     downloads = [a.get_attribute("href") for a in browser.find_elements(By.CSS_SELECTOR, "a.download")]
     assert len(downloads) == 4 and any("mine.safetensors" in href for href in downloads)
+
+
+def test_the_dataset_grid_marks_every_image_the_check_rejects(ui, browser, place):
+    from selenium.webdriver.common.by import By
+
+    subset = place / "data" / "1_sks"
+    subset.mkdir(parents=True)
+    source = REPO / "data" / "digits" / "train" / "10_sks"
+    shutil.copy(source / "7_00.png", subset / "good.png")
+    shutil.copy(source / "7_02.png", subset / "empty.png")
+    whole = (source / "7_01.png").read_bytes()
+    (subset / "cut.png").write_bytes(whole[:len(whole) // 2])
+    (subset / "fake.jpg").write_bytes(b"not an image")
+    for name, caption in [("good", "a photo of sks"), ("empty", ""), ("cut", "a photo"), ("fake", "a photo")]:
+        (subset / f"{name}.txt").write_text(caption + "\n", encoding="utf-8")
+    browser.get(ui)
+    for name, value in [("pretrained_model_name_or_path", "models/digits-base"), ("resolution", "32"),
+                        ("train_data_dir", str(place / "data")), ("caption_extension", ".txt")]:
+        set_field(browser, name, value)
+    click(browser, "dataset-button")
+    waiting(browser, 300).until(lambda d: "NOT USABLE" in by_id(d, "dataset-view").text)
+    marked = {figure.get_attribute("data-name"): figure.text
+              for figure in browser.find_elements(By.CSS_SELECTOR, "#dataset-view .thumb.rejected")}
+    assert sorted(marked) == ["cut.png", "empty.png", "fake.jpg"]
+    assert "truncated" in marked["cut.png"] and "cannot read image" in marked["fake.jpg"]
+    assert "caption file is empty" in marked["empty.png"] and "empty.png" in marked["empty.png"]

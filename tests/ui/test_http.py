@@ -252,6 +252,14 @@ def test_dataset_view_and_caption_edit(tmp_path):
                    headers=ORIGIN)
     assert saved.status_code == 200 and (subset / "7_00.txt").read_text() == "a photo of sks, seven\n"
     assert not [p for p in subset.iterdir() if p.name.endswith(".tmp")]
+    # The folder's captions are .txt: a new caption is too, whatever caption_extension the config names.
+    shutil.copy(image, subset / "new.png")
+    c.post("/caption", data={"image": str(subset / "new.png"), "caption": "a photo", "extension": ".caption"},
+           headers=ORIGIN)
+    assert (subset / "new.txt").read_text() == "a photo\n" and not (subset / "new.caption").exists()
+    empty = c.post("/caption", data={"image": str(image), "caption": "  \n", "extension": ".txt"}, headers=ORIGIN)
+    assert empty.status_code == 400 and "must not be empty" in empty.text
+    assert (subset / "7_00.txt").read_text() == "a photo of sks, seven\n"
 
 
 def test_lora_metadata_and_a_command_line_run_in_the_list(tmp_path):
