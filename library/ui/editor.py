@@ -5,11 +5,12 @@ import html
 from pathlib import Path
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import HTMLResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 
 from library.core.atomic import write_atomically
-from library.ui import schema
-from library.ui.web import RootsDep, form_page, form_values
+from library.ui import examples, schema
+from library.ui.model_family import model_family
+from library.ui.web import MODEL_OPTION, RootsDep, form_page, form_values
 
 router = APIRouter(prefix="/config")
 
@@ -36,6 +37,29 @@ async def load_config(request: Request, roots: RootsDep, path: str = Query("", a
     count = len({p for ps in state.problems.values() for p in ps}) + len(state.general)
     message = f"loaded {path}" + ("" if state.ok else f": {count} problem(s)")
     return form_page(request, state, message, config_path=path)
+
+
+@router.get("/example", response_class=HTMLResponse)
+async def example(request: Request, roots: RootsDep, name: str = Query("", alias="_example")) -> HTMLResponse:
+    """A new config from a shipped example: its values in the form, saved nowhere until Save names a file."""
+    path = examples.example_path(name)
+    if path is None:
+        return beside_the_box(f"{name or '(none)'}: not one of the shipped examples", 404)
+    state = schema.file_problems(path, roots.problem)
+    # Its family is the entry's that names it, even while its model path is still a placeholder.
+    picked = {"_family": examples.example_family(name), "_family_model": state.values.get(MODEL_OPTION, "")}
+    return form_page(request, state, f"new from {name}: {examples.description(path)} Set its paths, check it, then "
+                                     "save it under a name of yours or start it", form=picked)
+
+
+@router.get("/family")
+async def family(roots: RootsDep, model: str = "") -> JSONResponse:
+    """The family of a model folder or file under the roots, as the trainer's registry tells it, and that family's
+    recommended settings (from its example config)."""
+    real = roots.resolve(model.strip()) if model.strip() else None
+    name = model_family(real) if real is not None else None
+    config, defaults = examples.family_defaults(name) if name else ("", {})
+    return JSONResponse({"family": name, "config": config, "defaults": defaults})
 
 
 @router.post("/validate", response_class=HTMLResponse)

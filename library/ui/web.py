@@ -10,7 +10,7 @@ from fastapi.responses import HTMLResponse
 from starlette.datastructures import FormData
 
 from library.config.options import GROUPS
-from library.ui import schema, security
+from library.ui import examples, schema, security
 from library.ui.model_family import FAMILIES, model_family
 from library.ui.runs import RunManager
 from library.ui.settings import Settings
@@ -58,7 +58,7 @@ def form_context(request: Request, state: schema.FormState, message: str = "", c
     model = state.values.get(MODEL_OPTION, "")
     return {"state": state, "groups": schema.fields_by_group(), "group_titles": GROUPS,
             "families": schema.families(), "message": message, "config_path": config_path,
-            "command_line_only": schema.COMMAND_LINE_ONLY, "family_model": model,
+            "command_line_only": schema.COMMAND_LINE_ONLY, "family_model": model, "examples": examples.examples(),
             "family": chosen_family(model, form or {}, roots_of(request))}
 
 

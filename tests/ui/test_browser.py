@@ -315,3 +315,21 @@ def test_the_dataset_grid_marks_every_image_the_check_rejects(ui, browser, place
     assert sorted(marked) == ["cut.png", "empty.png", "fake.jpg"]
     assert "truncated" in marked["cut.png"] and "cannot read image" in marked["fake.jpg"]
     assert "caption file is empty" in marked["empty.png"] and "empty.png" in marked["empty.png"]
+
+
+def test_choosing_a_flux_model_picks_its_family_and_offers_its_defaults(ui, browser, place):
+    from selenium.webdriver.common.keys import Keys
+
+    wait = waiting(browser)
+    browser.get(ui)
+    assert by_id(browser, "family").get_attribute("value") == "" and by_id(browser, "field-v2").is_displayed()
+    set_field(browser, "pretrained_model_name_or_path", "models/digits-flux")
+    by_id(browser, "opt-pretrained_model_name_or_path").send_keys(Keys.TAB)
+    wait.until(lambda d: by_id(d, "family").get_attribute("value") == "flux")
+    assert not by_id(browser, "field-v2").is_displayed() and by_id(browser, "field-t5xxl").is_displayed()
+    wait.until(lambda d: "flux_lora.toml" in by_id(d, "family-offer").text)
+    click(browser, "use-family-defaults")
+    assert {name: by_id(browser, f"opt-{name}").get_attribute("value") for name in (
+        "learning_rate", "resolution", "network_module", "mixed_precision")} == {
+        "learning_rate": "0.0001", "resolution": "1024,1024", "network_module": "networks.lora_flux",
+        "mixed_precision": "bf16"}

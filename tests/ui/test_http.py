@@ -388,3 +388,20 @@ def test_samples_come_with_their_prompt_and_step_and_lora_files_download(tmp_pat
     assert lora.headers["content-disposition"].startswith("attachment")
     image = c.get("/files", params={"path": str(run / "sample" / "mine_000004_00_1.png"), "download": "1"})
     assert image.headers["content-type"] == "image/png" and "attachment" in image.headers["content-disposition"]
+
+
+def test_new_from_a_shipped_example_and_a_models_family_defaults(tmp_path):
+    c = client([REPO, tmp_path])
+    page = html.unescape(c.get("/").text)
+    offered = re.findall(r'<option value="([\w.]+\.toml)" title="([^"]+)"', page)
+    assert [name for name, _ in offered] == sorted(p.name for p in (REPO / "configs").glob("*.toml"))
+    assert dict(offered)["flux_lora.toml"].startswith("A FLUX.1 [dev] LoRA") and all(about for _, about in offered)
+    flux = c.get("/config/example", params={"_example": "flux_lora.toml"}).text
+    assert shown_values(flux)["network_module"] == "networks.lora_flux" and chosen_family(flux) == "flux"
+    assert 'name="_config_path" id="config-path" value=""' in flux  # Save asks where; the example stays as it is
+    assert c.get("/config/example", params={"_example": "../README.md"}).status_code == 404
+    found = c.get("/config/family", params={"model": "models/digits-flux"}).json()
+    assert found == {"family": "flux", "config": "flux_lora.toml", "defaults": {
+        "learning_rate": "0.0001", "resolution": "1024,1024", "network_module": "networks.lora_flux",
+        "mixed_precision": "bf16"}}
+    assert c.get("/config/family", params={"model": str(tmp_path)}).json()["family"] is None

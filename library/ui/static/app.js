@@ -33,6 +33,42 @@ function loadOnEnter(e) {
   document.getElementById("load-button").click();
 }
 
+function followModel() {
+  // A model chosen in the form: its family (the trainer's own detection, on the server) picks the family filter,
+  // and that family's recommended settings are offered.
+  const model = document.getElementById("opt-pretrained_model_name_or_path");
+  const offer = document.getElementById("family-offer");
+  fetch("/config/family?model=" + encodeURIComponent(model.value.trim())).then((r) => r.json()).then((found) => {
+    offer.replaceChildren();
+    offer.hidden = !found.family;
+    if (!found.family) return;
+    document.getElementById("family").value = found.family;
+    document.querySelector("#config-form input[name=_family_model]").value = model.value;
+    filterFields();
+    const settings = Object.entries(found.defaults);
+    const text = document.createElement("span");
+    text.textContent = found.family + " model: " + (settings.length ? "recommended (" + found.config + "): " +
+      settings.map(([k, v]) => k + " " + v).join(", ") : "no recommended settings");
+    offer.append(text);
+    if (!settings.length) return;
+    const use = document.createElement("button");
+    use.type = "button";
+    use.id = "use-family-defaults";
+    use.textContent = "Use them";
+    use.addEventListener("click", () => {
+      settings.forEach(([name, value]) => {
+        const field = document.getElementById("opt-" + name);
+        if (!field) return;
+        field.value = value;
+        field.closest(".field").classList.add("is-set");
+      });
+      offer.hidden = true;
+      filterFields();
+    });
+    offer.append(" ", use);
+  });
+}
+
 function bindForm() {
   ["search", "family", "only-set"].forEach((id) => {
     const el = document.getElementById(id);
@@ -41,6 +77,11 @@ function bindForm() {
       el.dataset.bound = "1";
     }
   });
+  const model = document.getElementById("opt-pretrained_model_name_or_path");
+  if (model && !model.dataset.bound) {
+    model.addEventListener("change", followModel);
+    model.dataset.bound = "1";
+  }
   const path = document.getElementById("config-path");
   if (path && !path.dataset.bound) {
     path.addEventListener("keydown", loadOnEnter);
