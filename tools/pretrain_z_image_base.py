@@ -39,9 +39,8 @@ if str(REPO_ROOT) not in sys.path:
 from library import digits  # noqa: E402
 from library.digits import judge  # noqa: E402
 from library.families.flow_matching import time_shift  # noqa: E402
-from library.families.shared.tiny_parts import write_pipeline  # noqa: E402
+from library.families.shared.tiny_parts import build_qwen3_tokenizer, write_pipeline  # noqa: E402
 from library.families.z_image.family import ZImage, chat_prompt  # noqa: E402
-from library.families.z_image.tiny import build_qwen_tokenizer  # noqa: E402
 from tools.pretrain_base import (  # noqa: E402
     _log_every,
     corpus,
@@ -121,7 +120,7 @@ def build_parts(seed: int) -> dict[str, Any]:
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
 
-    tokenizer = build_qwen_tokenizer(corpus())
+    tokenizer = build_qwen3_tokenizer(corpus())
     vae = load_vae()
     torch.manual_seed(seed * 1000 + 2)
     transformer = ZImageTransformer2DModel(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16,

@@ -95,6 +95,7 @@ class Flux2(musubi_flow.MusubiFamily):
     control_images = MAX_REFERENCES
     display_name = "FLUX.2"
     implementation = IMPLEMENTATION
+    lora_rules = flux2_lora
     refused_options = (
         ("clip_skip", "FLUX.2 reads Qwen3's hidden states 9, 18 and 27, as musubi-tuner and the pipeline do"),
         ("max_token_length", f"prompts are {MAX_SEQUENCE_LENGTH} Qwen3 tokens, musubi-tuner's fixed length"),
@@ -180,19 +181,6 @@ class Flux2(musubi_flow.MusubiFamily):
         return [(double, swap_double), (single, swap_single)]
 
     # --- LoRA files and metadata -------------------------------------------------------------------------------
-    def denoiser_lora_targets(self, denoiser: torch.nn.Module, rank: int, alpha: float,
-                              net: Any) -> tuple[list[str], dict[str, tuple[int, float]]]:
-        try:
-            return flux2_lora.targets(denoiser, net), {}
-        except ValueError as e:
-            raise UserError(str(e)) from None
-
-    def export_lora_keys(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return flux2_lora.to_file(state_dict)
-
-    def import_lora_keys(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return flux2_lora.from_file(state_dict)
-
     def metadata_flags(self, v_prediction: bool) -> dict[str, Any]:
         # musubi's: ss_base_model_version its architecture_full_name, modelspec "<arch>/lora" and BFL's URL
         variant = VARIANTS[self.version]

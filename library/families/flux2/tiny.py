@@ -27,32 +27,13 @@ logger = logging.getLogger(__name__)
 
 TEXT_WIDTH = 16  # Qwen3's hidden size; the transformer's text input is three layers of it
 WIDTH = 32  # the transformer's inner dim: 2 heads of 16
-PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
-SPECIAL_TOKENS = (PAD, IM_START, IM_END, "<think>", "</think>")
-# What Qwen3's chat template gives one user turn with the generation prompt (with enable_thinking false, as FLUX.2
-# asks, the empty think block), the only use FLUX.2 makes of it.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
-_CORPUS = ("user assistant a an the photo picture image of in on with and sks dog cat person red green blue white "
-           "black yellow orange shape circle square triangle diamond digit zero one two three four five six seven "
-           "eight nine number written drawn small large")
-
-
-def build_tokenizer(corpus: str = _CORPUS) -> Any:
-    """A Qwen2-style byte-level BPE tokenizer (Qwen's special tokens, pad <|endoftext|>) with the chat template
-    above."""
-    return tiny_parts.build_qwen_bpe_tokenizer(corpus, SPECIAL_TOKENS, 400, chat_template=CHAT_TEMPLATE)
-
-
 def build_tiny_flux2_klein(seed: int = 0) -> dict[str, Any]:
     """The components of a tiny Flux2KleinPipeline. Weights depend only on the seed; the caller's global RNG state
     is left untouched."""
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    tokenizer = build_tokenizer()
+    tokenizer = tiny_parts.build_qwen3_tokenizer()
 
     def transformer() -> Any:
         return Flux2Transformer2DModel(

@@ -189,7 +189,8 @@ class MusubiFamily(Family):
     """What musubi-tuner's image families share here: one text encoder, never trained (musubi has no text-encoder
     LoRA); musubi's flow-matching objective with the DDPM and FLUX options refused; its ss_* fields and
     sai_model_spec; Euler sampling on the flow with the model's scheduler config. A subclass names its
-    `display_name` and `implementation` (the URL musubi's model spec gives)."""
+    `display_name`, `implementation` (the URL musubi's model spec gives) and `lora_rules`: its lora module, whose
+    `targets(denoiser, net)`, `to_file` and `from_file` are the denoiser's LoRA targets and file keys."""
     text_encoder_folders = ("text_encoder",)
     tokenizer_folders = ("tokenizer",)
     lora_text_prefixes = ("lora_te",)  # never written: the text encoder is not trained
@@ -198,6 +199,7 @@ class MusubiFamily(Family):
     implementation = ""
     refused_options: tuple[tuple[str, str], ...] = ()  # the options `configured` refuses when set, each with why
     settings_type = MusubiSettings
+    lora_rules: Any = None
 
     def configured(self, settings: MusubiSettings) -> Family:
         """Refuses the options that do not apply (`refused_options`, a guidance scale: musubi's image transformers
@@ -224,6 +226,19 @@ class MusubiFamily(Family):
 
     def lora_text_encoders(self, text_encoders: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
         return []
+
+    def denoiser_lora_targets(self, denoiser: torch.nn.Module, rank: int, alpha: float,
+                              net: Any) -> tuple[list[str], dict[str, tuple[int, float]]]:
+        try:
+            return self.lora_rules.targets(denoiser, net), {}
+        except ValueError as e:
+            raise UserError(str(e)) from None
+
+    def export_lora_keys(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.lora_rules.to_file(state_dict)
+
+    def import_lora_keys(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.lora_rules.from_file(state_dict)
 
     def metadata_flags(self, v_prediction: bool) -> dict[str, Any]:
         # musubi's sai_model_spec: architecture "<model>/lora" and the model's implementation URL

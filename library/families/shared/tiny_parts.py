@@ -153,6 +153,24 @@ def build_t5(tokenizer: Any, width: int) -> Any:
                                    decoder_start_token_id=0))
 
 
+QWEN3_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
+# What Qwen3's chat template gives one user turn with the generation prompt (thinking on; off, as FLUX.2 asks, adds
+# the empty think block): the only use Z-Image and FLUX.2 make of it.
+QWEN3_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+QWEN3_CORPUS = ("user assistant a an the photo picture image of in on with and sks dog cat person red green blue "
+                "white black yellow orange shape circle square triangle diamond digit zero one two three four five "
+                "six seven eight nine number written drawn small large")
+
+
+def build_qwen3_tokenizer(corpus: str = QWEN3_CORPUS) -> Any:
+    """A tiny Qwen3 tokenizer: byte-level BPE (Qwen's special tokens, pad <|endoftext|>) learned from `corpus`,
+    with Qwen3's chat template."""
+    return build_qwen_bpe_tokenizer(corpus, QWEN3_SPECIAL_TOKENS, 400, chat_template=QWEN3_CHAT_TEMPLATE)
+
+
 def build_qwen_bpe_tokenizer(corpus: str, special_tokens: Sequence[str], vocab_size: int, **options: Any) -> Any:
     """A Qwen2-style byte-level BPE tokenizer learned from the words of `corpus` (each alone and after a space),
     with `special_tokens` and Qwen's pad <|endoftext|> and end <|im_end|> among them, no BOS and no unknown token;

@@ -17,7 +17,6 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from library.config import UserError
 from library.families.family import Components, Tokenizer
 from library.families.loading import LoadRequest
 from library.families.shared import checks as transformer_checks
@@ -48,6 +47,7 @@ class ZImage(musubi_flow.MusubiFamily):
     base_model_version = "z_image"  # musubi's ss_base_model_version
     display_name = "Z-Image"
     implementation = "https://github.com/Tongyi-MAI/Z-Image"
+    lora_rules = z_image_lora
     default_sampling_scale = DEFAULT_CFG
     refused_options = (
         ("clip_skip", "Z-Image reads Qwen3's second-to-last layer, as musubi-tuner and ZImagePipeline do"),
@@ -87,20 +87,6 @@ class ZImage(musubi_flow.MusubiFamily):
         t = (1 - timesteps.float() / 1000).to(noisy.dtype)  # musubi's (1000 - t) / 1000
         out = denoiser(images, t, captions, return_dict=False)[0]
         return -torch.stack(out).squeeze(2)
-
-    # --- LoRA files ---------------------------------------------------------------------------------------------
-    def denoiser_lora_targets(self, denoiser: torch.nn.Module, rank: int, alpha: float,
-                              net: Any) -> tuple[list[str], dict[str, tuple[int, float]]]:
-        try:
-            return z_image_lora.targets(denoiser, net), {}
-        except ValueError as e:
-            raise UserError(str(e)) from None
-
-    def export_lora_keys(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return z_image_lora.to_file(state_dict)
-
-    def import_lora_keys(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return z_image_lora.from_file(state_dict)
 
     # --- sampling ----------------------------------------------------------------------------------------------
     def pipeline(self, denoiser: Any, vae: Any, text_encoders: Sequence[Any], tokenizers: Sequence[Any],

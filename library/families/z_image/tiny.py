@@ -21,23 +21,6 @@ from library.families.z_image.files import COMFY_PREFIX, comfy_state_dict
 logger = logging.getLogger(__name__)
 
 WIDTH = 32  # text width and the transformer's dim (2 heads of 16)
-PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
-SPECIAL_TOKENS = (PAD, IM_START, IM_END, "<think>", "</think>")
-# What Qwen3's chat template gives one user turn with the generation prompt (thinking on; off adds the empty
-# think block), the only use Z-Image makes of it.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
-_CORPUS = ("user assistant a an the photo picture image of in on with and sks dog cat person red green blue white "
-           "black yellow orange shape circle square triangle diamond digit zero one two three four five six seven "
-           "eight nine number written drawn small large")
-
-
-def build_qwen_tokenizer(corpus: str = _CORPUS) -> Any:
-    """A Qwen2-style byte-level BPE tokenizer (Qwen's special tokens, pad <|endoftext|>) learned from `corpus`,
-    with the chat template above."""
-    return tiny_parts.build_qwen_bpe_tokenizer(corpus, SPECIAL_TOKENS, 400, chat_template=CHAT_TEMPLATE)
 
 
 def build_tiny_z_image(seed: int = 0) -> dict[str, Any]:
@@ -46,7 +29,7 @@ def build_tiny_z_image(seed: int = 0) -> dict[str, Any]:
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
 
-    tokenizer = build_qwen_tokenizer()
+    tokenizer = tiny_parts.build_qwen3_tokenizer()
 
     def transformer() -> Any:
         model = ZImageTransformer2DModel(
