@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 
-from library.config import Config, parse_config
+from library.config import Config
 from library.core.atomic import write_atomically
 from library.data.captions import read_caption
 from library.data.dataset_config import resolve_datasets
@@ -34,10 +34,10 @@ async def dataset(request: Request, roots: RootsDep, settings: SettingsDep) -> H
         values["output_dir"] = str(roots.paths[0] / "output")
     state, text = schema.check(values, roots.problem)
     data_problems = {k: v for k, v in state.problems.items() if k not in ("output_dir",)}
-    if data_problems or state.general:
+    if data_problems or state.general or state.config is None:
         return page(request, "dataset.html", report="", subsets=[],
-                    problems=[p for ps in data_problems.values() for p in ps] + state.general)
-    subsets = await asyncio.to_thread(subset_views, config_from(text), roots)
+                    problems=[p for ps in (data_problems or state.problems).values() for p in ps] + state.general)
+    subsets = await asyncio.to_thread(subset_views, state.config, roots)
     report = await asyncio.to_thread(dataset_check, text, settings.python, roots.cwd)
     return page(request, "dataset.html", report=report, subsets=subsets, problems=[])
 
@@ -113,14 +113,6 @@ def rejections(problems: list[str], roots: security.Roots) -> dict[str, list[str
 def caption_keys(image: Path, extension: str) -> list[str]:
     """The files whose problems are an image's: itself and the caption files the trainer would read for it."""
     return list(dict.fromkeys([str(image)] + [str(image.with_name(image.stem + e)) for e in (extension, ".txt")]))
-
-
-def config_from(text: str) -> Config:
-    with tempfile.TemporaryDirectory(prefix="lora-ui-") as tmp:
-        path = Path(tmp) / "config.toml"
-        path.write_text(text, encoding="utf-8")
-        config, _ = parse_config(["--config", str(path)])
-    return config
 
 
 def dataset_check(text: str, python: str, cwd: Path) -> str:

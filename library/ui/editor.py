@@ -1,6 +1,7 @@
 """The config editor: load a TOML file into the form, check the form with the command line's checks, save it."""
 from __future__ import annotations
 
+import asyncio
 import html
 from pathlib import Path
 
@@ -8,7 +9,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from library.core.atomic import write_atomically
-from library.ui import examples, schema
+from library.ui import examples, preflight, schema
 from library.ui.model_family import model_family
 from library.ui.web import MODEL_OPTION, RootsDep, form_page, form_values
 
@@ -65,8 +66,11 @@ async def family(roots: RootsDep, model: str = "") -> JSONResponse:
 @router.post("/validate", response_class=HTMLResponse)
 async def validate(request: Request, roots: RootsDep) -> HTMLResponse:
     form = await request.form()
-    state, _ = schema.check(form_values(form), roots.problem, str(form.get("_prompts", "")))
-    return form_page(request, state, "no problems found" if state.ok else "problems found",
+    values = form_values(form)
+    state, _ = schema.check(values, roots.problem, str(form.get("_prompts", "")))
+    await asyncio.to_thread(preflight.look_ahead, state, values, roots)
+    problems = sum(len(ps) for ps in state.problems.values()) + len(state.general)
+    return form_page(request, state, "no problems found" if state.ok else f"{problems} problem(s) found:",
                      config_path=str(form.get("_config_path", "")), form=form)
 
 

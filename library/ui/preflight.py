@@ -1,15 +1,89 @@
-"""What a run will meet that the config's checks do not see: earlier work in its output folder."""
+"""What a run will meet that the config's checks do not see, read the way the trainer reads it: the model's folder or
+file (its family, from the registry's detectors: no weights loaded), the dataset (the dataset check's scan) and
+earlier work in the output folder."""
 from __future__ import annotations
 
 import time
 from pathlib import Path
 from typing import Callable
 
+from library.config import Config, ConfigError
+from library.data.dataset_config import resolve_datasets
+from library.data.images import IMAGE_EXTENSIONS
+from library.data.scan import listing, scan_datasets
 from library.monitoring.events import EVENTS_FILE
+from library.ui import schema, security
+from library.ui.model_family import model_family
 from library.ui.run_status import RUN_CONFIG, run_status
 
 LORA_SUFFIXES = (".safetensors", ".ckpt", ".pt")
 DEFAULT_OUTPUT_NAME = "last"  # the trainer's (kohya's) output_name when none is set
+MODEL_OPTION = "pretrained_model_name_or_path"
+NOT_MODELS = (*IMAGE_EXTENSIONS, ".txt", ".caption", ".toml", ".json", ".md")  # files that are surely no model
+
+
+def look_ahead(state: schema.FormState, values: dict[str, str], roots: security.Roots, output: bool = True) -> None:
+    """Add to `state` what the run would meet: a model no family reads, a dataset the check calls not usable (as
+    problems), and, with `output`, earlier work in the output folder (a warning: Start run asks about it)."""
+    model = values.get(MODEL_OPTION, "").strip()
+    real = roots.resolve(model) if model and MODEL_OPTION not in state.problems else None
+    problem = model_problem(real, model) if real is not None and real.exists() else None
+    if problem:
+        state.problems.setdefault(MODEL_OPTION, []).append(problem)
+    if state.config is not None:
+        name = "dataset_config" if state.config.dataset_config else "train_data_dir"
+        verdict = dataset_verdict(state.config)
+        if verdict and name not in state.problems:
+            state.problems.setdefault(name, []).append(f"{name}: {verdict}")
+    typed = values.get("output_dir", "").strip()
+    folder = roots.resolve(typed) if output and typed else None
+    earlier = earlier_work(folder, values.get("output_name")) if folder is not None else None
+    if earlier:
+        state.warnings.setdefault("output_dir", []).append(f"output_dir: {typed} {earlier}; Start run asks first")
+
+
+def model_problem(path: Path, typed: str) -> str | None:
+    """What is wrong with a model folder or file no family recognises, naming what it is instead."""
+    if model_family(path) is not None:
+        return None
+    if path.is_dir():
+        return (f"{MODEL_OPTION}: {typed} is {folder_contents(path)}, not a model: no family reads it (a model is a "
+                "diffusers folder, with model_index.json and its unet/ or transformer/, or a checkpoint file)")
+    if path.suffix.lower() in NOT_MODELS:
+        return f"{MODEL_OPTION}: {typed} is a {path.suffix} file, not a model checkpoint"
+    return None  # a file of another kind: the trainer's reader names what it is
+
+
+def folder_contents(path: Path) -> str:
+    """What a folder holds, in a few words."""
+    entries = sorted(p for p in path.iterdir() if not p.name.startswith("."))
+    images = [p for p in entries if p.suffix.lower() in IMAGE_EXTENSIONS]
+    captions = [p for p in entries if p.suffix.lower() in (".txt", ".caption")]
+    folders = [p for p in entries if p.is_dir()]
+    if not entries:
+        return "an empty folder"
+    if images:
+        return f"a folder of {len(images)} image{'s' * (len(images) > 1)}" + (
+            f" and {len(captions)} caption{'s' * (len(captions) > 1)} (a dataset?)" if captions else "")
+    if folders and all(p.name.split("_", 1)[0].isdigit() for p in folders):
+        return f"a dataset folder in kohya's layout ({listing([p.name for p in folders])})"
+    return f"a folder holding {listing([p.name for p in entries])}"
+
+
+def dataset_verdict(config: Config) -> str | None:
+    """The dataset check's verdict when the dataset is not usable (its problems, the first few), else None."""
+    problems: list[str] = []
+    try:
+        specs = resolve_datasets(config, [], problems)
+    except ConfigError:
+        return None  # the config's checks name it
+    scan = scan_datasets(specs)
+    problems += scan.problems
+    if scan.records and (config.skip_bad_images or not problems):
+        return None
+    problems = problems or ["no usable images"]
+    return (f"the dataset check finds it NOT USABLE, {len(problems)} problem(s): {'; '.join(problems[:3])}"
+            + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "") + " (Check dataset shows each)")
 
 
 def finished_lora(output_dir: Path, output_name: str | None) -> Path | None:

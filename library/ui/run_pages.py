@@ -44,6 +44,7 @@ async def start(request: Request, roots: RootsDep, manager: ManagerDep) -> HTMLR
     output_dir = roots.resolve(values.get("output_dir", "")) if values.get("output_dir") else None
     prompts_file = output_dir / PROMPTS_FILE if output_dir is not None else None
     state, text = schema.check(values, roots.problem, str(form.get("_prompts", "")), str(prompts_file or ""))
+    await asyncio.to_thread(preflight.look_ahead, state, values, roots, output=False)
     offer = output_problems(state, values, output_dir, roots, manager, form.get("_overwrite") == "yes")
     config_path = str(form.get("_config_path", ""))
     if not state.ok or output_dir is None or prompts_file is None:

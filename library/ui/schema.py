@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from library.config import ConfigError, parse_config, read_toml
+from library.config import Config, ConfigError, parse_config, read_toml
 from library.config.dump import config_toml
 from library.config.options import ALIASES, GROUPS, OPTIONS, Option
 from library.data.dataset_config import dataset_toml_problems
@@ -51,6 +51,8 @@ class FormState:
     hidden_secrets: list[str] = field(default_factory=list)  # secrets set in a loaded file, never shown
     unreadable: bool = False  # a loaded file that is not TOML: its problem is in general
     prompts: str = ""  # sample prompts typed in the form (kohya's .txt format), written as the run's prompt file
+    warnings: dict[str, list[str]] = field(default_factory=dict)  # per field; they do not stop a run
+    config: Config | None = None  # the form as the trainer reads it, when the config's checks pass
 
     @property
     def ok(self) -> bool:
@@ -173,7 +175,7 @@ def check(form: Mapping[str, str], path_check: Callable[[str, str], str | None],
         (Path(tmp) / "prompts.txt").write_text(state.prompts, encoding="utf-8")
         path.write_text(toml_text({**values, **typed}), encoding="utf-8")
         try:
-            _, notes = parse_config(["--config", str(path)], extra_checks=[dataset_toml_problems])
+            state.config, notes = parse_config(["--config", str(path)], extra_checks=[dataset_toml_problems])
             state.notes = [n.replace(str(path), "config") for n in notes]
         except ConfigError as e:
             for problem in e.problems:

@@ -333,3 +333,23 @@ def test_choosing_a_flux_model_picks_its_family_and_offers_its_defaults(ui, brow
         "learning_rate", "resolution", "network_module", "mixed_precision")} == {
         "learning_rate": "0.0001", "resolution": "1024,1024", "network_module": "networks.lora_flux",
         "mixed_precision": "bf16"}
+
+
+def test_check_names_a_folder_of_images_given_as_the_model_at_the_top_with_a_link(ui, browser, place):
+    from selenium.webdriver.common.by import By
+
+    wait = waiting(browser)
+    images = place / "images"
+    images.mkdir()
+    shutil.copy(REPO / "data" / "digits" / "train" / "10_sks" / "7_00.png", images)
+    browser.get(ui)
+    for name, value in [("pretrained_model_name_or_path", str(images)), ("train_data_dir", "data/digits/train"),
+                        ("output_dir", str(place / "out"))]:
+        set_field(browser, name, value)
+    browser.execute_script("window.scrollTo(0, 0)")
+    by_id(browser, "check-button").click()
+    wait.until(lambda d: "problem(s) found" in by_id(d, "form-message").text)
+    link = browser.find_element(By.CSS_SELECTOR, '#problem-links a[data-field="pretrained_model_name_or_path"]')
+    assert "is a folder of 1 image, not a model" in link.text and link.is_displayed()
+    link.click()
+    wait.until(lambda d: d.switch_to.active_element.get_attribute("id") == "opt-pretrained_model_name_or_path")

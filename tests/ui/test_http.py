@@ -405,3 +405,27 @@ def test_new_from_a_shipped_example_and_a_models_family_defaults(tmp_path):
         "learning_rate": "0.0001", "resolution": "1024,1024", "network_module": "networks.lora_flux",
         "mixed_precision": "bf16"}}
     assert c.get("/config/family", params={"model": str(tmp_path)}).json()["family"] is None
+
+
+def test_check_sees_the_model_the_dataset_and_the_output_folder_as_the_run_will(tmp_path):
+    images = tmp_path / "images"
+    (images / "1_sks").mkdir(parents=True)
+    for name in ("7_00", "7_01"):
+        shutil.copy(REPO / "data/digits/train/10_sks" / f"{name}.png", images)
+        shutil.copy(REPO / "data/digits/train/10_sks" / f"{name}.png", images / "1_sks")
+    (images / "1_sks" / "7_00.txt").write_text("\n", encoding="utf-8")
+    finished_run(tmp_path / "done")
+    c = client([REPO, tmp_path])
+    page = html.unescape(c.post("/config/validate", headers=ORIGIN, data={
+        "pretrained_model_name_or_path": str(images), "train_data_dir": str(images),
+        "output_dir": str(tmp_path / "done"), "output_name": "mine", "resolution": "32"}).text)
+    assert "is a folder of 2 images, not a model" in field_html(page, "pretrained_model_name_or_path")
+    assert "NOT USABLE, 1 problem(s): " in field_html(page, "train_data_dir") and "caption file is empty" in page
+    assert "holds a finished LoRA, mine.safetensors" in field_html(page, "output_dir")
+    top = page[page.index('id="problem-links"'):page.index("</ul>", page.index('id="problem-links"'))]
+    assert top.count('data-field="pretrained_model_name_or_path"') == 1 and 'data-field="train_data_dir"' in top
+    assert 'class="warning"><a href="#field-output_dir"' in top  # Start asks about it; it stops nothing
+    fine = c.post("/config/validate", headers=ORIGIN, data={
+        "pretrained_model_name_or_path": "models/digits-base", "train_data_dir": "data/digits/train",
+        "output_dir": str(tmp_path / "new"), "resolution": "32"}).text
+    assert "no problems found" in fine and 'id="problem-links"' not in fine

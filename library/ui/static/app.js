@@ -92,6 +92,20 @@ function bindForm() {
 }
 
 document.addEventListener("click", (e) => {
+  // A problem listed at the top of the form: go to its field (its group opened, the filters set aside).
+  const link = e.target.closest("#problem-links a[data-field]");
+  if (!link) return;
+  e.preventDefault();
+  const field = document.getElementById("field-" + link.dataset.field);
+  field.hidden = false;
+  field.closest("details").hidden = false;
+  field.closest("details").open = true;
+  field.scrollIntoView({block: "center"});
+  const input = field.querySelector("input, select, textarea");
+  if (input) input.focus({preventScroll: true});
+});
+
+document.addEventListener("click", (e) => {
   // The offer of a new output folder instead of one holding earlier work: the field takes it, nothing starts.
   const use = e.target.closest("#use-new-folder");
   if (!use) return;
