@@ -171,11 +171,7 @@ class Flux(FluxArchitecture):
         if settings.model_type == "chroma":
             problems.append("model_type chroma: the weights are FLUX.1's (they have its modulation layers, which "
                             "Chroma's approximator replaces); set model_type = \"flux\" or leave it out")
-        problems += transformer_checks.size_problems(settings.sizes, "FLUX")
-        train_t5xxl = bool(settings.network_args.train_t5xxl)
-        problems += transformer_checks.train_t5xxl_problems(settings.network_train_unet_only, train_t5xxl)
-        if problems:
-            raise UserError(problems)
+        train_t5xxl = transformer_checks.raise_kohya_t5_problems(problems, settings, "FLUX")
         return dataclasses.replace(self, t5_max_length=settings.t5xxl_max_token_length,
                                    apply_t5_attn_mask=settings.apply_t5_attn_mask,
                                    guidance_scale=settings.guidance_scale, train_t5xxl=train_t5xxl)

@@ -143,11 +143,7 @@ class SD3(Family):
         if not 0 <= settings.pos_emb_random_crop_rate <= 1:
             problems.append(f"pos_emb_random_crop_rate {settings.pos_emb_random_crop_rate}: a probability, between 0 "
                             "and 1")
-        problems += transformer_checks.size_problems(settings.sizes, "SD3")
-        train_t5xxl = bool(settings.network_args.train_t5xxl)
-        problems += transformer_checks.train_t5xxl_problems(settings.network_train_unet_only, train_t5xxl)
-        if problems:
-            raise UserError(problems)
+        train_t5xxl = transformer_checks.raise_kohya_t5_problems(problems, settings, "SD3")
         return dataclasses.replace(self, t5_max_length=settings.t5xxl_max_token_length,
                                    apply_lg_attn_mask=settings.apply_lg_attn_mask,
                                    apply_t5_attn_mask=settings.apply_t5_attn_mask, train_t5xxl=train_t5xxl,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from library.config import UserError
 
@@ -40,3 +41,14 @@ def train_t5xxl_problems(network_train_unet_only: bool, train_t5xxl: bool) -> li
         return ["network_args train_t5xxl: T5 trains with the text encoders, and network_train_unet_only trains the "
                 "transformer only; drop one"]
     return []
+
+
+def raise_kohya_t5_problems(problems: list[str], settings: Any, family: str) -> bool:
+    """`problems` with those of the sizes and of kohya's train_t5xxl (`settings`: a FLUX.1 or SD3 family's), raised
+    together if there are any; else whether T5 trains."""
+    train_t5xxl = bool(settings.network_args.train_t5xxl)
+    problems = [*problems, *size_problems(settings.sizes, family),
+                *train_t5xxl_problems(settings.network_train_unet_only, train_t5xxl)]
+    if problems:
+        raise UserError(problems)
+    return train_t5xxl
