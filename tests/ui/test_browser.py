@@ -87,10 +87,12 @@ def browser():
 
 
 @pytest.fixture
-def place(root, request) -> Path:
-    """This test's folder under the UI's root."""
+def place(root, request, ui, browser) -> Path:
+    """This test's folder under the UI's root; the browser's tab starts without the form of the test before."""
     path = root / request.node.name
     path.mkdir()
+    browser.get(f"{ui}/login")
+    browser.execute_script("sessionStorage.clear()")
     return path
 
 
@@ -201,7 +203,8 @@ def test_configure_train_watch_stop_resume_in_a_browser(ui, browser, place):
     assert (run_dir / "quickstart_lora.safetensors").is_file()
 
 
-def test_load_never_destroys_the_form_and_enter_in_the_box_loads(ui, browser, place):
+def test_load_and_leaving_the_page_keep_the_forms_edits_and_enter_in_the_box_loads(ui, browser, place):
+    from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
     wait = waiting(browser)
@@ -215,6 +218,11 @@ def test_load_never_destroys_the_form_and_enter_in_the_box_loads(ui, browser, pl
     box.send_keys(str(place / "missing.toml") + Keys.ENTER)
     wait.until(lambda d: "no such file" in by_id(d, "config-path-problem").text)
     assert by_id(browser, "opt-network_dim").get_attribute("value") == "12"
+    run = finished_run(place / "run")  # away to a run's page and back by the header's link: the edits stay
+    browser.get(f"{ui}/runs/view?path={run}")
+    browser.find_element(By.LINK_TEXT, "Config").click()
+    wait.until(lambda d: by_id(d, "opt-network_dim").get_attribute("value") == "12")
+    box = by_id(browser, "config-path")
     box.clear()
     box.send_keys("configs/quickstart.toml" + Keys.ENTER)  # Load, not Check
     wait.until(lambda d: "loaded configs/quickstart.toml" in by_id(d, "form-message").text)

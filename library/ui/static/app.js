@@ -64,9 +64,38 @@ function followModel() {
       });
       offer.hidden = true;
       filterFields();
+      saveDraft();
     });
     offer.append(" ", use);
   });
+}
+
+const DRAFT = "lora-ui-form";  // this tab's form, so that leaving the page and coming back keeps its edits
+
+function draftFields() {
+  // Secrets never go to the browser's storage; the page's own controls (filters, example list) are not the config.
+  return [...document.querySelectorAll("#config-form [name]")].filter((el) =>
+    el.type !== "password" && (!el.name.startsWith("_") || el.name === "_prompts" || el.name === "_config_path"));
+}
+
+function saveDraft() {
+  const values = {};
+  draftFields().forEach((el) => { if (el.value) values[el.name] = el.value; });
+  sessionStorage.setItem(DRAFT, JSON.stringify(values));
+}
+
+function restoreDraft() {
+  // Only into an untouched form: one the server filled (a clone, a load) is not replaced.
+  const form = document.getElementById("config-form");
+  const saved = JSON.parse(sessionStorage.getItem(DRAFT) || "{}");
+  if (!form || form.querySelector(".field.is-set") || !Object.keys(saved).length) return;
+  draftFields().forEach((el) => {
+    if (!(el.name in saved)) return;
+    el.value = saved[el.name];
+    const field = el.closest(".field");
+    if (field) field.classList.add("is-set");
+  });
+  document.getElementById("form-message").textContent = "the unsaved edits of this tab are back";
 }
 
 function bindForm() {
@@ -81,6 +110,12 @@ function bindForm() {
   if (model && !model.dataset.bound) {
     model.addEventListener("change", followModel);
     model.dataset.bound = "1";
+  }
+  const form = document.getElementById("config-form");
+  if (form) {
+    form.addEventListener("input", saveDraft);
+    form.addEventListener("change", saveDraft);
+    saveDraft();  // the form the server just sent (a load, a check) is the draft from now on
   }
   const path = document.getElementById("config-path");
   if (path && !path.dataset.bound) {
@@ -111,6 +146,7 @@ document.addEventListener("click", (e) => {
   if (!use) return;
   document.getElementById("opt-output_dir").value = use.dataset.folder;
   document.getElementById("new-folder-offer").remove();
+  saveDraft();
 });
 
 document.addEventListener("htmx:beforeSwap", (e) => {
@@ -319,4 +355,4 @@ function runView() {
   });
 }
 
-document.addEventListener("DOMContentLoaded", () => { bindForm(); runView(); });
+document.addEventListener("DOMContentLoaded", () => { restoreDraft(); bindForm(); runView(); });
