@@ -39,8 +39,9 @@ if str(REPO_ROOT) not in sys.path:
 from library import digits  # noqa: E402
 from library.digits import judge  # noqa: E402
 from library.families.flow_matching import time_shift  # noqa: E402
+from library.families.shared.qwen3_text import chat_prompt  # noqa: E402
 from library.families.shared.tiny_parts import build_qwen3_tokenizer, write_pipeline  # noqa: E402
-from library.families.z_image.family import ZImage, chat_prompt  # noqa: E402
+from library.families.z_image.family import ZImage  # noqa: E402
 from tools.pretrain_base import (  # noqa: E402
     _log_every,
     corpus,
@@ -142,7 +143,7 @@ def caption_tokens(tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """(11, L) ids and attention mask of every digit's caption (indexed by digit) and, last, the empty caption,
     each through the chat template as ZImagePipeline reads it, padded to the longest (Qwen3 is causal and the
     padding is dropped, so the padded length changes nothing)."""
-    texts = [chat_prompt(tokenizer, digits.caption(d)) for d in range(10)] + [chat_prompt(tokenizer, "")]
+    texts = [chat_prompt(tokenizer, text, thinking=True) for text in [*map(digits.caption, range(10)), ""]]
     encoded = tokenizer(texts, padding="longest", return_tensors="pt")
     return encoded.input_ids, encoded.attention_mask
 

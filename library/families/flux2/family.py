@@ -27,7 +27,7 @@ from library.families.flux2 import latents as flux2_latents
 from library.families.flux2 import lora as flux2_lora
 from library.families.flux2.transformer import fuse_attention_projections
 from library.families.loading import LoadRequest
-from library.families.shared import musubi_flow
+from library.families.shared import musubi_flow, qwen3_text
 from library.families.shared.diffusers_folder import load_folder, transformer_class
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,6 @@ logger = logging.getLogger(__name__)
 TRANSFORMER_CLASS = "Flux2Transformer2DModel"
 KLEIN_PIPELINE = "Flux2KleinPipeline"
 HIDDEN_LAYERS = (9, 18, 27)  # Qwen3's hidden states FLUX.2 [klein] reads (musubi's OUTPUT_LAYERS_QWEN3)
-MAX_SEQUENCE_LENGTH = 512  # tokens, chat template included: the pipeline's and musubi's fixed length
 IMPLEMENTATION = "https://github.com/black-forest-labs/flux2"  # musubi's IMPL_FLUX_2
 REFERENCE = "reference_"  # conditioning keys of the reference images' latents: reference_0, reference_1, ...
 MAX_REFERENCES = 10  # BFL's stated limit for FLUX.2's reference images; the transformer itself sets none
@@ -80,13 +79,6 @@ def swap_split(count: int, double: int, single: int) -> tuple[int, int]:
     return swap_double, swap_single
 
 
-def chat_prompt(tokenizer: Any, caption: str) -> str:
-    """The caption as Flux2KleinPipeline and musubi give it to Qwen3: a user turn of the chat template with the
-    generation prompt, thinking disabled."""
-    return tokenizer.apply_chat_template([{"role": "user", "content": caption}], tokenize=False,
-                                         add_generation_prompt=True, enable_thinking=False)
-
-
 @dataclasses.dataclass(frozen=True)
 class Flux2(musubi_flow.MusubiFamily):
     """FLUX.2 [klein]; `version` is musubi's model_version of the weights. Nothing in the prompts depends on the
@@ -98,7 +90,8 @@ class Flux2(musubi_flow.MusubiFamily):
     lora_rules = flux2_lora
     refused_options = (
         ("clip_skip", "FLUX.2 reads Qwen3's hidden states 9, 18 and 27, as musubi-tuner and the pipeline do"),
-        ("max_token_length", f"prompts are {MAX_SEQUENCE_LENGTH} Qwen3 tokens, musubi-tuner's fixed length"),
+        ("max_token_length",
+         f"prompts are {qwen3_text.MAX_SEQUENCE_LENGTH} Qwen3 tokens, musubi-tuner's fixed length"),
         ("t5xxl_max_token_length", "FLUX.2 has no T5"),
         ("apply_t5_attn_mask", "FLUX.2 has no T5, and its transformer sees the padding unmasked"),
         ("clip_l", "FLUX.2 has no CLIP-L"), ("t5xxl", "FLUX.2 has no T5"),
@@ -120,13 +113,8 @@ class Flux2(musubi_flow.MusubiFamily):
 
     # --- prompts ----------------------------------------------------------------------------------------------
     def tokenizer(self, components: Components, max_token_length: int | None) -> Tokenizer:
-        tokenizer = components.tokenizers[0]
-
-        def tokens(caption: str) -> dict[str, torch.Tensor]:
-            encoded = tokenizer(chat_prompt(tokenizer, caption), padding="max_length",
-                                max_length=MAX_SEQUENCE_LENGTH, truncation=True, return_tensors="pt")
-            return {"input_ids": encoded.input_ids[0], "attention_mask": encoded.attention_mask[0]}
-        return tokens
+        """The caption as Flux2KleinPipeline and musubi give it to Qwen3: a chat-template turn, thinking off."""
+        return qwen3_text.chat_tokenizer(components.tokenizers[0], thinking=False)
 
     def encode_text(self, text_encoders: Sequence[torch.nn.Module], tokens: Mapping[str, torch.Tensor],
                     clip_skip: int | None) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ import torch
 from library.families.family import Components, Tokenizer
 from library.families.loading import LoadRequest
 from library.families.shared import checks as transformer_checks
-from library.families.shared import musubi_flow
+from library.families.shared import musubi_flow, qwen3_text
 from library.families.shared.diffusers_folder import load_folder, transformer_class
 from library.families.shared.sampling import unscaled_latents
 from library.families.z_image import lora as z_image_lora
@@ -29,15 +29,7 @@ logger = logging.getLogger(__name__)
 
 FOLDERS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 TRANSFORMER_CLASS = "ZImageTransformer2DModel"
-MAX_SEQUENCE_LENGTH = 512  # musubi's and ZImagePipeline's prompt length in tokens (chat template included)
 DEFAULT_CFG = 4.0  # musubi's sample CFG scale without --l (Z-Image base's official default)
-
-
-def chat_prompt(tokenizer: Any, caption: str) -> str:
-    """The caption as musubi and ZImagePipeline give it to Qwen3: a user turn of the chat template with the
-    generation prompt, thinking enabled."""
-    return tokenizer.apply_chat_template([{"role": "user", "content": caption}], tokenize=False,
-                                         add_generation_prompt=True, enable_thinking=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +43,8 @@ class ZImage(musubi_flow.MusubiFamily):
     default_sampling_scale = DEFAULT_CFG
     refused_options = (
         ("clip_skip", "Z-Image reads Qwen3's second-to-last layer, as musubi-tuner and ZImagePipeline do"),
-        ("max_token_length", f"prompts are {MAX_SEQUENCE_LENGTH} Qwen3 tokens, musubi-tuner's fixed length"),
+        ("max_token_length",
+         f"prompts are {qwen3_text.MAX_SEQUENCE_LENGTH} Qwen3 tokens, musubi-tuner's fixed length"),
         ("t5xxl_max_token_length", "Z-Image has no T5"),
         ("apply_t5_attn_mask", "Z-Image has no T5; Qwen3's padding is always left out"),
         ("clip_l", "Z-Image has no CLIP-L"), ("t5xxl", "Z-Image has no T5"),
@@ -59,13 +52,8 @@ class ZImage(musubi_flow.MusubiFamily):
 
     # --- prompts ----------------------------------------------------------------------------------------------
     def tokenizer(self, components: Components, max_token_length: int | None) -> Tokenizer:
-        tokenizer = components.tokenizers[0]
-
-        def tokens(caption: str) -> dict[str, torch.Tensor]:
-            encoded = tokenizer(chat_prompt(tokenizer, caption), padding="max_length",
-                                max_length=MAX_SEQUENCE_LENGTH, truncation=True, return_tensors="pt")
-            return {"input_ids": encoded.input_ids[0], "attention_mask": encoded.attention_mask[0]}
-        return tokens
+        """The caption as ZImagePipeline and musubi give it to Qwen3: a chat-template user turn, thinking enabled."""
+        return qwen3_text.chat_tokenizer(components.tokenizers[0], thinking=True)
 
     def encode_text(self, text_encoders: Sequence[torch.nn.Module], tokens: Mapping[str, torch.Tensor],
                     clip_skip: int | None) -> dict[str, torch.Tensor]:
