@@ -40,7 +40,7 @@ def wait_for(check, timeout: float = 240.0, every: float = 0.5):
 def test_failing_and_killed_runs_and_a_ui_restart(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     broken_model = tmp_path / "empty_model"
-    broken_model.mkdir()
+    (broken_model / "unet").mkdir(parents=True)  # an SD folder to the family detectors, without its parts
     failing, killed = tmp_path / "failing", tmp_path / "killed"
     first = client(tmp_path)
     # Two UIs, so the two runs train side by side (one UI runs one at a time).
@@ -53,7 +53,7 @@ def test_failing_and_killed_runs_and_a_ui_restart(tmp_path, monkeypatch):
     again = other.post("/runs/start", data={**QUICKSTART, "output_dir": str(killed)}, headers=ORIGIN)
     assert again.status_code == 400 and "is in use by a run" in again.text
 
-    # A run that fails at start: the UI's checks pass (the folder exists), the trainer cannot load it.
+    # A run that fails at start: the UI's checks pass (the folder is an SD folder), the trainer cannot load it.
     status = wait_for(lambda: (s := other.get("/runs/status", params={"path": str(failing)}).json())["status"]
                       != "running" and s)
     assert status["status"] == "failed", status
