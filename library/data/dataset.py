@@ -59,6 +59,7 @@ class TrainingDataset(torch.utils.data.Dataset):
         self.samples = samples  # sample index -> record index
         self.seed = seed
         self.tokenize = tokenize
+        self.tokenize_controls = False  # tokenize(caption, control pixels): the prompt reads the controls
         self.prior_loss_weight = prior_loss_weight
         self.latents: Any = None  # object with get(record_index, flipped) -> (mean, logvar)
         self.control_latents: Any = None  # object with get(control, flipped, interpolation) -> mean
@@ -118,6 +119,10 @@ class TrainingDataset(torch.utils.data.Dataset):
         # The family's token ids, or its cached text-encoder outputs: a dict of tensors either way.
         if self.text_encoder_outputs is not None:
             item["text"] = self.text_encoder_outputs[caption]
+        elif self.tokenize is not None and self.tokenize_controls and record.controls:
+            pixels = item.get("control_pixels") or control_inputs(record.controls, subset, flipped,
+                                                                  None)["control_pixels"]
+            item["text"] = self.tokenize(caption, pixels)
         elif self.tokenize is not None:
             item["text"] = self.tokenize(caption)
         return item
@@ -232,10 +237,11 @@ class TrainingData:
     subsets: list[SubsetReport]
     validation: TrainingDataset | None = None  # held-out images (validation_split), each once
 
-    def set_tokenizer(self, tokenize: Callable[[str], torch.Tensor]) -> None:
+    def set_tokenizer(self, tokenize: Callable[..., Any], with_controls: bool = False) -> None:
+        """`with_controls`: the tokenizer is called as tokenize(caption, control pixels) for items with controls."""
         for dataset in (self.dataset, self.validation):
             if dataset is not None:
-                dataset.tokenize = tokenize
+                dataset.tokenize, dataset.tokenize_controls = tokenize, with_controls
 
     collate_fn = staticmethod(collate)
 
@@ -283,6 +289,7 @@ class TrainingData:
                                      self.dataset.tokenize, self.dataset.prior_loss_weight)
         dataset.latents, dataset.text_encoder_outputs = self.dataset.latents, self.dataset.text_encoder_outputs
         dataset.control_latents = self.dataset.control_latents
+        dataset.tokenize_controls = self.dataset.tokenize_controls
         self.dataset, self.sampler = dataset, sampler
         if not self.sampler.num_batches:
             raise UserError(["the dataset has no usable images left"] + list(reasons))

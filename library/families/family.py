@@ -66,6 +66,10 @@ class Family(ABC):
     # Control (reference) images per training item and sample prompt that an edit model takes (Kontext 1); a family
     # taking a varying count says so in control_problems.
     control_images: int = 0
+    # The prompt's encoding reads the item's control images too (a vision-language text encoder): the tokenizer is
+    # called as tokenize(caption, controls) with the control pixels, text-encoder outputs are not cached by caption,
+    # and sample prompts go to the pipeline as text, which encodes them with their --ci images.
+    prompt_reads_controls: bool = False
 
     def configured(self, settings: FamilySettings) -> Family:
         """This family with the run's settings that shape its prompts and conditioning (FLUX's T5 length, mask,

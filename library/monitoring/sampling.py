@@ -296,7 +296,7 @@ def generate_image(prompt: SamplePrompt, models: SamplingModels, seed: int, samp
     # Noise drawn on CPU: the same seed gives the same starting latents on any device.
     generator = torch.Generator(device="cpu").manual_seed(seed)
     positive: Mapping[str, torch.Tensor] = {}
-    if models.encode_text is not None:
+    if models.encode_text is not None and not family.prompt_reads_controls:
         positive, negative = models.encode_text(prompt.prompt), models.encode_text(prompt.negative_prompt)
         text = family.prompt_embeds(positive, negative)
     else:

@@ -33,7 +33,8 @@ class CachePlan:
     notes: tuple[str, ...]
 
 
-def plan_caching(config: Config, data: TrainingData, train_text_encoder: bool) -> CachePlan:
+def plan_caching(config: Config, data: TrainingData, train_text_encoder: bool,
+                 prompt_reads_controls: bool = False) -> CachePlan:
     notes = []
     if config.is_set("cache_latents") or config.cache_latents_to_disk:
         latents = config.cache_latents or config.cache_latents_to_disk
@@ -45,7 +46,10 @@ def plan_caching(config: Config, data: TrainingData, train_text_encoder: bool) -
                      "off)" if latents else
                      f"latents are encoded each step: random_crop / color_aug change the pixels each time "
                      f"({', '.join(cropped)})")
-    if config.cache_text_encoder_outputs_to_disk:
+    if prompt_reads_controls:
+        text = False
+        notes.append("text-encoder outputs are not cached: the prompt is encoded with each item's control images")
+    elif config.cache_text_encoder_outputs_to_disk:
         # sd-scripts: _to_disk turns on cache_text_encoder_outputs. The outputs are encoded once at start here
         # and kept in memory: no file beside the images.
         text = True

@@ -147,7 +147,7 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     family = components.family
     check_controls(family, data, prompts)
     spec = network_spec(config, family)
-    data.set_tokenizer(family.tokenizer(components, config.max_token_length))
+    data.set_tokenizer(family.tokenizer(components, config.max_token_length), family.prompt_reads_controls)
     objective = family.objective(components, settings, accelerator.device)
     model, groups = build_model(config, components, accelerator.device, spec)
     trainable = [p for group in groups for p in group["params"]]
@@ -235,7 +235,7 @@ def prepare_inputs(config: Config, accelerator: Accelerator, output_dir: Path, d
         output_dir, sum(p.numel() * p.element_size() for p in trainable),
         config.save_state or config.save_state_on_train_end or config.save_state_on_preemption))
     train_text_encoder = trained_parts(config, components.family)[1]
-    caching = plan_caching(config, data, train_text_encoder)
+    caching = plan_caching(config, data, train_text_encoder, components.family.prompt_reads_controls)
     cache_inputs(config, data, components, accelerator, vae_dtype, caching)
     release_encoders(components, model, caching, train_text_encoder, sampling, accelerator.device,
                      validating=data.validation is not None)
