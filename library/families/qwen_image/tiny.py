@@ -41,19 +41,21 @@ def build_tokenizer(corpus: str = _CORPUS) -> Any:
     return tiny_parts.build_qwen_bpe_tokenizer(corpus, SPECIAL_TOKENS, 2000)
 
 
-def build_tiny_qwen_image(seed: int = 0) -> dict[str, Any]:
-    """The components of a tiny QwenImagePipeline. Weights depend only on the seed; the caller's global RNG state
+def build_tiny_qwen_image(seed: int = 0, corpus: str = _CORPUS, zero_cond_t: bool = False) -> dict[str, Any]:
+    """The components of a tiny QwenImagePipeline (a tokenizer learning `corpus`; `zero_cond_t` as
+    Qwen-Image-Edit-2511's transformer has it). Weights depend only on the seed; the caller's global RNG state
     is left untouched."""
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(corpus)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
 
     def transformer() -> Any:
         return QwenImageTransformer2DModel(
             patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
-            num_attention_heads=2, joint_attention_dim=WIDTH, axes_dims_rope=(4, 6, 6))
+            num_attention_heads=2, joint_attention_dim=WIDTH, axes_dims_rope=(4, 6, 6),
+            zero_cond_t=zero_cond_t)
 
     def vae() -> Any:
         # Qwen-Image's VAE shape (dim_mult 1, 2, 4, 4; 2 blocks a level, as the layout of ComfyUI's file assumes;
