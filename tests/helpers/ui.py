@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -107,3 +109,20 @@ def pretend_trainer(run_dir: Path) -> subprocess.Popen:
     steps until SIGTERM, then writes a stopped end as the trainer does."""
     run_dir.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen([sys.executable, "-c", PRETEND_TRAINER, str(run_dir), "train_network"])
+
+
+def reap_runs(root: Path) -> None:
+    """Kill what trainers the UI started under `root` still run. A run outlives its UI by design (a restarted UI
+    finds it), so a test that ends early, or a UI process stopped at teardown, would leave it training."""
+    for record_file in root.rglob("ui_runs.json"):
+        try:
+            records = json.loads(record_file.read_text())
+        except (OSError, ValueError):
+            continue
+        for pid in {record.get("pid") for record in records if isinstance(record, dict)}:
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except (OSError, TypeError):
+                continue  # not running (or no /proc): nothing to kill
+            if b"train_network.py" in command or b"stand_in_python" in command:
+                os.kill(pid, signal.SIGKILL)

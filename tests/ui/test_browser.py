@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.ui import attempt, finished_run, pretend_trainer, sample_png, write_events
+from tests.helpers.ui import attempt, finished_run, pretend_trainer, reap_runs, sample_png, write_events
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
@@ -66,6 +66,7 @@ def ui(root):
     process.terminate()
     process.wait(timeout=30)
     log.close()
+    reap_runs(root)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ pytest.importorskip("fastapi", reason="the web UI needs fastapi: pip install -r 
 from fastapi.testclient import TestClient  # noqa: E402
 
 from library.ui.app import Settings, create_app  # noqa: E402
+from tests.helpers.ui import reap_runs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 ORIGIN = {"Origin": "http://127.0.0.1:7860"}
@@ -37,6 +38,14 @@ def wait_for(check, timeout: float = 240.0, every: float = 0.5):
     raise AssertionError("timed out")
 
 
+@pytest.fixture
+def runs_reaped(tmp_path):
+    """The 2000-step run is killed by the test itself; if the test stops before that, it must not train on."""
+    yield
+    reap_runs(tmp_path)
+
+
+@pytest.mark.usefixtures("runs_reaped")
 def test_failing_and_killed_runs_and_a_ui_restart(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     broken_model = tmp_path / "empty_model"
