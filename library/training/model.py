@@ -138,6 +138,9 @@ def check_controls(family: Family, data: TrainingData, prompts: Sequence[SampleP
     problems += [f"sample prompt {prompt.index + 1} names {len(prompt.control_images)} control images (--ci); "
                  f"{family.name} takes {family.control_images or 'none'}"
                  for prompt in prompts if len(prompt.control_images) > family.control_images]
+    problems += [f"sample prompt {prompt.index + 1} names no control image (--ci); {family.name} encodes each prompt "
+                 "with its control images" for prompt in prompts if family.prompt_reads_controls
+                 and not prompt.control_images]
     if problems:
         raise UserError(problems)
 

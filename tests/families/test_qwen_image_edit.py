@@ -233,6 +233,26 @@ def test_too_many_control_images_are_refused_naming_the_count(edit_dirs, tmp_pat
         family.control_conditioning([torch.zeros(1, 16, 2, 2)] * 4)
 
 
+def test_a_sample_prompt_without_control_images_is_refused(edit_dirs, tmp_path):
+    toml = write_pairs(tmp_path / "data")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("make it blue --w 64 --h 64\n")
+    with pytest.raises(UserError, match="sample prompt 1 names no control image .--ci.; qwen-image-edit-2511"):
+        edit_run(edit_dirs["edit-2511"], toml, tmp_path / "out", "--max_train_steps", "1", "--sample_at_first",
+                 "--sample_prompts", str(prompts))
+
+
+def test_an_edit_run_resumes_bit_exactly(edit_dirs, tmp_path):
+    toml = write_pairs(tmp_path / "data")
+    straight = edit_run(edit_dirs["edit"], toml, tmp_path / "a", "--max_train_steps", "4", "--save_every_n_steps",
+                        "2", "--save_state")
+    resumed = edit_run(edit_dirs["edit"], toml, tmp_path / "b", "--max_train_steps", "4", "--resume",
+                       str(tmp_path / "a" / "last-step00000002-state"))
+    assert len(straight.losses) == 4 and resumed.losses == straight.losses[2:]
+    a, b = (kohya_format.load_kohya_lora(r.output_file)[0] for r in (straight, resumed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 # --- the LoRA file in diffusers ---------------------------------------------------------------------------------
 
 def test_edit_plus_pipeline_load_lora_weights_consumes_every_key_with_the_same_change(edit_dirs, plus):
