@@ -253,6 +253,27 @@ def test_an_edit_run_resumes_bit_exactly(edit_dirs, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow  # about 20 s: two gloo processes, each importing torch and building the model
+def test_two_gloo_processes_end_with_the_same_lora(edit_dirs, tmp_path):
+    """DDP on pairs with the text encoder run each step: every LoRA layer gets a gradient on every rank (DDP fails
+    otherwise) and the ranks end with the same file and losses."""
+    from safetensors.torch import load_file
+
+    from tests.helpers.cli import launch
+
+    toml = write_pairs(tmp_path / "data")
+    out = tmp_path / "ddp"
+    result = launch(2, ["--pretrained_model_name_or_path", str(edit_dirs["edit-2511"]), "--dataset_config", str(toml),
+                        "--output_dir", str(out), "--seed", "7", "--learning_rate", "3e-3", "--max_train_steps", "2",
+                        "--network_module", "networks.lora_qwen_image", "--network_dim", "4"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    rank0, rank1 = (load_file(out / f"rank{r}.safetensors") for r in (0, 1))
+    assert rank0.keys() == rank1.keys() and all(torch.equal(rank0[k], rank1[k]) for k in rank0)
+    assert all(v.abs().max() > 0 for k, v in rank0.items() if "lora_up" in k)
+    losses = [json.loads((out / f"rank{r}.json").read_text())["losses"] for r in (0, 1)]
+    assert losses[0] == losses[1] and len(losses[0]) == 2
+
+
 # --- the LoRA file in diffusers ---------------------------------------------------------------------------------
 
 def test_edit_plus_pipeline_load_lora_weights_consumes_every_key_with_the_same_change(edit_dirs, plus):
