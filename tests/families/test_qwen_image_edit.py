@@ -14,11 +14,11 @@ from PIL import Image
 
 from library.config import UserError
 from library.config.network_args import NetworkArgs
-from library.families.loading import LoadRequest, load_components
+from library.families.loading import load_components
 from library.families.qwen_image import lora as qwen_image_lora
 from library.families.qwen_image.edit import DROP_TOKENS, QwenImageEdit, condition_image, condition_size, prompt_text
 from library.families.qwen_image.family import pack, unpack
-from library.families.qwen_image.variants import load_qwen_image_files
+from library.families.qwen_image.variants import qwen_vl_processor
 from library.network import kohya_format
 from tests.helpers import musubi_lora
 from tests.helpers.runs import train
@@ -156,8 +156,28 @@ def test_a_folders_version_is_its_pipelines_and_model_version_is_checked(edit_di
         load_components(tiny_qwen_image_dir, model_version="edit")
     with pytest.raises(UserError, match="model_version 'edit-2600': Qwen-Image takes original, edit"):
         load_components(edit_dirs["edit"], model_version="edit-2600")
-    with pytest.raises(UserError, match="read from a diffusers folder"):
-        load_qwen_image_files(LoadRequest(path=Path("x.safetensors"), model_version="edit-2511"))
+
+
+def test_separate_files_are_the_edit_model_model_version_names(edit_dirs, plus, tmp_path):
+    """musubi's --dit / --text_encoder / --vae files of the tiny 2511 (ComfyUI's layouts): model_version edit-2511
+    gives its family, zero_cond_t and the processor of model_config; the same weights and prompt embedding as the
+    folder. Without model_config the processor has Qwen2.5-VL's image settings."""
+    from library.families.qwen_image.tiny import save_tiny_qwen_image_files
+
+    files = save_tiny_qwen_image_files(edit_dirs["edit-2511"], tmp_path / "files")
+    loaded = load_components(files["transformer"], text_encoder=str(files["text_encoder"]), ae=str(files["ae"]),
+                             model_config=str(edit_dirs["edit-2511"]), model_version="edit-2511")
+    assert loaded.family == plus.family and loaded.denoiser.config.zero_cond_t
+    ours, theirs = loaded.denoiser.state_dict(), plus.denoiser.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    images = controls(1, (64, 64))
+    encoded = [c.family.encode_text(c.text_encoders, {k: v[None] for k, v in
+                                                      c.family.tokenizer(c, None)("make it red", images).items()},
+                                    None)["encoder_hidden_states"] for c in (loaded, plus)]
+    assert torch.equal(*encoded)
+    processor = qwen_vl_processor(plus.tokenizers[0]).image_processor
+    assert (processor.size.shortest_edge, processor.size.longest_edge) == (3136, 12845056)
+    assert (processor.patch_size, processor.merge_size, processor.temporal_patch_size) == (14, 2, 2)
 
 
 # --- training from pairs ---------------------------------------------------------------------------------------

@@ -60,7 +60,8 @@ def vae_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return convert_wan_vae_to_diffusers(state)
 
 
-def load_qwen_image_files(request: LoadRequest) -> Components:
+def load_qwen_image_files(request: LoadRequest, zero_cond_t: bool | None = None) -> Components:
+    """The separate files; `zero_cond_t` (Qwen-Image-Edit-2511's) overrides the transformer config's."""
     from accelerate import init_empty_weights
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -73,6 +74,8 @@ def load_qwen_image_files(request: LoadRequest) -> Components:
     family = "Qwen-Image"
     with reading(path, "the Qwen-Image files"):
         config = QwenImageTransformer2DModel.load_config(config_dir, subfolder="transformer", **local)
+        if zero_cond_t is not None:
+            config = {**config, "zero_cond_t": zero_cond_t}
         with init_empty_weights():
             transformer = QwenImageTransformer2DModel.from_config(config)
         assign(transformer, transformer_state_dict(path, weight_dtype), str(path), family=family)

@@ -2,8 +2,7 @@
 QwenImagePipeline, QwenImageEditPipeline or QwenImageEditPlusPipeline); 2509 and 2511 share the Plus pipeline and
 are told apart by the transformer's `zero_cond_t` (musubi-tuner builds its model with zero_cond_t for edit-2511
 only). `model_version` (musubi's option: original, edit, edit-2509, edit-2511) is checked against what the folder
-says. The separate files are read for the original model only: an edit model needs the Qwen2-VL processor's
-configuration, which a diffusers Edit folder carries.
+says. The separate files do not tell: there model_version says which model they are.
 """
 from __future__ import annotations
 
@@ -24,6 +23,7 @@ from library.families.qwen_image.edit import (
     VERSIONS,
     QwenImageEdit,
     load_vl_processor,
+    vl_processor,
 )
 from library.families.qwen_image.family import QwenImage, QwenImageVae, family_of
 from library.families.shared.diffusers_folder import load_folder
@@ -98,9 +98,27 @@ def load_qwen_image_folder(request: LoadRequest) -> Components:
 
 
 def load_qwen_image_files(request: LoadRequest) -> Components:
-    """The separate files, for the original Qwen-Image."""
+    """The separate files (musubi's --dit, --text_encoder, --vae). The files do not tell an Edit transformer from
+    Qwen-Image's: model_version says which (2511's transformer gets zero_cond_t, as musubi builds it). An Edit
+    model's processor is `model_config`'s processor/ when it has one, else Qwen2.5-VL's image settings with the
+    shipped tokenizer."""
     check_model_version(request.model_version)
-    if request.model_version not in (None, ORIGINAL):
-        raise UserError(f"model_version {request.model_version}: Qwen-Image-Edit is read from a diffusers folder "
-                        f"({EDIT_PIPELINE} / {PLUS_PIPELINE}, with its processor/) here, not from separate files")
-    return qwen_image_files.load_qwen_image_files(request)
+    version = request.model_version or ORIGINAL
+    if version == ORIGINAL:
+        return qwen_image_files.load_qwen_image_files(request)
+    components = qwen_image_files.load_qwen_image_files(request, zero_cond_t=version == EDIT_2511)
+    components.family = family_for(version, components.denoiser)
+    processor = Path(request.model_config) / "processor" if request.model_config else None
+    components.tokenizers.append(load_vl_processor(processor) if processor is not None and processor.is_dir()
+                                 else qwen_vl_processor(components.tokenizers[0]))
+    return components
+
+
+def qwen_vl_processor(tokenizer: Any) -> Any:
+    """The Qwen2-VL processor of Qwen/Qwen-Image-Edit(-2509 / -2511): Qwen2.5-VL's image settings (its
+    preprocessor_config.json: 14-pixel patches, 2x2 merge, two frames per patch, 3136 to 12845056 pixels, CLIP's
+    mean and std) with `tokenizer`."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    return vl_processor(Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=12845056, patch_size=14,
+                                                 temporal_patch_size=2, merge_size=2), tokenizer)
