@@ -10,6 +10,11 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+# With pytest-xdist's workers (-n 2) each worker computes on one thread: two workers of two threads each on two
+# cores ran many times slower than one (NOTES.md). Set before torch is imported by any test module.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Tests must never reach a model hub; set before diffusers/transformers are imported by any test module.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
