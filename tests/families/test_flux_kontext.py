@@ -18,6 +18,7 @@ from library.families.loading import load_components
 from library.monitoring.sampling import load_prompts
 from library.network import kohya_format
 from library.training.model import batch_controls, scale_latents
+from tests.helpers.datasets import write_pairs
 from tests.helpers.lora_files import flux_pipelines_and_kohya_file, flux_transformer_inputs, lora_names
 from tests.helpers.runs import train
 
@@ -158,25 +159,6 @@ def test_model_version_for_a_family_without_variants_is_refused(tiny_sd1_dir):
 
 # --- training from pairs ----------------------------------------------------------------------------------------
 
-def write_pairs(root: Path, count: int = 4, controls: bool = True, extra: str = "") -> Path:
-    """`count` 64x64 targets with captions and, with `controls`, a control image each (PIL noise, seeded); returns
-    the dataset TOML."""
-    rng = np.random.default_rng(0)
-    images, starts = root / "targets", root / "controls"
-    images.mkdir(parents=True)
-    starts.mkdir()
-    for i in range(count):
-        Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(images / f"{i}.png")
-        (images / f"{i}.txt").write_text("make it blue", encoding="utf-8")
-        if controls:
-            Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(starts / f"{i}.png")
-    toml = root / "dataset.toml"
-    toml.write_text('[general]\ncaption_extension = ".txt"\n[[datasets]]\nresolution = 64\nbatch_size = 2\n'
-                    f'  [[datasets.subsets]]\n  image_dir = "{images}"\n'
-                    + (f'  control_directory = "{starts}"\n' if controls else "") + extra, encoding="utf-8")
-    return toml
-
-
 RUN = {"seed": 3, "learning_rate": 1e-3, "network_module": "networks.lora_flux", "network_dim": 4,
        "network_alpha": 2}
 
@@ -229,7 +211,7 @@ def test_a_kontext_run_resumes_bit_exactly(reference, kontext_dir, tmp_path):
 # --- refusals ---------------------------------------------------------------------------------------------------
 
 def test_a_kontext_run_without_control_images_is_refused(kontext_dir, tmp_path):
-    toml = write_pairs(tmp_path / "data", controls=False)
+    toml = write_pairs(tmp_path / "data", controls_per_item=0)
     with pytest.raises(UserError, match="flux1-kontext-dev takes 1 control image per item; 4 items have none"):
         kontext_run(kontext_dir, toml, tmp_path / "out", "--max_train_steps", "1")
 

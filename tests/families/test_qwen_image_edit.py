@@ -21,6 +21,7 @@ from library.families.qwen_image.family import pack, unpack
 from library.families.qwen_image.variants import qwen_vl_processor
 from library.network import kohya_format
 from tests.helpers import musubi_lora
+from tests.helpers.datasets import write_pairs
 from tests.helpers.runs import train
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
@@ -181,26 +182,6 @@ def test_separate_files_are_the_edit_model_model_version_names(edit_dirs, plus, 
 
 
 # --- training from pairs ---------------------------------------------------------------------------------------
-
-def write_pairs(root: Path, count: int = 4, controls_per_item: int = 1) -> Path:
-    """`count` 64x64 targets with captions, each with `controls_per_item` controls (PIL noise, seeded); returns the
-    dataset TOML."""
-    rng = np.random.default_rng(0)
-    images, starts = root / "targets", root / "controls"
-    images.mkdir(parents=True)
-    starts.mkdir()
-    for i in range(count):
-        Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(images / f"{i}.png")
-        (images / f"{i}.txt").write_text("make it blue", encoding="utf-8")
-        for j in range(controls_per_item):
-            name = f"{i}.png" if controls_per_item == 1 else f"{i}_{j}.png"
-            Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(starts / name)
-    toml = root / "dataset.toml"
-    toml.write_text('[general]\ncaption_extension = ".txt"\n[[datasets]]\nresolution = 64\nbatch_size = 2\n'
-                    f'  [[datasets.subsets]]\n  image_dir = "{images}"\n'
-                    + (f'  control_directory = "{starts}"\n' if controls_per_item else ""), encoding="utf-8")
-    return toml
-
 
 RUN = {"seed": 3, "learning_rate": 1e-3, "network_module": "networks.lora_qwen_image", "network_dim": 4,
        "network_alpha": 2}

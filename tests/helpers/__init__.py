@@ -2,7 +2,7 @@
 
     runs.py           make_config (a parsed Config for a test), run_args (the same as a command line), train (a tiny
                       run in this process)
-    datasets.py       kohya folders of the committed quickstart images for a test
+    datasets.py       kohya folders of the committed quickstart images for a test, and edit pairs with controls
     cli.py            train_network.py as a subprocess and under torchrun (gloo), and in this process as main()
     family_cli.py     what the FLUX, Chroma, SD3 and musubi family command-line tests share
     family_checks.py  sampling against a family's diffusers pipeline, ComfyUI's key rule, the digits bases' checks

@@ -40,3 +40,24 @@ def noise_image(path: Path, size: tuple[int, int] = (32, 32), seed: int = 0, fmt
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(array).save(path, format=fmt)
     return path
+
+
+def write_pairs(root: Path, count: int = 4, controls_per_item: int = 1, extra: str = "") -> Path:
+    """An edit dataset: `count` 64x64 targets captioned "make it blue", each with `controls_per_item` control images
+    (`i.png`, or `i_0.png`, `i_1.png` ... for several; seeded noise, drawn target first), and its kohya-shape
+    dataset TOML with control_directory (none without controls; `extra` appended); returns the TOML."""
+    rng = np.random.default_rng(0)
+    images, starts = root / "targets", root / "controls"
+    images.mkdir(parents=True)
+    starts.mkdir()
+    for i in range(count):
+        Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(images / f"{i}.png")
+        (images / f"{i}.txt").write_text("make it blue", encoding="utf-8")
+        for j in range(controls_per_item):
+            name = f"{i}.png" if controls_per_item == 1 else f"{i}_{j}.png"
+            Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(starts / name)
+    toml = root / "dataset.toml"
+    toml.write_text('[general]\ncaption_extension = ".txt"\n[[datasets]]\nresolution = 64\nbatch_size = 2\n'
+                    f'  [[datasets.subsets]]\n  image_dir = "{images}"\n'
+                    + (f'  control_directory = "{starts}"\n' if controls_per_item else "") + extra, encoding="utf-8")
+    return toml
