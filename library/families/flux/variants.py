@@ -5,7 +5,6 @@ model_version (musubi-tuner's option), which is checked against what the weights
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from library.config import UserError
@@ -13,7 +12,7 @@ from library.families.family import Components
 from library.families.flux.family import Flux, is_schnell
 from library.families.flux.kontext import FluxKontext
 from library.families.loading import LoadRequest
-from library.families.shared.diffusers_folder import load_folder
+from library.families.shared.diffusers_folder import load_folder, pipeline_class
 
 MODEL_VERSIONS = ("dev", "schnell", "kontext")
 KONTEXT_PIPELINE = "FluxKontextPipeline"
@@ -24,10 +23,7 @@ _TOLD = {"schnell": "FLUX.1 schnell weights (the transformer has no guidance emb
 
 def is_kontext_folder(path: Path) -> bool:
     """Whether `path` is a diffusers folder of FluxKontextPipeline."""
-    try:
-        return json.loads((path / "model_index.json").read_text()).get("_class_name") == KONTEXT_PIPELINE
-    except (OSError, ValueError, AttributeError):
-        return False
+    return pipeline_class(path) == KONTEXT_PIPELINE
 
 
 def check_model_version(model_version: str | None) -> None:

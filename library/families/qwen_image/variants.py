@@ -6,7 +6,6 @@ says. The separate files do not tell: there model_version says which model they 
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -26,16 +25,9 @@ from library.families.qwen_image.edit import (
     vl_processor,
 )
 from library.families.qwen_image.family import QwenImage, QwenImageVae, family_of
-from library.families.shared.diffusers_folder import load_folder
+from library.families.shared.diffusers_folder import load_folder, pipeline_class
 
 ORIGINAL = "original"
-
-
-def pipeline_class(path: Path) -> str | None:
-    try:
-        return json.loads((path / "model_index.json").read_text()).get("_class_name")
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 def check_model_version(model_version: str | None) -> None:

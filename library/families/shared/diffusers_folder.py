@@ -15,12 +15,21 @@ from library.families.family import Components, Family
 from library.families.loading import LoadRequest
 
 
-def transformer_class(path: Path) -> str | None:
-    """The `_class_name` of a diffusers folder's transformer/config.json, or None."""
+def _class_name(config: Path) -> str | None:
     try:
-        return json.loads((path / "transformer" / "config.json").read_text()).get("_class_name")
+        return json.loads(config.read_text()).get("_class_name")
     except (OSError, ValueError, AttributeError):
         return None
+
+
+def transformer_class(path: Path) -> str | None:
+    """The `_class_name` of a diffusers folder's transformer/config.json, or None."""
+    return _class_name(path / "transformer" / "config.json")
+
+
+def pipeline_class(path: Path) -> str | None:
+    """The pipeline a diffusers folder's model_index.json names, or None."""
+    return _class_name(path / "model_index.json")
 
 
 def read_folder(path: Path, model: str, parts: Mapping[str, tuple[Any, torch.dtype | None]]) -> dict[str, Any]:
