@@ -32,6 +32,21 @@ class Ref:
 
 
 @dataclass(frozen=True)
+class FramesRule:
+    """The clip lengths a video family takes, 1 + step * n frames (Wan: 4n+1, its VAE's 4x temporal compression),
+    and the frame rate it was trained at: a video dataset's source_fps is resampled to it, as musubi-tuner does."""
+    step: int
+    fps: float
+
+    def takes(self, frames: int) -> bool:
+        return frames >= 1 and (frames - 1) % self.step == 0
+
+    def round_down(self, frames: int) -> int:
+        """The longest length it takes of at most `frames` (musubi-tuner's (n - 1) // step * step + 1)."""
+        return (frames - 1) // self.step * self.step + 1
+
+
+@dataclass(frozen=True)
 class TinyModel:
     """A tiny, untrained model of the family (`python -m library.families.tiny FOLDER --family NAME`).
 
@@ -61,6 +76,9 @@ class FamilyEntry:
     more_configs: tuple[str, ...] = ()  # example configs under configs/ besides <name>_lora.toml
     reads_unrecognised: bool = False
     main_config: str = ""  # its example config under configs/, when not named <name>_lora.toml
+    # A video family's clip lengths, the same object as its Family's frames_rule, here so that the data can be
+    # checked and cut before the model is loaded (--dataset_check, and a run's data before its model). None: images.
+    frames_rule: FramesRule | None = None
 
     @property
     def configs(self) -> tuple[str, ...]:

@@ -18,6 +18,7 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 import torch
 
 from library.config import UserError
+from library.families.entry import FramesRule
 from library.families.objective import Objective
 from library.families.settings import FamilySettings
 
@@ -70,6 +71,9 @@ class Family(ABC):
     # called as tokenize(caption, controls) with the control pixels, text-encoder outputs are not cached by caption,
     # and sample prompts go to the pipeline as text, which encodes them with their --ci images.
     prompt_reads_controls: bool = False
+    # The clip lengths and frame rate a video family takes (Wan: FramesRule(4, 16.0)); None: the family trains images
+    # only, and a video dataset is refused. Its registry entry carries the same object (FamilyEntry.frames_rule).
+    frames_rule: FramesRule | None = None
 
     def configured(self, settings: FamilySettings) -> Family:
         """This family with the run's settings that shape its prompts and conditioning (FLUX's T5 length, mask,
