@@ -341,15 +341,10 @@ def _sampling_problems(v: Mapping[str, Any]) -> list[str]:
 
 
 def _base_precision_problems(v: Mapping[str, Any]) -> list[str]:
-    """kohya's rules for fp8_base / fp8_base_unet, blocks_to_swap and cpu_offload_checkpointing, and the same
-    mixed-precision rule for the other low base precisions."""
+    """kohya's rules for fp8_base / fp8_base_unet, blocks_to_swap and cpu_offload_checkpointing. Unlike kohya, a
+    low-precision base is allowed with mixed_precision = "no": it computes in float32 (a CPU or GPU without bf16
+    instructions trains at its fp32 rate)."""
     problems = []
-    low = [f"{name} = true" for name in ("fp8_base", "fp8_base_unet") if v[name]]
-    if v["base_model_precision"] != "no_change":
-        low.append(f"base_model_precision = \"{v['base_model_precision']}\"")
-    if low and v["mixed_precision"] not in ("fp16", "bf16"):
-        problems.append(f"{' and '.join(low)} needs mixed_precision = \"bf16\" or \"fp16\" (the base computes in it; "
-                        f"got {v['mixed_precision']!r})")
     if v["base_model_precision"] in ("int8", "nf4") and (v["fp8_base"] or v["fp8_base_unet"]):
         problems.append(f"base_model_precision = \"{v['base_model_precision']}\" and fp8_base / fp8_base_unet name two "
                         "precisions for the base; keep one")
