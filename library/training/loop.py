@@ -17,11 +17,13 @@ from tqdm.auto import tqdm
 
 from library.config import Config
 from library.core import seeds
+from library.core.run_files import SAVE_NOW
 from library.monitoring.chart import loss_by_timestep_chart, save_png
 from library.monitoring.sampling import SamplingModels, sample_images
 from library.monitoring.tracking import Trackers
 from library.monitoring.validation import evaluating, should_validate, validation_loss, validation_metrics
 from library.training import adapters as adapter_training
+from library.training import requests
 from library.training.accelerator import gathered, loading_whole, prepare_accelerator
 from library.training.caching import on_device
 from library.training.faults import Interrupted, Preemption, agree, non_finite, non_finite_error, outcome, reported_save
@@ -159,6 +161,7 @@ class Trainer:
                 if state.global_step >= s.plan.total_steps:
                     break
                 self.maybe_save()
+                self.take_requests()
                 if self.stop_signal is not None:
                     self.stop_for(self.stop_signal)
             else:
@@ -280,6 +283,20 @@ class Trainer:
             if main:
                 prune_epochs(output_dir, config.output_name, config.save_last_n_epochs, False)
                 prune_epochs(output_dir, config.output_name, config.save_last_n_epochs_state, True)
+
+    def take_requests(self) -> None:
+        """A sample round or a LoRA file asked for while the step ran (library.training.requests), done now; its
+        "request" event says what the trainer is doing until the "samples" or "save" event that ends it."""
+        s, config, state = self.s, self.config, self.state
+        for name in requests.pending(self.accelerator, s.output_dir):
+            self.trackers.event("request", step=state.global_step, request=name)
+            if name == SAVE_NOW:
+                self.save_snapshot(step_name(config.output_name, state.global_step), config.save_state)
+            elif s.prompts:
+                self.sample()
+            else:
+                logger.warning("%s: the run has no sample prompts (sample_prompts); nothing to sample", name)
+            requests.done(self.accelerator, s.output_dir, name)
 
     def save_snapshot(self, name: str, with_state: bool) -> None:
         s = self.s
