@@ -72,8 +72,8 @@ def test_a_klein_base_folder_is_told_and_model_version_is_checked_against_it(kle
     (distilled / "model_index.json").write_text(json.dumps({**index, "is_distilled": True}))
     family = load_components(distilled).family
     assert family.version == "klein-4b" and family.default_sampling_scale == 1.0
-    (distilled / "model_index.json").write_text(json.dumps({**index, "_class_name": "Flux2Pipeline"}))
-    with pytest.raises(UserError, match=r"Flux2Pipeline folder; FLUX.2 \[dev\] .* not offered yet"):
+    (distilled / "model_index.json").write_text(json.dumps({**index, "_class_name": "FluxPipeline"}))
+    with pytest.raises(UserError, match=r"FluxPipeline folder; FLUX.2 folders are Flux2KleinPipeline's"):
         load_components(distilled)
 
 
@@ -81,8 +81,6 @@ def test_bfls_files_load_as_the_folder_with_or_without_model_config(klein_dir, c
     """The files musubi's users keep (BFL's transformer, the Qwen3 split files, BFL's ae.safetensors) load to the
     folder's weights: widths read from their shapes, or from model_config; the text encoder is refused as a folder
     option and required with a file; model_version tells the distilled model and must fit the file's size."""
-    from safetensors.torch import load_file, save_file
-
     from library.families.flux2.tiny import save_tiny_flux2_klein_files
 
     files = save_tiny_flux2_klein_files(klein_dir, tmp_path)
@@ -94,10 +92,8 @@ def test_bfls_files_load_as_the_folder_with_or_without_model_config(klein_dir, c
     assert load_components(files["transformer"], model_version="klein-4b", **separate).family.version == "klein-4b"
     with pytest.raises(UserError, match='holds FLUX.2 klein-4b; set model_version = "klein-4b"'):
         load_components(files["transformer"], model_version="klein-9b", **separate)
-    dev = tmp_path / "flux2-dev.safetensors"  # [dev]'s transformer has a guidance input
-    save_file({**load_file(files["transformer"]), "guidance_in.in_layer.weight": torch.zeros(32, 32)}, str(dev))
-    with pytest.raises(UserError, match=r"FLUX.2 \[dev\]'s transformer .* not offered yet"):
-        load_components(dev, **separate)
+    with pytest.raises(UserError, match=r"model_version dev: .* is a FLUX.2 \[klein\] 4B transformer"):
+        load_components(files["transformer"], model_version="dev", **separate)
 
 
 # --- prompts, latents and the transformer call, against the pipeline ---------------------------------------------

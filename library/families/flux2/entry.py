@@ -10,4 +10,5 @@ ENTRY = FamilyEntry(
     Ref(FILES, "is_flux2_file"), Ref(FILES, "load_flux2_files"),
     options=(*MUSUBI, MODEL_VERSION, BLOCKS_TO_SWAP), file_options=("text_encoder", "ae"),
     network_modules=("networks.lora_flux_2",),
-    tiny=(TinyModel("flux2_klein", Ref(TINY, "save_tiny_flux2_klein"), Ref(TINY, "save_tiny_flux2_klein_files")),))
+    tiny=(TinyModel("flux2_klein", Ref(TINY, "save_tiny_flux2_klein"), Ref(TINY, "save_tiny_flux2_klein_files")),
+          TinyModel("flux2_dev", Ref(TINY, "save_tiny_flux2_dev"), Ref(TINY, "save_tiny_flux2_dev_files"))))

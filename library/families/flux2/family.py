@@ -1,6 +1,8 @@
-"""FLUX.2 [klein] (4B, 9B and their undistilled bases): a double- and single-stream transformer over 2x2 patches of
-a 32-channel autoencoder's latents, conditioned on hidden states 9, 18 and 27 of a Qwen3 language model (4B or
-8B) read through its chat template and stacked per token, and optionally on reference images. Trained as
+"""FLUX.2 [klein] (4B, 9B and their undistilled bases) and FLUX.2 [dev]: a double- and single-stream transformer
+over 2x2 patches of a 32-channel autoencoder's latents, conditioned on hidden states 9, 18 and 27 of a Qwen3
+language model (4B or 8B; [klein]) or 10, 20 and 30 of Mistral Small 3.1 ([dev]), each read through its chat
+template and stacked per token, and optionally on reference images. [dev] also has a guidance input, which musubi
+trains at 1.0. Trained as
 musubi-tuner's flux_2_train_network.py trains it: the transformer only (musubi never trains the text encoder), the
 model's time input sigma, its raw output trained against noise - x0, and musubi's timestep sampling
 (library.families.shared.musubi_flow; musubi recommends flux2_shift).
@@ -25,6 +27,7 @@ from library.config import UserError
 from library.families.family import Components, Tokenizer
 from library.families.flux2 import latents as flux2_latents
 from library.families.flux2 import lora as flux2_lora
+from library.families.flux2 import mistral
 from library.families.flux2.transformer import fuse_attention_projections
 from library.families.loading import LoadRequest
 from library.families.shared import musubi_flow, qwen3_text
@@ -34,7 +37,11 @@ logger = logging.getLogger(__name__)
 
 TRANSFORMER_CLASS = "Flux2Transformer2DModel"
 KLEIN_PIPELINE = "Flux2KleinPipeline"
+DEV_PIPELINE = "Flux2Pipeline"
 HIDDEN_LAYERS = (9, 18, 27)  # Qwen3's hidden states FLUX.2 [klein] reads (musubi's OUTPUT_LAYERS_QWEN3)
+MISTRAL_HIDDEN_LAYERS = (10, 20, 30)  # Mistral's FLUX.2 [dev] reads (musubi's OUTPUT_LAYERS_MISTRAL, the pipeline's)
+TRAINING_GUIDANCE = 1.0  # [dev]'s guidance input while training (musubi's flux_2_train_network call_dit)
+DEV_SAMPLING_GUIDANCE = 4.0  # [dev]'s guidance input when sampling without --g (musubi's and the pipeline's default)
 IMPLEMENTATION = "https://github.com/black-forest-labs/flux2"  # musubi's IMPL_FLUX_2
 REFERENCE = "reference_"  # conditioning keys of the reference images' latents: reference_0, reference_1, ...
 MAX_REFERENCES = 10  # BFL's stated limit for FLUX.2's reference images; the transformer itself sets none
@@ -43,10 +50,12 @@ MAX_REFERENCES = 10  # BFL's stated limit for FLUX.2's reference images; the tra
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """One of musubi-tuner's --model_version values: its architecture names (ss_base_model_version and
-    modelspec.architecture, as musubi writes them) and whether it is step-distilled (sampled without CFG)."""
+    modelspec.architecture, as musubi writes them), whether it is sampled without CFG (step- or guidance-distilled)
+    and whether it is [dev] (Mistral text encoder, guidance input)."""
     architecture: str
     spec: str
     distilled: bool
+    dev: bool = False
 
 
 VARIANTS = {
@@ -54,6 +63,7 @@ VARIANTS = {
     "klein-base-4b": Variant("flux_2_klein_4b", "Flux.2-klein-4b", False),
     "klein-9b": Variant("flux_2_klein_9b", "Flux.2-klein-9b", True),
     "klein-base-9b": Variant("flux_2_klein_9b", "Flux.2-klein-9b", False),
+    "dev": Variant("flux_2_dev", "Flux.2-dev", True, dev=True),
 }
 # FLUX.2 [klein]'s scheduler config (black-forest-labs/FLUX.2-klein-4B scheduler/scheduler_config.json); the
 # pipeline passes its own empirical mu, so only use_dynamic_shifting matters for sampling.
@@ -81,17 +91,18 @@ def swap_split(count: int, double: int, single: int) -> tuple[int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class Flux2(musubi_flow.MusubiFamily):
-    """FLUX.2 [klein]; `version` is musubi's model_version of the weights. Nothing in the prompts depends on the
-    config."""
+    """FLUX.2 [klein] or [dev]; `version` is musubi's model_version of the weights. Nothing in the prompts depends
+    on the config."""
     version: str = "klein-base-4b"
     control_images = MAX_REFERENCES
     display_name = "FLUX.2"
     implementation = IMPLEMENTATION
     lora_rules = flux2_lora
     refused_options = (
-        ("clip_skip", "FLUX.2 reads Qwen3's hidden states 9, 18 and 27, as musubi-tuner and the pipeline do"),
+        ("clip_skip", "FLUX.2 reads fixed hidden states of its text encoder (Qwen3's 9, 18 and 27 for [klein], "
+         "Mistral's 10, 20 and 30 for [dev]), as musubi-tuner and the pipelines do"),
         ("max_token_length",
-         f"prompts are {qwen3_text.MAX_SEQUENCE_LENGTH} Qwen3 tokens, musubi-tuner's fixed length"),
+         f"prompts are {qwen3_text.MAX_SEQUENCE_LENGTH} tokens, musubi-tuner's fixed length"),
         ("t5xxl_max_token_length", "FLUX.2 has no T5"),
         ("apply_t5_attn_mask", "FLUX.2 has no T5, and its transformer sees the padding unmasked"),
         ("clip_l", "FLUX.2 has no CLIP-L"), ("t5xxl", "FLUX.2 has no T5"),
@@ -108,21 +119,29 @@ class Flux2(musubi_flow.MusubiFamily):
 
     @property
     def default_sampling_scale(self) -> float:  # type: ignore[override]
-        """musubi's sample guidance scale without --l: 1.0 (no CFG) for the distilled models, 4.0 for the bases."""
+        """musubi's sample CFG scale without --l: 1.0 (no CFG) for the distilled models ([dev] included: its
+        guidance is an input, --g), 4.0 for the bases."""
         return 1.0 if VARIANTS[self.version].distilled else 4.0
 
     # --- prompts ----------------------------------------------------------------------------------------------
     def tokenizer(self, components: Components, max_token_length: int | None) -> Tokenizer:
-        """The caption as Flux2KleinPipeline and musubi give it to Qwen3: a chat-template turn, thinking off."""
+        """The caption as the pipelines and musubi give it to the text encoder: [klein]'s Qwen3 a chat-template
+        turn, thinking off; [dev]'s Mistral a system turn (FLUX.2's system message) and a user turn
+        (library.families.flux2.mistral)."""
+        if VARIANTS[self.version].dev:
+            return mistral.chat_tokenizer(components.tokenizers[0])
         return qwen3_text.chat_tokenizer(components.tokenizers[0], thinking=False)
 
     def encode_text(self, text_encoders: Sequence[torch.nn.Module], tokens: Mapping[str, torch.Tensor],
                     clip_skip: int | None) -> dict[str, torch.Tensor]:
-        """Qwen3's hidden states 9, 18 and 27 side by side per token ([B, 512, 3 x width]), as the pipeline's
-        _get_qwen3_prompt_embeds and musubi's Qwen3Embedder stack them. The language model runs without its head."""
+        """The text encoder's hidden states 9, 18 and 27 (Qwen3) or 10, 20 and 30 (Mistral) side by side per token
+        ([B, 512, 3 x width]), as the pipelines' _get_qwen3_prompt_embeds / _get_mistral_3_small_prompt_embeds and
+        musubi's Qwen3Embedder / Mistral3Embedder stack them. The language model runs without its head (`.model`:
+        Qwen3's or Mistral's base model, or Mistral3's, which gives its language model's hidden states)."""
         output = text_encoders[0].model(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"],
                                         output_hidden_states=True, use_cache=False)
-        stacked = torch.stack([output.hidden_states[k] for k in HIDDEN_LAYERS], dim=1)
+        layers = MISTRAL_HIDDEN_LAYERS if VARIANTS[self.version].dev else HIDDEN_LAYERS
+        stacked = torch.stack([output.hidden_states[k] for k in layers], dim=1)
         batch, layers, length, width = stacked.shape
         return {"encoder_hidden_states": stacked.permute(0, 2, 1, 3).reshape(batch, length, layers * width)}
 
@@ -140,7 +159,8 @@ class Flux2(musubi_flow.MusubiFamily):
     def denoise(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 text: Mapping[str, torch.Tensor], conditioning: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The image's tokens, then its reference images' (musubi's call_dit, the pipeline's image input), with
-        their positions; the prediction is cut back to the image's tokens, so the loss sees the target only."""
+        their positions; the prediction is cut back to the image's tokens, so the loss sees the target only. [dev]'s
+        guidance input is 1.0, as musubi trains it."""
         _, _, height, width = noisy.shape
         states = text["encoder_hidden_states"].to(noisy.dtype)
         tokens = flux2_latents.pack(noisy)
@@ -152,14 +172,19 @@ class Flux2(musubi_flow.MusubiFamily):
             tokens, ids = torch.cat([tokens, reference_tokens], dim=1), torch.cat([ids, reference_ids])
         out = denoiser(hidden_states=tokens, encoder_hidden_states=states,
                        timestep=(timesteps.float() / 1000).to(noisy.dtype), img_ids=ids,
-                       txt_ids=flux2_latents.text_ids(states.shape[1], noisy.device), guidance=None,
-                       return_dict=False)[0]
+                       txt_ids=flux2_latents.text_ids(states.shape[1], noisy.device),
+                       guidance=self.training_guidance(noisy), return_dict=False)[0]
         return flux2_latents.unpack(out[:, :height * width], height, width)
+
+    def training_guidance(self, noisy: torch.Tensor) -> torch.Tensor | None:
+        if not VARIANTS[self.version].dev:
+            return None
+        return torch.full((noisy.shape[0],), TRAINING_GUIDANCE, device=noisy.device, dtype=noisy.dtype)
 
     def block_swap_plan(self, denoiser: torch.nn.Module, blocks_to_swap: int) -> list[tuple[Any, int]]:
         """musubi's split (flux2_models.enable_block_swap): the count spread over double and single blocks by their
         ratio, a double block counting as two single ones, each at most its number of blocks less 2 (klein 4B: up
-        to 13, 9B: 16)."""
+        to 13, 9B: 16, dev: 29)."""
         double, single = denoiser.transformer_blocks, denoiser.single_transformer_blocks
         swap_double, swap_single = swap_split(blocks_to_swap, len(double), len(single))
         if swap_double > len(double) - 2 or swap_single > len(single) - 2:
@@ -178,8 +203,11 @@ class Flux2(musubi_flow.MusubiFamily):
     # --- sampling ----------------------------------------------------------------------------------------------
     def pipeline(self, denoiser: Any, vae: Any, text_encoders: Sequence[Any], tokenizers: Sequence[Any],
                  scheduler: Any) -> Any:
-        from diffusers import Flux2KleinPipeline
+        from diffusers import Flux2KleinPipeline, Flux2Pipeline
 
+        if VARIANTS[self.version].dev:
+            return Flux2Pipeline(scheduler=scheduler, vae=vae.vae, text_encoder=text_encoders[0],
+                                 tokenizer=tokenizers[0], transformer=denoiser)
         return Flux2KleinPipeline(scheduler=scheduler, vae=vae.vae, text_encoder=text_encoders[0],
                                   tokenizer=tokenizers[0], transformer=denoiser,
                                   is_distilled=VARIANTS[self.version].distilled)
@@ -188,7 +216,13 @@ class Flux2(musubi_flow.MusubiFamily):
                           width: int, height: int) -> dict[str, Any]:
         """--l (default 4.0 for the bases, 1.0 for the distilled models: musubi's) above 1 runs CFG with the
         negative prompt (--n, else the empty one): neg + scale * (pos - neg), as the pipeline and musubi compute
-        it; the distilled models sample without CFG whatever the scale, as in the pipeline."""
+        it; the distilled models sample without CFG whatever the scale, as in the pipeline. [dev] has no CFG
+        (Flux2Pipeline runs none): --g is its guidance input (default 4.0, musubi's), and --l is not read."""
+        if VARIANTS[self.version].dev:
+            if scale != 1.0:
+                logger.warning("sample prompt --l %g: FLUX.2 [dev] samples without CFG; use --g for its guidance "
+                               "input", scale)
+            return {"guidance_scale": DEV_SAMPLING_GUIDANCE if guidance is None else guidance}
         if guidance is not None:
             logger.warning("sample prompt --g %g: FLUX.2 [klein] has no guidance input; use --l for CFG", guidance)
         return {"guidance_scale": scale}
@@ -204,6 +238,8 @@ class Flux2(musubi_flow.MusubiFamily):
 
     def prompt_embeds(self, positive: Mapping[str, torch.Tensor],
                       negative: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        if VARIANTS[self.version].dev:  # Flux2Pipeline takes no negative prompt
+            return {"prompt_embeds": positive["encoder_hidden_states"]}
         return {"prompt_embeds": positive["encoder_hidden_states"],
                 "negative_prompt_embeds": negative["encoder_hidden_states"]}
 
@@ -213,29 +249,28 @@ def is_flux2_folder(path: Path) -> bool:
 
 
 def pipeline_index(path: Path) -> dict[str, Any]:
-    """A FLUX.2 folder's model_index.json; a UserError unless it is Flux2KleinPipeline's."""
+    """A FLUX.2 folder's model_index.json; a UserError unless it is Flux2KleinPipeline's or Flux2Pipeline's."""
     try:
         index = json.loads((path / "model_index.json").read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"{path}: not a FLUX.2 diffusers folder; its model_index.json cannot be read ({e})") from None
-    if index.get("_class_name") != KLEIN_PIPELINE:
-        raise UserError(f"{path}: a {index.get('_class_name')} folder; FLUX.2 [dev] (Mistral Small 3.1 text "
-                        f"encoder) is not offered yet, only FLUX.2 [klein] ({KLEIN_PIPELINE} folders)")
+    if index.get("_class_name") not in (KLEIN_PIPELINE, DEV_PIPELINE):
+        raise UserError(f"{path}: a {index.get('_class_name')} folder; FLUX.2 folders are {KLEIN_PIPELINE}'s "
+                        f"([klein]) or {DEV_PIPELINE}'s ([dev])")
     return index
 
 
 def folder_version(index: Mapping[str, Any], transformer: Any) -> str:
-    """The model_version a FLUX.2 [klein] folder holds: distilled or base by the pipeline's is_distilled, 4B or 9B
-    by the transformer's text width."""
+    """The model_version a FLUX.2 folder holds: dev by its pipeline; for [klein], distilled or base by the
+    pipeline's is_distilled, 4B or 9B by the transformer's text width."""
+    if index.get("_class_name") == DEV_PIPELINE:
+        return "dev"
     size = "9b" if transformer.config.joint_attention_dim == KLEIN_9B_TEXT_WIDTH else "4b"
     return f"klein-{size}" if index.get("is_distilled") else f"klein-base-{size}"
 
 
 def checked_version(told: str, model_version: str | None, path: Path) -> str:
     """The variant `path` holds (`told`), checked against the user's model_version."""
-    if model_version == "dev":
-        raise UserError("model_version dev: FLUX.2 [dev] (Mistral Small 3.1 text encoder) is not offered yet, only "
-                        f"FLUX.2 [klein] ({', '.join(VARIANTS)})")
     if model_version is not None and model_version not in VARIANTS:
         raise UserError(f"model_version {model_version!r}: FLUX.2 takes {', '.join(VARIANTS)} (musubi-tuner's names)")
     if model_version not in (None, told):
@@ -245,19 +280,29 @@ def checked_version(told: str, model_version: str | None, path: Path) -> str:
 
 
 def load_flux2_folder(request: LoadRequest) -> Components:
-    """A diffusers FLUX.2 [klein] folder (black-forest-labs/FLUX.2-klein-* layout), offline; its double blocks'
-    projections fused as musubi trains them (library.families.flux2.transformer)."""
+    """A diffusers FLUX.2 folder (black-forest-labs/FLUX.2-klein-* or FLUX.2-dev layout), offline; its double
+    blocks' projections fused as musubi trains them (library.families.flux2.transformer). [dev]'s text encoder is
+    Mistral3ForConditionalGeneration and its tokenizer the tokenizer/ folder read alone (library.families.flux2
+    .mistral)."""
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
-    from transformers import AutoTokenizer, Qwen3ForCausalLM
+    from transformers import AutoTokenizer, Mistral3ForConditionalGeneration, Qwen3ForCausalLM
 
     index = pipeline_index(request.path)
+    dev = index.get("_class_name") == DEV_PIPELINE
 
     def family(transformer: Any, _: Any) -> Flux2:
         return Flux2(checked_version(folder_version(index, transformer), request.model_version, request.path))
 
     components = load_folder(request, "FLUX.2", {
-        "transformer": Flux2Transformer2DModel, "vae": AutoencoderKLFlux2, "text_encoder": Qwen3ForCausalLM,
-        "tokenizer": AutoTokenizer, "scheduler": FlowMatchEulerDiscreteScheduler}, family,
+        "transformer": Flux2Transformer2DModel, "vae": AutoencoderKLFlux2,
+        "text_encoder": Mistral3ForConditionalGeneration if dev else Qwen3ForCausalLM,
+        "tokenizer": MistralTokenizer if dev else AutoTokenizer, "scheduler": FlowMatchEulerDiscreteScheduler},
+        family,
         vae_view=flux2_latents.Flux2Vae)
     fuse_attention_projections(components.denoiser)
     return components
+
+
+class MistralTokenizer:
+    """[dev]'s tokenizer as load_folder reads a subfolder (mistral.load_tokenizer)."""
+    from_pretrained = staticmethod(mistral.load_tokenizer)

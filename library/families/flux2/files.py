@@ -1,8 +1,10 @@
-"""FLUX.2 [klein] from the separate files musubi-tuner trains from (its docs/flux_2.md): the transformer file BFL
-publishes (flux2-klein-base-4b.safetensors ...; ComfyUI's copies behind `model.diffusion_model.` too) as
-`pretrained_model_name_or_path`, `text_encoder` the Qwen3 file (the first of the official split files,
-`text_encoder/model-00001-of-0000N.safetensors`, read with all its parts, or ComfyUI's single file) and `ae`
-FLUX.2's ae.safetensors (BFL's layout; musubi's --vae).
+"""FLUX.2 [klein] and [dev] from the separate files musubi-tuner trains from (its docs/flux_2.md): the transformer
+file BFL publishes (flux2-klein-base-4b.safetensors ..., flux2-dev.safetensors; ComfyUI's copies behind
+`model.diffusion_model.` too) as `pretrained_model_name_or_path`, `text_encoder` the Qwen3 or Mistral file (the
+first of the official split files, `text_encoder/model-00001-of-0000N.safetensors`, read with all its parts, or
+ComfyUI's single Qwen3 file) and `ae` FLUX.2's ae.safetensors (BFL's layout; musubi's --vae). [dev] is told by its
+transformer's guidance input; its text encoder is read as Mistral's language model and its tokenizer is the
+official repository's tokenizer/ folder beside text_encoder/ or model_config's (library.families.flux2.mistral).
 
 Widths come from the files' shapes (a transformer's blocks and widths, the autoencoder's levels, Qwen3's sizes) and
 FLUX.2's and Qwen3's constants (Qwen3-4B's config shipped for Z-Image), or from `model_config`, a diffusers FLUX.2
@@ -22,6 +24,7 @@ import torch
 from library.config import UserError
 from library.core.memory import return_free_heap
 from library.families.family import Components
+from library.families.flux2 import mistral
 from library.families.flux2.family import KLEIN_9B_TEXT_WIDTH, SCHEDULER_CONFIG, Flux2, checked_version
 from library.families.flux2.latents import Flux2Vae
 from library.families.flux2.transformer import from_bfl, fuse_attention_projections, transformer_config
@@ -35,7 +38,8 @@ logger = logging.getLogger(__name__)
 SHIPPED_QWEN3 = Path(__file__).resolve().parents[1] / "configs" / "z_image"  # Qwen3-4B's config and tokenizer
 COMFY_PREFIX = "model.diffusion_model."
 MARKER = "single_stream_modulation.lin.weight"  # FLUX.2's shared single-stream modulation (diffusers' own test)
-FAMILY = "FLUX.2 [klein]"
+FAMILY = "FLUX.2"
+GUIDANCE_KEY = "guidance_in.in_layer.weight"  # [dev]'s guidance input; [klein] has none
 
 
 def is_flux2_file(path: Path) -> bool:
@@ -47,14 +51,12 @@ def load_flux2_files(request: LoadRequest) -> Components:
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
 
     path, model_config = request.path, request.model_config
-    text_encoder, ae = request.required_files(("text_encoder", "ae"), "FLUX.2", "the Qwen3 text encoder (the first "
-                                              "of its split files) and FLUX.2's ae.safetensors")
+    text_encoder, ae = request.required_files(("text_encoder", "ae"), "FLUX.2", "the Qwen3 or Mistral text encoder "
+                                              "(the first of its split files) and FLUX.2's ae.safetensors")
     local = {"local_files_only": True}
     with reading(path, "the FLUX.2 files"):
         state = {k.removeprefix(COMFY_PREFIX): v for k, v in read_split(path, request.weight_dtype).items()}
-        if "guidance_in.in_layer.weight" in state:
-            raise UserError(f"{path} is FLUX.2 [dev]'s transformer (it has a guidance input); FLUX.2 [dev] is not "
-                            "offered yet, only FLUX.2 [klein]")
+        dev = GUIDANCE_KEY in state
         config = (Flux2Transformer2DModel.load_config(model_config, subfolder="transformer", **local) if model_config
                   else transformer_config(state))
         with init_empty_weights():
@@ -72,14 +74,19 @@ def load_flux2_files(request: LoadRequest) -> Components:
         assign(vae, vae_from_bfl(ae_state, dict(vae.config)), ae, family=FAMILY)
         return_free_heap()
 
-        qwen = load_qwen3(Path(text_encoder), request.weight_dtype, model_config)
-        tokenizer = load_qwen_tokenizer(Path(model_config) / "tokenizer" if model_config
-                                        else SHIPPED_QWEN3 / "tokenizer")
+        if dev:
+            encoder = mistral.load_language_model(Path(text_encoder), request.weight_dtype, model_config)
+            tokenizer = mistral.load_tokenizer(mistral.tokenizer_folder(Path(text_encoder), model_config))
+        else:
+            encoder = load_qwen3(Path(text_encoder), request.weight_dtype, model_config)
+            tokenizer = load_qwen_tokenizer(Path(model_config) / "tokenizer" if model_config
+                                            else SHIPPED_QWEN3 / "tokenizer")
         scheduler = (FlowMatchEulerDiscreteScheduler.from_pretrained(model_config, subfolder="scheduler", **local)
                      if model_config else FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG))
     size = "9b" if transformer.config.joint_attention_dim == KLEIN_9B_TEXT_WIDTH else "4b"
-    family = Flux2(file_version(size, request.model_version, path))
-    return transformer_components(transformer, vae, [qwen], [tokenizer], scheduler, family, vae_view=Flux2Vae)
+    family = Flux2(checked_version("dev", request.model_version, path) if dev
+                   else file_version(size, request.model_version, path))
+    return transformer_components(transformer, vae, [encoder], [tokenizer], scheduler, family, vae_view=Flux2Vae)
 
 
 def file_version(size: str, model_version: str | None, path: Path) -> str:
@@ -89,6 +96,9 @@ def file_version(size: str, model_version: str | None, path: Path) -> str:
         logger.info("%s: taken as FLUX.2 klein-base-%s (a file does not tell the distilled model from its base; set "
                     "model_version = \"klein-%s\" for the distilled one, which samples without CFG)", path, size, size)
         return f"klein-base-{size}"
+    if model_version == "dev":
+        raise UserError(f"model_version dev: {path} is a FLUX.2 [klein] {size.upper()} transformer (it has no "
+                        "guidance input); set model_version to its [klein] name or leave it out")
     told = f"klein-base-{size}" if model_version.startswith("klein-base-") else f"klein-{size}"
     return checked_version(told, model_version, path)
 
