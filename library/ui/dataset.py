@@ -1,4 +1,6 @@
-"""The dataset view: the trainer's own --dataset_check report, thumbnails with their captions, and caption edits."""
+"""The dataset view: the trainer's own --dataset_check report, thumbnails with their captions (an edit dataset's
+targets beside their control images, paired as the trainer pairs them), and caption edits. The dataset tools (a new
+folder, bulk caption edits, captioning with a model) are library.ui.dataset_tools'."""
 from __future__ import annotations
 
 import asyncio
@@ -13,9 +15,11 @@ from fastapi.responses import HTMLResponse
 from library.config import Config
 from library.core.atomic import write_atomically
 from library.data.captions import read_caption
-from library.data.dataset_config import resolve_datasets
+from library.data.controls import metadata_controls, pair_by_stem
+from library.data.dataset_config import SubsetSpec, resolve_datasets
+from library.data.metadata import image_path, read_metadata
 from library.data.scan import list_images, scan_datasets
-from library.ui import schema, security
+from library.ui import dataset_tools, schema, security
 from library.ui.runs import TRAINER
 from library.ui.web import RootsDep, SettingsDep, form_values, page, refused
 
@@ -24,6 +28,7 @@ IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg",
                ".bmp": "image/bmp", ".gif": "image/gif"}
 
 router = APIRouter()
+router.include_router(dataset_tools.router)
 
 
 @router.post("/dataset", response_class=HTMLResponse)
@@ -86,17 +91,40 @@ def subset_views(config: Config, roots: security.Roots) -> list[dict[str, Any]]:
             if directory is None:
                 continue
             images = list_images(directory)
+            pairs, unpaired = controls_of(subset, images)
             items = []
             for image in images[:THUMBNAILS_PER_SUBSET]:
                 found = read_caption(image, subset.caption_extension)
-                reasons = [r for key in caption_keys(image, subset.caption_extension) for r in rejected.get(key, [])]
+                controls = pairs.get(image, ()) if pairs is not None else ()
+                keys = caption_keys(image, subset.caption_extension) + [str(c.resolve()) for c in controls]
                 items.append({"path": str(image), "name": image.name, "caption": found.text or "",
-                              "problems": reasons})
+                              "problems": [r for key in keys for r in rejected.get(key, [])],
+                              "controls": [{"path": str(c), "name": c.name} for c in controls]})
             subsets.append({"dir": str(directory), "repeats": subset.num_repeats, "is_reg": subset.is_reg,
-                            "count": len(images), "items": items,
+                            "count": len(images), "items": items, "pairs": pairs is not None,
+                            "control_dir": str(subset.control_directory or ""),
+                            "unpaired": [c.name for c in unpaired],
                             "extension": folder_extension(images, subset.caption_extension),
                             "rejected": sum(bool(item["problems"]) for item in items)})
     return subsets
+
+
+def controls_of(subset: SubsetSpec, images: list[Path]) -> tuple[dict[Path, tuple[Path, ...]] | None, list[Path]]:
+    """(target -> its control images, control images no target takes) as the trainer pairs them
+    (library.data.controls: by file stem in control_directory, or as the metadata entries name them); None for a
+    subset without control images."""
+    named: dict[Path, tuple[Path, ...]] = {}
+    if subset.metadata_file is not None:
+        entries, _ = read_metadata(subset.metadata_file)
+        for key, entry in entries.items():
+            path, (controls, _) = image_path(key, subset.image_dir), metadata_controls(entry, subset.image_dir)
+            if path is not None and controls is not None:
+                named[path] = controls
+    if subset.control_directory is None or not subset.control_directory.is_dir():
+        return (named or None), []
+    paired, unpaired, _ = pair_by_stem([i for i in images if i not in named], list_images(subset.control_directory))
+    used = {c.resolve() for controls in named.values() for c in controls}
+    return {**paired, **named}, [c for c in unpaired if c.resolve() not in used]
 
 
 def rejections(problems: list[str], roots: security.Roots) -> dict[str, list[str]]:
