@@ -60,7 +60,8 @@ async def family(roots: RootsDep, model: str = "") -> JSONResponse:
     real = roots.resolve(model.strip()) if model.strip() else None
     name = model_family(real) if real is not None else None
     config, defaults = examples.family_defaults(name) if name else ("", {})
-    return JSONResponse({"family": name, "config": config, "defaults": defaults})
+    return JSONResponse({"family": name, "config": config, "defaults": defaults,
+                         "required": preflight.required_fields(real)})
 
 
 @router.post("/validate", response_class=HTMLResponse)

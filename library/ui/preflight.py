@@ -11,6 +11,7 @@ from library.config import Config, ConfigError
 from library.data.dataset_config import resolve_datasets
 from library.data.images import IMAGE_EXTENSIONS
 from library.data.scan import listing, scan_datasets
+from library.families.registry import ENTRIES
 from library.monitoring.events import EVENTS_FILE
 from library.ui import schema, security
 from library.ui.model_family import model_family
@@ -40,6 +41,22 @@ def look_ahead(state: schema.FormState, values: dict[str, str], roots: security.
     earlier = earlier_work(folder, values.get("output_name")) if folder is not None else None
     if earlier:
         state.warnings.setdefault("output_dir", []).append(f"output_dir: {typed} {earlier}; Start run asks first")
+
+
+REQUIRED = {MODEL_OPTION: "every run needs its base model: a diffusers folder or a checkpoint file",
+            "train_data_dir": "every run needs its images: a folder of kohya-style image folders (or dataset_config)",
+            "output_dir": "a run started here needs its own folder"}
+
+
+def required_fields(model: Path | None) -> dict[str, str]:
+    """The fields a run needs, with why: those of every run, and with a single-file model the separate files its
+    family loads it with (unless the file carries them)."""
+    needed = dict(REQUIRED)
+    family = model_family(model) if model is not None and model.is_file() else None
+    entry = next((e for e in ENTRIES if e.name == family), None)
+    for name in entry.file_options if entry is not None else ():
+        needed[name] = f"a {entry.title} single file is loaded with its {name} file (unless the file carries it)"
+    return needed
 
 
 def model_problem(path: Path, typed: str) -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import html
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -15,7 +16,7 @@ from library.core.atomic import write_atomically
 from library.monitoring.events import EVENTS_FILE, read_events
 from library.ui import preflight, schema, security
 from library.ui.run_status import PROMPTS_FILE
-from library.ui.runs import RunManager
+from library.ui.runs import REQUESTS, RunManager
 from library.ui.web import ManagerDep, RootsDep, form_page, form_values, page
 
 STATE_OPTION = "save_state_on_preemption"  # runs started here save a state when stopped, unless told otherwise
@@ -126,6 +127,36 @@ async def resume(request: Request, roots: RootsDep, manager: ManagerDep) -> HTML
                     new_folder=preflight.new_folder(str(directory), lambda path: Path(path).exists()))
     manager.submit(directory, "", resume=True)
     return HTMLResponse('<span class="ok">resume queued</span>', headers={"HX-Trigger": "runs-changed"})
+
+
+@router.post("/request", response_class=HTMLResponse)
+async def request_now(request: Request, roots: RootsDep, manager: ManagerDep) -> HTMLResponse:
+    """Sample now / Save now: the running trainer does it after its current step."""
+    form = await request.form()
+    directory = run_dir(roots, str(form.get("path", "")))
+    what = str(form.get("what", ""))
+    if directory is None or what not in REQUESTS:
+        return HTMLResponse(NOT_A_RUN if directory is None else "ask for sample or save", status_code=404)
+    done, message = manager.request(directory, what)
+    return HTMLResponse(f'<span class="{"ok" if done else "problem"}">{html.escape(message)}</span>',
+                        status_code=200 if done else 409, headers={"HX-Trigger": "runs-changed"} if done else {})
+
+
+@router.post("/delete", response_class=HTMLResponse)
+async def delete(request: Request, roots: RootsDep, manager: ManagerDep) -> HTMLResponse:
+    """Delete a run's files, after a question naming them; never those of a queued or running run."""
+    form = await request.form()
+    directory = run_dir(roots, str(form.get("path", "")))
+    if directory is None:
+        return HTMLResponse(NOT_A_RUN, status_code=404)
+    deleted, message, files = await asyncio.to_thread(manager.delete, directory, form.get("confirm") == "yes")
+    if deleted:
+        return HTMLResponse(f'<span class="ok" id="deleted">{html.escape(message)}</span>',
+                            headers={"HX-Trigger": "runs-changed"})
+    if message:
+        return HTMLResponse(f'<span class="problem">{html.escape(message)}</span>', status_code=409)
+    return page(request, "delete_run.html", status_code=409, run=manager.status(directory).as_dict(),
+                files=[str(path.relative_to(directory)) for path in files])
 
 
 def latest_state(directory: Path) -> dict[str, Any] | None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from library.config import read_toml
-from library.core.run_files import LOCK_FILE  # the trainer's lock on the folder (library/training/preflight.py)
+from library.core.run_files import LOCK_FILE, SAMPLE_NOW, SAVE_NOW  # the trainer's (library/training)
 from library.monitoring.events import EVENTS_FILE, read_events
 from library.ui.samples import sample_views
 
@@ -42,6 +42,8 @@ class RunStatus:
     duration: float | None = None  # seconds its attempts ran, the current one up to now
     family: str = ""  # the model's family, as the UI detected it when it queued the run
     phase: str = ""  # while running: loading, training, sampling, saving, finishing or stopping
+    requests: list[str] = field(default_factory=list)  # sample_now / save_now files the trainer has not done yet
+    can_sample: bool = False  # the run samples (prompts and a schedule): Sample now has something to draw
 
     @property
     def name(self) -> str:
@@ -52,7 +54,8 @@ class RunStatus:
                 "step": self.step, "total_steps": self.total_steps, "message": self.message,
                 "log_tail": self.log_tail, "output_name": self.output_name, "files": self.files,
                 "states": self.states, "samples": self.samples, "can_resume": self.can_resume,
-                "started": self.started, "duration": self.duration, "family": self.family, "phase": self.phase}
+                "started": self.started, "duration": self.duration, "family": self.family, "phase": self.phase,
+                "requests": self.requests, "can_sample": self.can_sample}
 
 
 def trainer_alive(pid: int | None) -> bool:
@@ -139,7 +142,11 @@ def run_status(run_dir: Path, process: subprocess.Popen | None = None, queued: b
     elif alive or (end is None and (lock_holder(run_dir) or trainer_alive(pid))):
         status.status = "running"
         status.phase = phase(status.events, config, unstarted, bool(launch.get("stop_requested")))
-        status.message = PHASES[status.phase]
+        status.requests = [name for name in REQUESTS if (run_dir / name).exists()]
+        # The trainer reads the prompts (and keeps the VAE) only for a run that samples on a schedule.
+        status.can_sample = bool(config.get("sample_prompts")) and any(
+            config.get(name) for name in ("sample_every_n_steps", "sample_every_n_epochs", "sample_at_first"))
+        status.message = "; ".join(m for m in (PHASES[status.phase], *(REQUESTS[r] for r in status.requests)) if m)
     elif end is not None and not unstarted:
         status.status, status.message = end.get("status", "failed"), end.get("message", "")
     else:
@@ -199,6 +206,8 @@ PHASES = {"": "", "loading": "loading the model and data", "training": "",
           "sampling": "making sample images after this step", "saving": "saving a LoRA file after this step",
           "finishing": "the last step is done: final samples and saving the LoRA",
           "stopping": "stopping: the trainer finishes its step and saves a state"}
+REQUESTS = {SAMPLE_NOW: "samples asked for: the trainer makes them after this step",
+            SAVE_NOW: "a LoRA file asked for: the trainer saves it after this step"}
 
 
 def phase(events: list[dict[str, Any]], config: dict[str, Any], unstarted: bool, stopping: bool) -> str:
@@ -210,6 +219,8 @@ def phase(events: list[dict[str, Any]], config: dict[str, Any], unstarted: bool,
     if unstarted or plan is None:
         return "loading"
     last = events[-1]
+    if last["event"] == "request":  # a sample round or a save asked for from the UI, under way
+        return "sampling" if last.get("request") == SAMPLE_NOW else "saving"
     step, total = last.get("step") or 0, plan.get("total_steps") or 0
     if last["event"] in ("step", "samples", "save", "state", "validation") and total and step >= total:
         return "finishing"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,10 +21,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from library.core.atomic import write_atomically
+from library.core.run_files import LOCK_FILE, SAMPLE_NOW, SAVE_NOW
+from library.monitoring.events import EVENTS_FILE
 from library.ui.model_family import model_family
 from library.ui.run_status import (
     LAUNCHES,
     LOG_FILE,
+    PROMPTS_FILE,
     RUN_CONFIG,
     RunStatus,
     find_runs,
@@ -35,6 +39,10 @@ from library.ui.run_status import (
 )
 
 TRAINER = Path(__file__).resolve().parents[2] / "train_network.py"
+REQUESTS = {"sample": SAMPLE_NOW, "save": SAVE_NOW}  # what Sample now / Save now ask the trainer for
+# The files of a run besides its outputs: the UI's, the trainer's event stream, lock and pending requests.
+RUN_FILES = (RUN_CONFIG, LOG_FILE, LAUNCHES, PROMPTS_FILE, EVENTS_FILE, LOCK_FILE, SAMPLE_NOW, SAVE_NOW)
+OUTPUT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".png")  # LoRA files, snapshots, the loss chart
 
 
 @dataclass
@@ -128,6 +136,8 @@ class RunManager:
         self._launch(job)
 
     def _launch(self, job: Job) -> None:
+        for name in REQUESTS.values():  # asked of an earlier attempt that ended before doing it
+            (job.run_dir / name).unlink(missing_ok=True)
         with open(job.run_dir / LOG_FILE, "ab") as log:
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(job.argv[1:])}\n".encode())
             log.flush()
@@ -207,8 +217,67 @@ class RunManager:
         self._record(run_dir, -1, stop_requested=time.time())  # every page shows "stopping" until it ends
         return "stopping: the trainer finishes its step and saves a state"
 
+    def request(self, run_dir: Path, what: str) -> tuple[bool, str]:
+        """Ask the running trainer for a sample round or a LoRA file after its current step: a file in its folder
+        that it removes once done (library/training/requests.py)."""
+        status = self.status(run_dir)
+        if status.status != "running" or status.phase == "stopping":
+            return False, f"not running: there is no trainer to ask (the run is {status.status})"
+        if what == "sample" and not status.can_sample:
+            return False, ("the run makes no samples (sample prompts and sample_every_n_steps / _epochs): "
+                           "the trainer has no prompts to sample")
+        name = REQUESTS[what]
+        (run_dir / name).touch()
+        return True, ("samples asked for: the trainer makes them after this step" if what == "sample" else
+                      "a LoRA file asked for: the trainer saves it after this step")
+
+    def delete(self, run_dir: Path, confirmed: bool) -> tuple[bool, str, list[Path]]:
+        """Delete the files a run made in its folder (its outputs and the UI's records; nothing else there), and
+        the folder when that empties it. Never while it is queued or running. Without `confirmed` nothing is deleted:
+        the files that would be are returned."""
+        status = self.status(run_dir)
+        if status.status in ("queued", "running") or lock_holder(run_dir) is not None:
+            return False, (f"the run is {status.status}: stop it first (the files of a running run are never "
+                           "deleted)"), []
+        files = run_files(run_dir, status.output_name)
+        if not confirmed:
+            return False, "", files
+        for path in sorted(files, key=lambda p: len(p.parts), reverse=True):  # samples before their folder
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.is_dir():
+                path.rmdir()
+            else:
+                path.unlink(missing_ok=True)
+        kept = [p.name for p in run_dir.iterdir()] if run_dir.is_dir() else []
+        if not kept and not any(run_dir == root for root in self.roots):
+            run_dir.rmdir()
+        self._changed()
+        return True, f"deleted {len(files)} file(s) of {status.name}" + (
+            f"; kept what was not the run's: {', '.join(sorted(kept)[:5])}" if kept else ""), files
+
     def all_runs(self) -> list[RunStatus]:
         with self._lock:
             known = [job.run_dir for job in self.queue] + ([self.current.run_dir] if self.current else [])
         dirs = list(dict.fromkeys(known + find_runs(self.roots)))
         return [self.status(d) for d in dirs]
+
+
+def run_files(run_dir: Path, output_name: str | None) -> list[Path]:
+    """What a run made in its folder: the UI's and the trainer's files, and the outputs named after its output name
+    (LoRA files, snapshots, state folders, the loss chart, samples)."""
+    name = output_name or "last"  # the trainer's default output name
+
+    def its(path: Path) -> bool:
+        return path.name.startswith((f"{name}.", f"{name}-", f"{name}_")) and (
+            path.suffix in OUTPUT_SUFFIXES or path.name.endswith("-state"))
+
+    found = [run_dir / n for n in RUN_FILES if (run_dir / n).exists()]
+    found += [p for p in sorted(run_dir.iterdir()) if its(p)]
+    sample = run_dir / "sample"
+    if sample.is_dir():
+        samples = [p for p in sorted(sample.iterdir()) if its(p)]
+        found += samples
+        if len(samples) == len(list(sample.iterdir())):
+            found.append(sample)  # the folder goes with them when they are all it holds
+    return found

@@ -10,7 +10,7 @@ from fastapi.responses import HTMLResponse
 from starlette.datastructures import FormData
 
 from library.config.options import GROUPS
-from library.ui import examples, schema, security
+from library.ui import examples, preflight, schema, security
 from library.ui.model_family import FAMILIES, model_family
 from library.ui.runs import RunManager
 from library.ui.settings import Settings
@@ -54,10 +54,12 @@ def duration(seconds: float | None) -> str:
 
 def form_context(request: Request, state: schema.FormState, message: str = "", config_path: str = "",
                  form: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """What form.html shows: the fields by group, the state, and the family filter's choice."""
+    """What form.html shows: the fields by group, the state, the family filter's choice and the fields a run
+    needs (those of every run; a single-file model's separate files)."""
     model = state.values.get(MODEL_OPTION, "")
-    return {"state": state, "groups": schema.fields_by_group(), "group_titles": GROUPS,
-            "families": schema.families(), "message": message, "config_path": config_path,
+    real = roots_of(request).resolve(model) if model.strip() else None
+    return {"required": preflight.required_fields(real), "state": state, "groups": schema.fields_by_group(),
+            "group_titles": GROUPS, "families": schema.families(), "message": message, "config_path": config_path,
             "command_line_only": schema.COMMAND_LINE_ONLY, "family_model": model, "examples": examples.examples(),
             "family": chosen_family(model, form or {}, roots_of(request))}
 

@@ -401,6 +401,7 @@ def test_new_from_a_shipped_example_and_a_models_family_defaults(tmp_path):
     assert 'name="_config_path" id="config-path" value=""' in flux  # Save asks where; the example stays as it is
     assert c.get("/config/example", params={"_example": "../README.md"}).status_code == 404
     found = c.get("/config/family", params={"model": "models/digits-flux"}).json()
+    found.pop("required")  # the fields a run needs: test_the_fields_a_run_needs_are_marked_before_check...
     assert found == {"family": "flux", "config": "flux_lora.toml", "defaults": {
         "learning_rate": "0.0001", "resolution": "1024,1024", "network_module": "networks.lora_flux",
         "mixed_precision": "bf16"}}
@@ -429,3 +430,67 @@ def test_check_sees_the_model_the_dataset_and_the_output_folder_as_the_run_will(
         "pretrained_model_name_or_path": "models/digits-base", "train_data_dir": "data/digits/train",
         "output_dir": str(tmp_path / "new"), "resolution": "32"}).text
     assert "no problems found" in fine and 'id="problem-links"' not in fine
+
+
+def test_the_fields_a_run_needs_are_marked_before_check_and_follow_a_single_file_model(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    c = client([REPO, tmp_path])
+    page = c.get("/").text
+    marked = {name for name in OPTIONS if "required-mark" in field_html(page, name)}
+    assert marked == {"pretrained_model_name_or_path", "train_data_dir", "output_dir"}
+    flux_file = tmp_path / "flux1-dev.safetensors"  # FLUX.1 as Black Forest Labs ship it: the transformer only
+    save_file({f"model.diffusion_model.{key}": torch.zeros(1) for key in (
+        "double_blocks.0.img_attn.norm.key_norm.scale", "double_blocks.0.img_mod.lin.weight")}, str(flux_file))
+    found = c.get("/config/family", params={"model": str(flux_file)}).json()
+    assert found["family"] == "flux" and {"clip_l", "t5xxl", "ae"} <= set(found["required"])
+    assert set(c.get("/config/family", params={"model": "models/digits-flux"}).json()["required"]) == marked
+    checked = c.post("/config/validate", data={"pretrained_model_name_or_path": str(flux_file)}, headers=ORIGIN).text
+    assert {name for name in OPTIONS if "required-mark" in field_html(checked, name)} == marked | {
+        "clip_l", "t5xxl", "ae"}
+
+
+def test_deleting_a_run_asks_first_deletes_only_its_files_and_never_a_running_ones(tmp_path):
+    release = tmp_path / "release"
+    c = client([REPO, tmp_path], python=stand_in_python(tmp_path, release))
+    run = finished_run(tmp_path / "done")
+    sample_png(run / "sample" / "mine_000002_00_1.png", "a photo of sks")
+    (run / "notes.md").write_text("mine, not the run's\n", encoding="utf-8")
+    asked = c.post("/runs/delete", data={"path": str(run)}, headers=ORIGIN)
+    assert asked.status_code == 409 and 'id="delete-confirm"' in asked.text
+    assert "mine.safetensors" in asked.text and "notes.md" not in asked.text and (run / "mine.safetensors").exists()
+    done = c.post("/runs/delete", data={"path": str(run), "confirm": "yes"}, headers=ORIGIN)
+    assert done.status_code == 200 and "kept what was not the run's: notes.md" in html.unescape(done.text)
+    assert sorted(p.name for p in run.iterdir()) == ["notes.md"] and str(run) not in c.get("/runs").text
+    outside = c.post("/runs/delete", data={"path": "/tmp", "confirm": "yes"}, headers=ORIGIN)
+    assert outside.status_code == 404
+    live = tmp_path / "live"
+    c.post("/runs/start", headers=ORIGIN, data={"pretrained_model_name_or_path": "models/digits-base",
+                                                "train_data_dir": "data/digits/train", "output_dir": str(live)})
+    refused = c.post("/runs/delete", data={"path": str(live), "confirm": "yes"}, headers=ORIGIN)
+    assert refused.status_code == 409 and "never deleted" in refused.text and (live / "run_config.toml").exists()
+    release.touch()
+    wait_for(lambda: c.get("/runs/status", params={"path": str(live)}).json()["status"] != "running")
+    assert c.post("/runs/delete", data={"path": str(live), "confirm": "yes"}, headers=ORIGIN).status_code == 200
+    assert not live.exists()
+
+
+def test_sample_and_save_now_are_asked_of_a_running_trainer_only(tmp_path):
+    release = tmp_path / "release"
+    c = client([REPO, tmp_path], python=stand_in_python(tmp_path, release))
+    run = finished_run(tmp_path / "done")
+    refused = c.post("/runs/request", data={"path": str(run), "what": "save"}, headers=ORIGIN)
+    assert refused.status_code == 409 and "not running" in refused.text and not (run / "save_now").exists()
+    live = tmp_path / "live"
+    c.post("/runs/start", headers=ORIGIN, data={"pretrained_model_name_or_path": "models/digits-base",
+                                                "train_data_dir": "data/digits/train", "output_dir": str(live)})
+    no_prompts = c.post("/runs/request", data={"path": str(live), "what": "sample"}, headers=ORIGIN)
+    assert no_prompts.status_code == 409 and "makes no samples" in no_prompts.text
+    assert c.post("/runs/request", data={"path": str(live), "what": "save"}, headers=ORIGIN).status_code == 200
+    status = c.get("/runs/status", params={"path": str(live)}).json()
+    assert (live / "save_now").exists() and status["requests"] == ["save_now"] and "asked for" in status["message"]
+    write_events(live, [*attempt(0, 3, 10, time.time(), "live"),
+                        {"event": "request", "time": time.time(), "step": 3, "request": "save_now"}])
+    assert c.get("/runs/status", params={"path": str(live)}).json()["phase"] == "saving"
+    release.touch()

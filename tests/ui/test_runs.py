@@ -87,3 +87,31 @@ def test_failing_and_killed_runs_and_a_ui_restart(tmp_path, monkeypatch):
     listing = restarted.get("/runs").text
     row = listing[listing.index(str(killed)):]
     assert "failed" in row[:600] and "running" not in row[:600]
+
+
+@pytest.mark.slow  # 40 s on two loaded cores, most of it loading
+@pytest.mark.usefixtures("runs_reaped")
+def test_sample_now_and_save_now_on_a_running_trainer(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    run = tmp_path / "run"
+    ui = client(tmp_path)
+    started = ui.post("/runs/start", headers=ORIGIN, data={
+        **QUICKSTART, "output_dir": str(run), "output_name": "now", "_prompts": "a photo of sks --w 32 --h 32 --s 2",
+        "sample_every_n_steps": "1000"})  # the prompts are read for a run that samples
+    assert "queued a run" in started.text
+
+    def status() -> dict:
+        return ui.get("/runs/status", params={"path": str(run)}).json()
+    wait_for(lambda: status()["step"] >= 1)
+    for what in ("save", "sample"):
+        assert ui.post("/runs/request", data={"path": str(run), "what": what}, headers=ORIGIN).status_code == 200
+    wait_for(lambda: not (run / "save_now").exists() and not (run / "sample_now").exists())
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    asked = {e["request"]: e["step"] for e in events if e["event"] == "request"}
+    saved = next(e for e in events if e["event"] == "save")
+    sampled = next(e for e in events if e["event"] == "samples")
+    assert saved["step"] == asked["save_now"] and (run / saved["path"]).is_file()  # a LoRA file at that step
+    assert sampled["step"] == asked["sample_now"] and (run / sampled["paths"][0]).is_file()
+    assert status()["status"] == "running" and status()["samples"][0]["prompt"] == "a photo of sks"
+    ui.post("/runs/stop", data={"path": str(run)}, headers=ORIGIN)
+    assert wait_for(lambda: (s := status())["status"] != "running" and s)["status"] == "stopped"
