@@ -39,6 +39,7 @@ function followModel() {
   const model = document.getElementById("opt-pretrained_model_name_or_path");
   const offer = document.getElementById("family-offer");
   fetch("/config/family?model=" + encodeURIComponent(model.value.trim())).then((r) => r.json()).then((found) => {
+    markRequired(found.required || {});
     offer.replaceChildren();
     offer.hidden = !found.family;
     if (!found.family) return;
@@ -67,6 +68,23 @@ function followModel() {
       saveDraft();
     });
     offer.append(" ", use);
+  });
+}
+
+function markRequired(required) {
+  // The fields a run needs change with the model (a single file is loaded with its family's separate files).
+  document.querySelectorAll("#config-form .field[data-name]").forEach((field) => {
+    const why = required[field.dataset.name];
+    let mark = field.querySelector(".required-mark");
+    field.classList.toggle("required", Boolean(why));
+    if (!why) { if (mark) mark.remove(); return; }
+    if (!mark) {
+      mark = document.createElement("abbr");
+      mark.className = "required-mark";
+      mark.textContent = "required";
+      field.querySelector("label").append(" ", mark);
+    }
+    mark.title = why;
   });
 }
 
@@ -147,6 +165,17 @@ document.addEventListener("click", (e) => {
   document.getElementById("opt-output_dir").value = use.dataset.folder;
   document.getElementById("new-folder-offer").remove();
   saveDraft();
+});
+
+document.addEventListener("click", (e) => {
+  // "Keep it" under a question (deleting a run): the question goes, nothing else happens.
+  const keep = e.target.closest("[data-dismiss]");
+  if (keep) document.getElementById(keep.dataset.dismiss).remove();
+});
+
+document.addEventListener("htmx:beforeRequest", (e) => {
+  // The runs list refreshes itself; not while it asks a question (deleting a run).
+  if (e.detail.elt.id === "run-list" && e.detail.elt.querySelector(".confirm")) e.preventDefault();
 });
 
 document.addEventListener("htmx:beforeSwap", (e) => {
@@ -327,6 +356,14 @@ function runView() {
     listFiles("files", s.files, true);
     listFiles("states", s.states, false);
     showSamples(s.samples || []);
+    const running = s.status === "running" && s.phase !== "stopping";
+    const asked = s.requests || [];
+    document.getElementById("sample-button").disabled = !running || !s.can_sample || asked.includes("sample_now");
+    document.getElementById("save-button-now").disabled = !running || asked.includes("save_now");
+    document.getElementById("delete-button").disabled = s.status === "running" || s.status === "queued";
+    const said = document.getElementById("action-result");  // an answered request's "asked for" goes
+    if ((said.textContent.startsWith("samples asked") && !asked.includes("sample_now")) ||
+        (said.textContent.startsWith("a LoRA file asked") && !asked.includes("save_now"))) said.textContent = "";
     document.getElementById("stop-button").disabled = !(s.status === "running" || s.status === "queued");
     document.getElementById("resume-button").disabled = !s.can_resume;
   }
@@ -344,6 +381,18 @@ function runView() {
 
   document.getElementById("stop-button").addEventListener("click", () => {
     postForm("/runs/stop", {path: dir}).then(([, t]) => { document.getElementById("action-result").innerHTML = t; });
+  });
+  const result = document.getElementById("action-result");
+  [["sample-button", "sample"], ["save-button-now", "save"]].forEach(([id, what]) => {
+    document.getElementById(id).addEventListener("click", () => {
+      postForm("/runs/request", {path: dir, what}).then(([, t]) => { result.innerHTML = t; });
+    });
+  });
+  document.getElementById("delete-button").addEventListener("click", () => {
+    postForm("/runs/delete", {path: dir}).then(([, t]) => {
+      result.innerHTML = t;
+      htmx.process(result);  // the question carries its own buttons
+    });
   });
   document.getElementById("resume-button").addEventListener("click", () => {
     postForm("/runs/resume", {path: dir}).then(([ok, t]) => {
