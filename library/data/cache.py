@@ -4,12 +4,15 @@ Latents are cached as the VAE posterior's mean and log-variance (not a sample), 
 posterior sample with its own generator at every step. A disk entry `<image file>.latents.safetensors` lies beside
 the image and records, for each variant (plain, flipped), a key made of the image file's content hash and every
 setting that changes the latent: resized size, bucket, crop, flip, the VAE (config + weights hash) and its dtype.
+A video's file (beside the video file or frame folder) holds an entry per clip and variant, whose key adds the
+clip's source frames; a video's latents are (C, F', H', W').
 An entry whose key differs is re-encoded; files are written atomically (temporary file, then os.replace).
 Control images of edit datasets are cached alongside, the same way (library.data.control_cache).
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -39,6 +42,7 @@ from library.data.encoding import (
 )
 from library.data.images import prepare_image
 from library.data.scan import ImageRecord
+from library.data.video import prepare_clip
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +60,20 @@ def variant_key(record: ImageRecord, flipped: bool, image_digest: str, vae_id: s
     interpolation = record.subset.resize_interpolation
     key = {"format": CACHE_FORMAT, "image": image_digest, "size": record.size, "resized": record.resized,
            "bucket": record.bucket, "crop": record.crop, "flipped": flipped, "vae": vae_id, "dtype": str(dtype)}
-    return json.dumps({**key, "interpolation": interpolation} if interpolation else key, sort_keys=True)
+    if interpolation:
+        key["interpolation"] = interpolation
+    if record.frames is not None:
+        key["frames"] = list(record.frames)
+    return json.dumps(key, sort_keys=True)
+
+
+def entry_name(record: ImageRecord, flipped: bool) -> str:
+    """The entry's name in its file: the variant, and for a video clip its first frame, length and frames' hash
+    (clips of one video share the file)."""
+    if record.frames is None:
+        return _NAMES[flipped]
+    frames = hashlib.blake2b(repr(record.frames).encode(), digest_size=4).hexdigest()
+    return f"{_NAMES[flipped]}-{record.frames[0]:05d}-{len(record.frames):03d}-{frames}"
 
 
 class MemoryLatents:
@@ -79,13 +96,14 @@ class DiskLatents:
     """(record index, flipped) -> tensors read from the record's cache file at each use."""
 
     def __init__(self, records: Sequence[ImageRecord]):
-        self.paths = {i: latent_cache_path(r.path) for i, r in enumerate(records)}
+        self.records = list(records)
 
     def get(self, record_index: int, flipped: bool) -> tuple[torch.Tensor, torch.Tensor]:
         from safetensors import safe_open
 
-        name = _NAMES[flipped]
-        with safe_open(self.paths[record_index], framework="pt") as f:
+        record = self.records[record_index]
+        name = entry_name(record, flipped)
+        with safe_open(latent_cache_path(record.path), framework="pt") as f:
             return f.get_tensor(f"{name}.mean"), f.get_tensor(f"{name}.logvar")
 
 
@@ -158,6 +176,9 @@ def cache_latents(data: TrainingData, vae: torch.nn.Module, device: torch.device
 
 
 def _target_pixels(record: ImageRecord, flipped: bool) -> torch.Tensor:
+    if record.frames is not None:
+        return prepare_clip(record.path, record.frames, record.size, record.resized, record.bucket, record.crop,
+                            flipped, record.subset.resize_interpolation)
     return prepare_image(record.path, record.size, record.resized, record.bucket, record.crop, flipped,
                          record.subset.resize_interpolation)
 
@@ -172,49 +193,42 @@ def _cache_in_memory(records: Sequence[ImageRecord], needed: list[tuple[int, boo
         if not finite(mean, logvar):
             problems.append((records[record_index], _nan_message(records[record_index], flipped)))
 
-    encoder.encode([item for item in needed if not memory.has(*item)], lambda i: records[i].bucket,
+    encoder.encode([item for item in needed if not memory.has(*item)], lambda i: records[i].bucket_key,
                    lambda i, flipped: _target_pixels(records[i], flipped), keep)
     return problems
 
 
 def _cache_to_disk(records: Sequence[ImageRecord], needed: list[tuple[int, bool]], encoder: VaeEncoder,
                    share: DiskShare) -> list[tuple[ImageRecord, str]]:
-    """Bring every needed disk entry up to date; returns (record, message) for the entries that are not finite."""
+    """Bring every needed disk entry up to date; returns (record, message) for the entries that are not finite.
+    Entries are shared out by file (a video's clips are one file), each file written once by one process."""
     digests, pool = share.digests, encoder.pool
     paths = sorted({records[i].path for i, _ in needed} - digests.keys())
     digests.update(zip(paths, pool.map(file_digest, paths), strict=True))
     keys = {(i, f): variant_key(records[i], f, digests[records[i].path], share.vae_id, encoder.dtype)
             for i, f in needed}
-
-    def stale(items: Iterable[tuple[int, bool]]) -> list[tuple[int, bool]]:
-        by_record: dict[int, list[bool]] = {}
-        for i, f in items:
-            by_record.setdefault(i, []).append(f)
-        out = []
-        for i, flips in by_record.items():
-            entries = read_entries(latent_cache_path(records[i].path))
-            out += [(i, f) for f in flips if entries.get(_NAMES[f], {}).get("key") != keys[(i, f)]]
-        return out
-
-    mine = [(i, f) for i, f in needed if i % share.num_processes == share.process_index]
-    to_encode = stale(mine)
+    owner: dict[Path, int] = {}
+    for i, _ in needed:  # an image's owner is its record's index, as before clips shared files
+        owner.setdefault(records[i].path, i)
+    mine = [(i, f) for i, f in needed if owner[records[i].path] % share.num_processes == share.process_index]
+    to_encode = [(i, f) for path, items in _by_file(records, mine).items()
+                 for entries in (read_entries(latent_cache_path(path)),)
+                 for i, f in items if entries.get(entry_name(records[i], f), {}).get("key") != keys[(i, f)]]
     encoder.stats.reused += len(mine) - len(to_encode)
-    pending: dict[int, dict[str, tuple[str, dict[str, torch.Tensor], bool]]] = {}
-    expected: dict[int, int] = {}
-    for i, _ in to_encode:
-        expected[i] = expected.get(i, 0) + 1
+    pending: dict[Path, dict[str, tuple[str, dict[str, torch.Tensor], bool]]] = {}
+    expected = {path: len(items) for path, items in _by_file(records, to_encode).items()}
     writes: list[Future] = []
 
     def write(record_index: int, flipped: bool, mean: torch.Tensor, logvar: torch.Tensor) -> None:
-        variants = pending.setdefault(record_index, {})
-        variants[_NAMES[flipped]] = (keys[(record_index, flipped)], {"mean": mean, "logvar": logvar},
-                                     finite(mean, logvar))
-        if len(variants) == expected[record_index]:
-            writes.append(pool.submit(write_entries, latent_cache_path(records[record_index].path),
-                                      pending.pop(record_index)))
+        path = records[record_index].path
+        entries = pending.setdefault(path, {})
+        entries[entry_name(records[record_index], flipped)] = (keys[(record_index, flipped)],
+                                                               {"mean": mean, "logvar": logvar}, finite(mean, logvar))
+        if len(entries) == expected[path]:
+            writes.append(pool.submit(write_entries, latent_cache_path(path), pending.pop(path)))
 
-    encoder.encode(to_encode, lambda i: records[i].bucket, lambda i, flipped: _target_pixels(records[i], flipped),
-                   write)
+    encoder.encode(to_encode, lambda i: records[i].bucket_key,
+                   lambda i, flipped: _target_pixels(records[i], flipped), write)
     for future in writes:
         future.result()
     if share.num_processes > 1 and share.wait_for_everyone is not None:
@@ -222,24 +236,28 @@ def _cache_to_disk(records: Sequence[ImageRecord], needed: list[tuple[int, bool]
     return _check_disk_entries(records, needed, keys)
 
 
+def _by_file(records: Sequence[ImageRecord], items: Iterable[tuple[int, bool]]) -> dict[Path, list[tuple[int, bool]]]:
+    grouped: dict[Path, list[tuple[int, bool]]] = {}
+    for i, f in items:
+        grouped.setdefault(records[i].path, []).append((i, f))
+    return grouped
+
+
 def _check_disk_entries(records: Sequence[ImageRecord], needed: list[tuple[int, bool]],
                         keys: dict[tuple[int, bool], str]) -> list[tuple[ImageRecord, str]]:
     """(record, message) for the needed entries that are not finite; an error for any missing or stale."""
     problems, missing = [], []
-    by_record: dict[int, list[bool]] = {}
-    for i, f in needed:
-        by_record.setdefault(i, []).append(f)
-    for i, flips in by_record.items():
-        entries = read_entries(latent_cache_path(records[i].path))
-        for f in flips:
-            entry = entries.get(_NAMES[f], {})
+    for path, items in _by_file(records, needed).items():
+        entries = read_entries(latent_cache_path(path))
+        for i, f in items:
+            entry = entries.get(entry_name(records[i], f), {})
             if entry.get("key") != keys[(i, f)]:
-                missing.append(f"{latent_cache_path(records[i].path)}: latent cache entry missing or stale after "
+                missing.append(f"{latent_cache_path(path)}: latent cache entry missing or stale after "
                                "caching (was the file changed by another run?)")
             elif not entry.get("finite", False):
                 problems.append((records[i], _nan_message(records[i], f)))
     if missing:
-        raise UserError(missing)
+        raise UserError(sorted(set(missing)))
     return problems
 
 

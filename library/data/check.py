@@ -9,6 +9,7 @@ from typing import Any
 from library.config import Config, ConfigError
 from library.data.dataset import collect_training_data
 from library.data.scan import listing
+from library.data.video import FramesRule
 
 logger = logging.getLogger(__name__)
 
@@ -25,15 +26,21 @@ def _control_lines(data: Any, dataset_index: int) -> list[str]:
                for (b, sizes), n in sorted(shapes.items())])
 
 
-def dataset_report(config: Config, tokenizer: Any = None, num_processes: int = 1) -> tuple[str, bool]:
+def _bucket(bucket: tuple[int, ...]) -> str:
+    return f"{bucket[0]}x{bucket[1]}" + (f", {bucket[2]} frames" if len(bucket) > 2 else "")
+
+
+def dataset_report(config: Config, tokenizer: Any = None, num_processes: int = 1,
+                   frames_rule: FramesRule | None = None) -> tuple[str, bool]:
     """A readable check of the dataset without loading the UNet: (text, usable).
 
-    Images per subset with repeats, the bucket histogram, batches and steps per epoch, caption coverage and every
-    problem. With a tokenizer, caption lengths in tokens and how many are truncated.
+    Images (videos and their clips) per subset with repeats, the bucket histogram, batches and steps per epoch,
+    caption coverage and every problem. With a tokenizer, caption lengths in tokens and how many are truncated.
+    `frames_rule`: the model's family's clip lengths and rate (None: it trains images only).
     """
     lines: list[str] = []
     try:
-        data, problems, warnings = collect_training_data(config, None, 0, num_processes)
+        data, problems, warnings = collect_training_data(config, None, 0, num_processes, frames_rule)
     except ConfigError as e:
         return "\n".join(["dataset check: the dataset configuration is not usable:"]
                          + [f"  - {p}" for p in e.problems]), False
@@ -50,18 +57,26 @@ def dataset_report(config: Config, tokenizer: Any = None, num_processes: int = 1
             spec_s = report.spec
             kind = "reg " if spec_s.is_reg else ""
             usable = report.images - report.left_out
+            source = spec_s.video_jsonl_file or spec_s.image_dir
             if not report.used:
-                lines.append(f"  {kind}subset {report.subset_index}: {spec_s.image_dir}: not used")
+                lines.append(f"  {kind}subset {report.subset_index}: {source}: not used")
                 continue
             per_epoch = sum(r.repeats for r in data.records if r.subset is spec_s)
+            if spec_s.is_video:
+                lines.append(f"  subset {report.subset_index}: {source}: {usable} videos and images"
+                             + (f" ({report.left_out} left out)" if report.left_out else "")
+                             + f" -> {report.clips} clips ({spec_s.frame_extraction}, target_frames "
+                             f"{list(spec_s.target_frames)}) x {spec_s.num_repeats} repeats -> {per_epoch} samples "
+                             f"per epoch; captions: {report.captions_from_file} from files or the JSONL")
+                continue
             lines.append(f"  {kind}subset {report.subset_index}: {spec_s.image_dir}: {usable} images"
                          + (f" ({report.left_out} left out)" if report.left_out else "")
                          + f" x {spec_s.num_repeats} repeats -> {per_epoch} samples per epoch; captions: "
                          f"{report.captions_from_file} from files, {usable - report.captions_from_file} class tokens")
         histogram = [h for h in data.bucket_histogram() if h[0] == d]
         if histogram:
-            lines.append("  buckets (width x height: samples per epoch / images):")
-            lines.extend(f"    {b[0]}x{b[1]}: {n} / {m}" for _, b, n, m in histogram)
+            lines.append("  buckets (width x height[, frames]: samples per epoch / images or clips):")
+            lines.extend(f"    {_bucket(b)}: {n} / {m}" for _, b, n, m in histogram)
         lines.extend(_control_lines(data, d))
     batches = data.batches_per_epoch // num_processes
     steps = math.ceil(batches / config.gradient_accumulation_steps) if batches else 0

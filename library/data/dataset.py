@@ -26,6 +26,7 @@ from library.data.dataset_config import DatasetSpec, resolve_datasets
 from library.data.face_crop import face_crop, face_from_name
 from library.data.images import color_augment, prepare_image, prepare_mask
 from library.data.scan import ImageRecord, SubsetReport, balance_regularisation, scan_datasets
+from library.data.video import FramesRule, prepare_clip
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +102,12 @@ class TrainingDataset(torch.utils.data.Dataset):
             if subset.color_aug:
                 rng = item_rng(self.seed, "color", epoch, index)
                 augment = lambda image: color_augment(image, rng)  # noqa: E731 (one use, right here)
-            item["pixels"] = prepare_image(record.path, record.size, resized, record.bucket, (left, top),
-                                           flipped, subset.resize_interpolation, augment)
+            if record.frames is not None:  # a video clip: (3, frames, height, width)
+                item["pixels"] = prepare_clip(record.path, record.frames, record.size, resized, record.bucket,
+                                              (left, top), flipped, subset.resize_interpolation)
+            else:
+                item["pixels"] = prepare_image(record.path, record.size, resized, record.bucket, (left, top),
+                                               flipped, subset.resize_interpolation, augment)
         if record.controls:
             item.update(control_inputs(record.controls, subset, flipped, self.control_latents))
         # Read from the files each time, also with cached latents, so a cache never holds a stale mask.
@@ -133,7 +138,8 @@ _STACKED = ("pixels", "latent_mean", "latent_logvar")
 
 def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
     """Stack tensors (and each tensor of the `text` dicts); per-item sizes as (B, 2) long tensors in
-    (height, width) / (top, left) order.
+    (height, width) / (top, left) order. `pixels` are (B, 3, H, W) for images and (B, 3, F, H, W) for video clips
+    (a batch is one or the other), in [-1, 1].
 
     Edit datasets add, per control index i (a batch's items share their controls' count and sizes), either
     `control_pixels[i]`: (B, 3, H_i, W_i) in [-1, 1], or, with cached latents, `control_latents[i]`: (B, C, h_i, w_i)
@@ -271,14 +277,15 @@ class TrainingData:
                                            num_workers=num_workers,
                                            persistent_workers=persistent_workers and num_workers > 0)
 
-    def bucket_histogram(self) -> list[tuple[int, tuple[int, int], int, int]]:
-        """(dataset index, bucket (w, h), samples per epoch, images), sorted."""
+    def bucket_histogram(self) -> list[tuple[int, tuple[int, ...], int, int]]:
+        """(dataset index, bucket (w, h), or (w, h, frames) for video clips, samples per epoch, images or clips),
+        sorted."""
         samples: Counter = Counter()
         images: Counter = Counter()
         for r in self.records:
             if r.repeats:
-                samples[(r.dataset_index, r.bucket)] += r.repeats
-                images[(r.dataset_index, r.bucket)] += 1
+                samples[(r.dataset_index, r.bucket_key)] += r.repeats
+                images[(r.dataset_index, r.bucket_key)] += 1
         return [(d, b, samples[(d, b)], images[(d, b)]) for d, b in sorted(samples)]
 
     def drop_records(self, paths: set[Path], reasons: Sequence[str]) -> None:
@@ -303,6 +310,8 @@ class TrainingData:
             entry: tuple = (str(r.path), r.size, r.bucket, r.resized, r.repeats, r.is_reg, r.caption, r.subset)
             if r.controls:  # only here, so a dataset without control images keeps its fingerprint
                 entry += (r.controls, r.subset.no_resize_control, r.subset.control_resolution)
+            if r.frames is not None:  # the same for video clips
+                entry += (r.frames,)
             digest.update(repr(entry).encode())
         return digest.hexdigest()
 
@@ -347,9 +356,10 @@ def _assemble(specs: Sequence[DatasetSpec], records: list[ImageRecord], seed: in
         balance_regularisation(in_dataset)
     samples: list[int] = []
     # A batch's items share their bucket and their controls' count and sizes, so controls stack too.
-    groups: dict[tuple[int, tuple[int, int], tuple[tuple[int, int], ...]], list[int]] = {}
+    # Video clips also share their frame count, and never share a batch with images.
+    groups: dict[tuple[int, tuple[int, ...], tuple[tuple[int, int], ...]], list[int]] = {}
     for record_index, r in enumerate(records):
-        members = groups.setdefault((r.dataset_index, r.bucket, tuple(c.target for c in r.controls)), [])
+        members = groups.setdefault((r.dataset_index, r.bucket_key, tuple(c.target for c in r.controls)), [])
         for _ in range(r.repeats):
             members.append(len(samples))
             samples.append(record_index)
@@ -378,12 +388,14 @@ def _hold_out(records: list[ImageRecord], fraction: float,
 
 
 def collect_training_data(config: Config, tokenize: Callable[[str], torch.Tensor] | None, seed: int,
-             num_processes: int) -> tuple[TrainingData | None, list[str], list[str]]:
-    """Build what can be built; returns (data or None, problems, warnings) without raising for data problems."""
+                          num_processes: int, frames_rule: FramesRule | None = None,
+                          ) -> tuple[TrainingData | None, list[str], list[str]]:
+    """Build what can be built; returns (data or None, problems, warnings) without raising for data problems.
+    `frames_rule`: the model's family's clip lengths and rate (None: it trains images only)."""
     warnings: list[str] = []
     problems: list[str] = []
     specs = resolve_datasets(config, warnings, problems)
-    scan = scan_datasets(specs)
+    scan = scan_datasets(specs, frames_rule=frames_rule)
     problems += scan.problems
     warnings += scan.warnings
     records = scan.records
@@ -405,13 +417,13 @@ def collect_training_data(config: Config, tokenize: Callable[[str], torch.Tensor
 
 
 def build_training_data(config: Config, tokenize: Callable[[str], torch.Tensor] | None, seed: int,
-                        num_processes: int = 1) -> TrainingData:
+                        num_processes: int = 1, frames_rule: FramesRule | None = None) -> TrainingData:
     """Resolve the datasets, read and check every image and caption, assign buckets, build dataset and sampler.
 
     Raises UserError listing every problem (ConfigError for dataset TOML mistakes) unless skip_bad_images, which
     leaves unusable files out and logs each with its reason. An empty result is always an error.
     """
-    data, problems, warnings = collect_training_data(config, tokenize, seed, num_processes)
+    data, problems, warnings = collect_training_data(config, tokenize, seed, num_processes, frames_rule)
     for warning in warnings:
         logger.warning(warning)
     if problems:

@@ -56,6 +56,20 @@ class SubsetSpec:
     control_directory: Path | None = field(default=None, repr=False)  # control images paired by file stem
     no_resize_control: bool = field(default=False, repr=False)  # keep their own size, rounded to bucket_reso_steps
     control_resolution: tuple[int, int] | None = field(default=None, repr=False)  # their own bucket at this area
+    # musubi-tuner's video datasets (library.data.video), left out of the repr as the control fields are: image_dir
+    # is a video_directory (videos, frame folders and images), or video_jsonl_file names the videos.
+    videos: bool = field(default=False, repr=False)
+    video_jsonl_file: Path | None = field(default=None, repr=False)
+    target_frames: tuple[int, ...] = field(default=(1,), repr=False)
+    frame_extraction: str = field(default="head", repr=False)
+    frame_stride: int = field(default=1, repr=False)
+    frame_sample: int = field(default=1, repr=False)
+    max_frames: int = field(default=129, repr=False)
+    source_fps: float | None = field(default=None, repr=False)
+
+    @property
+    def is_video(self) -> bool:
+        return self.videos or self.video_jsonl_file is not None
 
     @property
     def caption_ops(self) -> bool:
@@ -120,11 +134,12 @@ def _resolve_subset(layers: list[Mapping[str, Any]], config: Config | None,
         values["caption_extension"] = "." + extension  # kohya adds the dot
     if values["class_tokens"] is not None and not values["class_tokens"].strip():
         values["class_tokens"] = None
-    for name in ("conditioning_data_dir", "metadata_file", "control_directory"):
+    for name in ("conditioning_data_dir", "metadata_file", "control_directory", "video_jsonl_file"):
         if values[name] is not None:
             values[name] = Path(values[name])
     face = values["face_crop_aug_range"]
     values["face_crop_aug_range"] = tuple(face) if face else None  # kohya's GUI writes "" for none
+    values["target_frames"] = tuple(values["target_frames"])
     directory = image_dir if image_dir is not None else Path(layers[0]["image_dir"])
     return SubsetSpec(image_dir=directory, **values)
 
@@ -251,6 +266,8 @@ def check_dataset_spec(spec: DatasetSpec, config: Config | None, where: str) -> 
             need(config is None or config.masked_loss,
                  f"{at}: conditioning_data_dir holds loss masks, which need masked_loss = true")
         problems += _control_problems(subset, spec.bucket_reso_steps, f"{where}: {at}")
+        if subset.is_video:
+            problems += [f"{where}: {at}: {p}" for p in _video_problems(subset)]
         for cached, changing, why in (
                 (caching_latents, subset.color_aug, "color_aug changes the pixels each time and cannot use cached "
                  "latents; turn off color_aug or cache_latents / cache_latents_to_disk"),
@@ -262,6 +279,34 @@ def check_dataset_spec(spec: DatasetSpec, config: Config | None, where: str) -> 
                  "token_warmup_step change the caption each time and cannot use cache_text_encoder_outputs; turn "
                  "off one")):
             need(not (cached and changing), f"{at}: {why}")
+    return problems
+
+
+def _video_problems(subset: SubsetSpec) -> list[str]:
+    """musubi-tuner's video keys out of range, and the image options a video clip does not take."""
+    from library.data.video import FRAME_EXTRACTIONS
+
+    problems = []
+    if subset.frame_extraction not in FRAME_EXTRACTIONS:
+        problems.append(f"frame_extraction {subset.frame_extraction!r} must be one of {', '.join(FRAME_EXTRACTIONS)}")
+    if not subset.target_frames:
+        problems.append("target_frames is empty; give the clip lengths, like [1, 25, 45]")
+    if any(n < 1 for n in subset.target_frames):
+        problems.append(f"target_frames {list(subset.target_frames)}: every length must be at least 1")
+    if subset.frame_extraction == "chunk" and 1 in subset.target_frames:
+        problems.append("target_frames holds 1 with frame_extraction = \"chunk\": every frame would become a clip "
+                        "of its own (musubi-tuner warns against it); remove 1")
+    for name in ("frame_stride", "frame_sample", "max_frames"):
+        if getattr(subset, name) < 1:
+            problems.append(f"{name} must be at least 1 (got {getattr(subset, name)})")
+    if subset.source_fps is not None and not subset.source_fps > 0:
+        problems.append(f"source_fps must be positive (got {subset.source_fps})")
+    image_only = [name for name, on in (("alpha_mask", subset.alpha_mask), ("color_aug", subset.color_aug),
+                                        ("face_crop_aug_range", subset.face_crop_aug_range),
+                                        ("conditioning_data_dir", subset.conditioning_data_dir),
+                                        ("control_directory", subset.control_directory)) if on]
+    if image_only:
+        problems.append(f"{', '.join(image_only)}: not offered for video datasets; remove them")
     return problems
 
 

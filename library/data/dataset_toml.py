@@ -15,6 +15,7 @@ import tomllib
 from library.config import ConfigError
 from library.data.musubi_toml import (
     IMAGE_SOURCES,
+    VIDEO_SOURCES,
     ignored_keys,
     is_musubi_dataset,
     misplaced,
@@ -52,6 +53,21 @@ def _float_pair(value: Any) -> tuple[float, float]:
     if len(parts) != 2 or not 0 < parts[0] <= parts[1]:
         raise ValueError("expected two positive numbers low <= high, like [2.0, 4.0]")
     return parts[0], parts[1]
+
+
+def _positive_float(value: Any) -> float:
+    number = _float(value)
+    if number <= 0:
+        raise ValueError("expected a positive number")
+    return number
+
+
+def _int_list(value: Any) -> tuple[int, ...]:
+    """musubi-tuner's target_frames: a list of integers (one integer is taken as a list of one)."""
+    values = value if isinstance(value, list) else [value]
+    if not values or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError("expected a list of integers, like [1, 25, 45]")
+    return tuple(values)
 
 
 def _str(value: Any) -> str:
@@ -110,8 +126,12 @@ UNSUPPORTED_KEYS = (
     "cache_info", "network_multiplier", "max_token_length", "debug_dataset",
 )
 # A [[datasets]] table in musubi-tuner's shape is its own subset: it names its images and control images itself.
-MUSUBI_DATASET_KEYS: dict[str, Callable[[Any], Any]] = {"image_directory": _str, "image_jsonl_file": _str,
-                                                        "control_directory": _str}
+MUSUBI_DATASET_KEYS: dict[str, Callable[[Any], Any]] = {
+    "image_directory": _str, "image_jsonl_file": _str, "control_directory": _str,
+    # its video datasets (library.data.video)
+    "video_directory": _str, "video_jsonl_file": _str, "target_frames": _int_list, "frame_extraction": _str,
+    "frame_stride": _int, "frame_sample": _int, "max_frames": _int, "source_fps": _positive_float,
+}
 _LEVEL_KEYS = {
     "general": {**DATASET_KEYS, **SUBSET_KEYS},
     "dataset": {**DATASET_KEYS, **SUBSET_KEYS},
@@ -239,7 +259,7 @@ def _check_musubi_dataset(dataset_raw: Mapping[str, Any], where: str, problems: 
     """A [[datasets]] table in musubi-tuner's shape: a dataset of one subset, which its own keys describe."""
     problems += shape_problems(dataset_raw, where)
     values = _check_table(dataset_raw, "musubi", where, problems, notes)
-    if not any(key in values for key in IMAGE_SOURCES):
-        return {"values": values, "subsets": []}  # a video dataset or a wrong type, reported above
+    if not any(key in values for key in (*IMAGE_SOURCES, *VIDEO_SOURCES)):
+        return {"values": values, "subsets": []}  # a wrong type, reported above
     dataset, subset = split_dataset(values)
     return {"values": dataset, "subsets": [subset]}

@@ -16,10 +16,14 @@ from library.core.atomic import write_atomically
 
 
 def file_digest(path: Path) -> str:
+    """The content hash of a file, or of a frame folder (its files' names and contents, in name order)."""
     digest = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
+    for file in sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]:
+        if file is not path:
+            digest.update(f"{file.name}\0".encode())
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
     return digest.hexdigest()
 
 
@@ -115,8 +119,10 @@ class DiskShare:
 @dataclass
 class VaeEncoder:
     """The VAE and how to call it: encode(items, ...) runs (source, flipped) items through it in VAE batches of one
-    size each (`size_of(source)`), with `pixels_of(source, flipped)` prepared ahead in the pool's threads, and
-    calls `on_encoded(source, flipped, mean, logvar)` (float32, on the CPU) per item."""
+    size each (`size_of(source)`: (width, height), or (width, height, frames) for video clips), with
+    `pixels_of(source, flipped)` prepared ahead in the pool's threads, and calls `on_encoded(source, flipped, mean,
+    logvar)` (float32, on the CPU) per item. Video clips go to the VAE as (B, 3, F, H, W): a video family's VAE
+    takes them so."""
     vae: torch.nn.Module
     device: torch.device
     dtype: torch.dtype
@@ -124,10 +130,10 @@ class VaeEncoder:
     pool: Any  # a ThreadPoolExecutor or an InlineExecutor
     stats: CacheStats
 
-    def encode(self, items: Sequence[tuple[Any, bool]], size_of: Callable[[Any], tuple[int, int]],
+    def encode(self, items: Sequence[tuple[Any, bool]], size_of: Callable[[Any], tuple[int, ...]],
                pixels_of: Callable[[Any, bool], torch.Tensor],
                on_encoded: Callable[[Any, bool, torch.Tensor, torch.Tensor], None]) -> None:
-        by_size: dict[tuple[int, int], list[tuple[Any, bool]]] = {}
+        by_size: dict[tuple[int, ...], list[tuple[Any, bool]]] = {}
         for item in items:
             by_size.setdefault(size_of(item[0]), []).append(item)
         batches = [group[i:i + self.batch_size] for _, group in sorted(by_size.items(), key=lambda kv: kv[0])

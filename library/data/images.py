@@ -124,13 +124,15 @@ def prepare_image(path: Path, size: tuple[int, int], resized: tuple[int, int], b
         image = open_image(path)
     except ImageProblem as e:
         raise UserError(f"{path}: {e} (it was readable when the dataset was checked)") from None
-    image = _fit(image, path, size, resized, bucket, crop_left_top, flipped, interpolation)
+    image = fit_image(image, path, size, resized, bucket, crop_left_top, flipped, interpolation)
     return to_tensor(augment(image) if augment is not None else image)
 
 
-def _fit(image: Image.Image, path: Path, size: tuple[int, int], resized: tuple[int, int], bucket: tuple[int, int],
-         crop_left_top: tuple[int, int], flipped: bool, interpolation: str | None = None) -> Image.Image:
-    """Resize, crop and flip as training does; a mask goes through the same steps so it stays on its pixels."""
+def fit_image(image: Image.Image, path: Path, size: tuple[int, int], resized: tuple[int, int],
+              bucket: tuple[int, int], crop_left_top: tuple[int, int], flipped: bool,
+              interpolation: str | None = None) -> Image.Image:
+    """Resize, crop and flip as training does; a mask (and each frame of a video clip) goes through the same steps
+    so it stays on its pixels."""
     if image.size != size:
         raise UserError(f"{path}: the image changed since the dataset was checked ({size} -> {image.size}); "
                         "restart training")
@@ -173,7 +175,7 @@ def prepare_mask(path: Path, size: tuple[int, int], resized: tuple[int, int], bu
         mask = read_mask(path, alpha)
     except ImageProblem as e:
         raise UserError(f"{path}: {e} (it was readable when the dataset was checked)") from None
-    mask = _fit(mask, path, size, resized, bucket, crop_left_top, flipped, interpolation)
+    mask = fit_image(mask, path, size, resized, bucket, crop_left_top, flipped, interpolation)
     return torch.from_numpy(np.asarray(mask, dtype=np.float32) / 255.0)
 
 # ------------------------------------------------------------------------------------------------------ buckets

@@ -1,6 +1,7 @@
 """Scanning the datasets: every image decoded and every caption read once, every problem collected with its path."""
 from __future__ import annotations
 
+import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,6 +29,18 @@ from library.data.images import (
     read_mask,
 )
 from library.data.metadata import image_path, metadata_caption, read_metadata
+from library.data.video import (
+    VIDEO_EXTENSIONS,
+    Extraction,
+    FramesRule,
+    VideoProblem,
+    clips,
+    is_video_file,
+    probe_video,
+    rate_problem,
+    resampled,
+    target_frames_problems,
+)
 
 _SHOWN = 5  # paths listed per warning before "... and N more"
 
@@ -67,6 +80,12 @@ class ImageRecord:
     is_reg: bool
     alpha: bool = False
     controls: tuple[ControlImage, ...] = ()  # edit datasets: the target's control images, in order
+    frames: tuple[int, ...] | None = None  # a video clip: its source frames (path is the video); None: an image
+
+    @property
+    def bucket_key(self) -> tuple[int, ...]:
+        """What a batch's items share: the bucket, and a clip's frame count (images and clips never mix)."""
+        return self.bucket if self.frames is None else (*self.bucket, len(self.frames))
 
     @property
     def crop(self) -> tuple[int, int]:
@@ -86,6 +105,7 @@ class SubsetReport:
     captions_from_file: int = 0
     left_out: int = 0
     used: bool = True
+    clips: int = 0  # a video subset: the clips cut from its videos
 
 
 @dataclass
@@ -155,13 +175,15 @@ def _check_image(path: Path, subset: SubsetSpec, bucketer: Bucketer, given_capti
     return fields_, problems, notes
 
 
-def scan_datasets(specs: Sequence[DatasetSpec], threads: int | None = None) -> Scan:
-    """Read every image and caption of every subset; collect usable records, problems and warnings."""
+def scan_datasets(specs: Sequence[DatasetSpec], threads: int | None = None,
+                  frames_rule: FramesRule | None = None) -> Scan:
+    """Read every image, video and caption of every subset; collect usable records, problems and warnings.
+    `frames_rule`: the clip lengths and rate the model's family takes (None: images only, videos are refused)."""
     scan = Scan()
-    jobs = _list_jobs(specs, scan)
+    jobs = _list_jobs(specs, scan, frames_rule)
     workers = threads or min(8, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        results = list(pool.map(lambda job: _check_image(job[1], job[0].spec, *job[2:]), jobs))
+        results = list(pool.map(_run_job, jobs))
     notes: dict[str, list[str]] = {}
     class_token_users: dict[int, list[Path]] = {}
     for job, result in zip(jobs, results, strict=True):
@@ -170,15 +192,24 @@ def scan_datasets(specs: Sequence[DatasetSpec], threads: int | None = None) -> S
     return scan
 
 
-# One image to check: its subset's report, the image, its dataset's bucketer, its caption from metadata (or None),
-# its control images (None in a subset without them).
-_Job = tuple[SubsetReport, Path, Bucketer, str | None, tuple[Path, ...] | None]
+# One image or video to check: its subset's report, the file, its dataset's bucketer, its caption from metadata (or
+# None), its control images (None in a subset without them), how clips are cut from it (None: an image).
+_Job = tuple[SubsetReport, Path, Bucketer, "str | None", "tuple[Path, ...] | None", "Extraction | None"]
 # One image of a subset: the image, its caption from metadata (or None), the control images its entry names (or None).
-_Listed = tuple[Path, str | None, tuple[Path, ...] | None]
+_Listed = tuple[Path, "str | None", "tuple[Path, ...] | None"]
+_Result = tuple["list[dict[str, Any]] | None", list[str], list[str]]
 
 
-def _list_jobs(specs: Sequence[DatasetSpec], scan: Scan) -> list[_Job]:
-    """Every image of every used subset; a report per subset is added to the scan."""
+def _run_job(job: _Job) -> _Result:
+    report, path, bucketer, caption, controls, extraction = job
+    if extraction is not None and (path.is_dir() or is_video_file(path)):
+        return _check_video(path, report.spec, bucketer, caption, extraction)
+    fields_, problems, notes = _check_image(path, report.spec, bucketer, caption, controls)
+    return (None if fields_ is None else [fields_]), problems, notes
+
+
+def _list_jobs(specs: Sequence[DatasetSpec], scan: Scan, frames_rule: FramesRule | None) -> list[_Job]:
+    """Every image and video of every used subset; a report per subset is added to the scan."""
     jobs: list[_Job] = []
     for d, spec in enumerate(specs):
         bucketer = Bucketer(spec)
@@ -186,13 +217,150 @@ def _list_jobs(specs: Sequence[DatasetSpec], scan: Scan) -> list[_Job]:
         for s, subset in enumerate(spec.subsets):
             report = SubsetReport(d, s, subset)
             scan.subsets.append(report)
-            listed = _subset_images(subset, d, seen, scan)
+            extraction = None
+            if subset.is_video:
+                extraction = _extraction(subset, frames_rule, scan.problems)
+                listed = _subset_videos(subset, d, seen, scan) if extraction is not None else []
+            else:
+                listed = _subset_images(subset, d, seen, scan)
             if not listed:
                 report.used = False
                 continue
             report.images = len(listed)
-            jobs.extend((report, path, bucketer, caption, controls) for path, caption, controls in listed)
+            jobs.extend((report, path, bucketer, caption, controls, extraction)
+                        for path, caption, controls in listed)
     return jobs
+
+
+def _extraction(subset: SubsetSpec, rule: FramesRule | None, problems: list[str]) -> Extraction | None:
+    """How the subset's clips are cut for the model's family; None (with the problem) when they cannot be."""
+    where = subset.video_jsonl_file or subset.image_dir
+    if rule is None:
+        problems.append(f"{where}: a video dataset, and the model's family trains images only (video datasets "
+                        "train a video family such as Wan)")
+        return None
+    wrong = target_frames_problems(subset.target_frames, subset.frame_extraction, rule)
+    problems.extend(f"{where}: {p}" for p in wrong)
+    if wrong:
+        return None
+    return Extraction(subset.frame_extraction, subset.target_frames, subset.frame_stride, subset.frame_sample,
+                      subset.max_frames, subset.source_fps, rule.step, rule.fps)
+
+
+def _subset_videos(subset: SubsetSpec, dataset_index: int, seen: set[Path], scan: Scan) -> list[_Listed]:
+    """(video file, frame folder or image; caption from the JSONL or None; None) of one video subset."""
+    if subset.num_repeats == 0:
+        scan.warnings.append(f"{subset.video_jsonl_file or subset.image_dir}: num_repeats is 0; the dataset is not "
+                             "used")
+        return []
+    if subset.video_jsonl_file is not None:
+        return _video_jsonl(subset.video_jsonl_file, subset.image_dir, scan.problems)
+    directory = subset.image_dir
+    if directory.resolve() in seen:
+        scan.warnings.append(f"{directory}: the same folder is already a subset of dataset {dataset_index}; "
+                             "this one is ignored")
+        return []
+    seen.add(directory.resolve())
+    if not directory.is_dir():
+        scan.problems.append(f"{directory}: video_directory " + ("is not a folder" if directory.exists()
+                                                                 else "not found"))
+        return []
+    entries = sorted(p for p in directory.iterdir() if not p.name.startswith("."))
+    listed: list[_Listed] = [(p, None, None) for p in entries
+                             if (p.is_dir() or (p.is_file() and (is_video_file(p) or _image_named(p))))]
+    scan.problems.extend(f"{p}: a symlink to {os.readlink(p)}, which does not exist" for p in entries
+                         if p.is_symlink() and not p.exists() and (is_video_file(p) or _image_named(p)))
+    if not listed:
+        scan.problems.append(f"{directory}: no videos (extensions {', '.join(VIDEO_EXTENSIONS)}), frame folders or "
+                             "images")
+    return listed
+
+
+def _video_jsonl(path: Path, base: Path, problems: list[str]) -> list[_Listed]:
+    """musubi-tuner's video JSONL: {"video_path": ..., "caption": ...} per line; a video_path may be a frame
+    folder."""
+    try:
+        lines = path.read_text(encoding="utf-8-sig").splitlines()
+    except FileNotFoundError:
+        problems.append(f"{path}: video_jsonl_file not found")
+        return []
+    except (OSError, UnicodeDecodeError) as e:
+        problems.append(f"{path}: cannot read the video_jsonl_file: {e}")
+        return []
+    listed: list[_Listed] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+            video, caption = entry["video_path"], entry["caption"]
+            if not isinstance(video, str) or not isinstance(caption, str):
+                raise TypeError("video_path and caption must be strings")
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            problems.append(f"{path}: line {number}: not a video entry {{\"video_path\": ..., \"caption\": ...}} "
+                            f"({type(e).__name__}: {e})")
+            continue
+        video_path = Path(video) if Path(video).is_absolute() else base / video
+        if not video_path.exists():
+            problems.append(f"{path}: line {number}: no video or frame folder {video_path}")
+            continue
+        listed.append((video_path, caption, None))
+    if not listed and not problems:
+        problems.append(f"{path}: no video entries")
+    return listed
+
+
+def _check_video(path: Path, subset: SubsetSpec, bucketer: Bucketer, given_caption: str | None,
+                 extraction: Extraction) -> _Result:
+    """(one record's fields per clip, or None; problems; notes) for a video file or frame folder."""
+    problems: list[str] = []
+    notes: list[str] = []
+    facts = None
+    try:
+        facts = probe_video(path)
+    except VideoProblem as e:
+        problems.append(f"{path}: {e}")
+    caption = (CaptionRead(given_caption, subset.video_jsonl_file, None) if given_caption is not None
+               else read_caption(path, subset.caption_extension, all_lines=subset.enable_wildcard))
+    if caption.problem:
+        problems.append(caption.problem)
+    elif caption.text is None and subset.class_tokens is None:
+        problems.append(f"{path}: no caption file ({subset.caption_extension}"
+                        f"{', .txt' if subset.caption_extension != '.txt' else ''}); it would train with an empty "
+                        "caption")
+    if facts is None or problems:
+        return None, problems, notes
+    rate = rate_problem(facts, extraction.source_fps)
+    if rate:
+        return None, [f"{path}: {rate}"], notes
+    cut = clips(facts.frames, extraction)
+    if not cut:
+        return None, [f"{path}: {_too_short(path, facts.frames, extraction)}"], notes
+    lengths = {len(c) for c in cut}
+    if extraction.effective_mode != "full" and set(extraction.target_frames) - lengths:
+        notes.append(f"short:{path} ({facts.frames} frames: no clip of "
+                     f"{', '.join(map(str, sorted(set(extraction.target_frames) - lengths)))})")
+    if extraction.source_fps is None and facts.fps and not any(
+            abs(r - extraction.target_fps) <= extraction.target_fps * 0.01 for r in facts.fps):
+        notes.append(f"fps:{path} ({facts.fps[0]:.3g} fps)")
+    placement = bucketer.place(*facts.size)
+    if placement.problem:
+        return None, [f"{path}: {placement.problem}"], notes
+    text = caption.text if caption.text is not None else subset.class_tokens
+    return [{"path": path, "caption": text, "caption_from_file": caption.text is not None, "size": facts.size,
+             "bucket": placement.bucket, "resized": placement.resized, "frames": frames} for frames in cut], [], notes
+
+
+def _too_short(path: Path, frames: int, extraction: Extraction) -> str:
+    shortest = min(extraction.target_frames)
+    if frames == 1:
+        return (f"one frame only (a still {'GIF' if path.suffix.lower() == '.gif' else 'image'}), shorter than "
+                f"target_frames {shortest}; put it with the images")
+    kept = ""
+    if extraction.source_fps is not None:
+        kept = (f", {len(resampled(frames, extraction.source_fps, extraction.target_fps))} after resampling "
+                f"{extraction.source_fps:g} -> {extraction.target_fps:g} fps")
+    return f"{frames} frames{kept}, shorter than the shortest target_frames {shortest}: no clip can be cut"
 
 
 def _subset_images(subset: SubsetSpec, dataset_index: int, seen: set[Path], scan: Scan) -> Sequence[_Listed]:
@@ -252,22 +420,25 @@ def _pair_controls(subset: SubsetSpec, listed: list[_Listed], problems: list[str
             if path not in clashes]
 
 
-def _add_result(scan: Scan, job: _Job, result: tuple[dict[str, Any] | None, list[str], list[str]],
-                notes: dict[str, list[str]], class_token_users: dict[int, list[Path]]) -> None:
-    """One checked image: its problems, its notes by kind, and its record when it is usable."""
+def _add_result(scan: Scan, job: _Job, result: _Result, notes: dict[str, list[str]],
+                class_token_users: dict[int, list[Path]]) -> None:
+    """One checked image or video: its problems, its notes by kind, and its records when it is usable."""
     report, path = job[0], job[1]
-    fields_, problems, image_notes = result
+    fields_list, problems, item_notes = result
     scan.problems.extend(problems)
-    for note in image_notes:
+    for note in item_notes:
         kind, text = note.split(":", 1)
         notes.setdefault(kind, []).append(text)
-    if fields_ is None:
+    if fields_list is None:
         report.left_out += 1
         return
-    record = ImageRecord(dataset_index=report.dataset_index, subset_index=report.subset_index,
-                         subset=report.spec, repeats=report.spec.num_repeats, is_reg=report.spec.is_reg,
-                         **fields_)
-    scan.records.append(record)
+    records = [ImageRecord(dataset_index=report.dataset_index, subset_index=report.subset_index,
+                           subset=report.spec, repeats=report.spec.num_repeats, is_reg=report.spec.is_reg, **fields_)
+               for fields_ in fields_list]
+    scan.records.extend(records)
+    record = records[0]
+    if record.frames is not None:
+        report.clips += len(records)
     if record.caption_from_file:
         report.captions_from_file += 1
     else:
@@ -299,6 +470,13 @@ def _summary_warnings(subsets: list[SubsetReport], class_token_users: dict[int, 
     if "alpha" in notes:
         warnings.append(f"{len(notes['alpha'])} images have transparency; it is composited on white: "
                         + listing(notes["alpha"]))
+    if "short" in notes:
+        warnings.append(f"{len(notes['short'])} videos are shorter than some of their target_frames and give "
+                        "fewer clips: " + listing(notes["short"]))
+    if "fps" in notes:
+        warnings.append(f"{len(notes['fps'])} videos are not at the model's frame rate and source_fps is not set: "
+                        "every frame is used, so their motion trains faster or slower than it plays (set "
+                        "source_fps to resample them, as musubi-tuner does): " + listing(notes["fps"]))
     return warnings
 
 

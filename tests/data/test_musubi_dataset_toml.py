@@ -162,7 +162,7 @@ def test_cache_directory_is_a_note_not_an_error(tmp_path):
 def test_unread_keys_are_refused_all_at_once(tmp_path):
     problems = problems_of(tmp_path, """
 [[datasets]]
-video_directory = "v"
+image_directory = "t"
 target_frames = [1, 25]
 frame_extraction = "head"
 
@@ -180,8 +180,8 @@ image_dir = "u"
 """)
     where = str(tmp_path / "dataset.toml")
     assert problems == [
-        f"{where}: datasets[0]: video_directory, target_frames, frame_extraction: video datasets are not read yet "
-        "(musubi-tuner's video keys); give image datasets (image_directory or image_jsonl_file)",
+        f"{where}: datasets[0]: target_frames, frame_extraction: video dataset keys, and this [[datasets]] table "
+        "names no videos (video_directory or video_jsonl_file)",
         f"{where}: datasets[1]: fp_1f_clean_indices, fp_1f_target_index: FramePack's dataset keys; this trainer "
         "does not offer FramePack: remove them",
         f"{where}: datasets[1]: multiple_target = True: Qwen-Image-Layered's several target images are not "
