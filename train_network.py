@@ -29,9 +29,11 @@ def main(argv: list[str] | None = None, own_process: bool = False) -> int:
     if config.dataset_check:
         from library.data.check import dataset_report
         from library.families.loading import caption_tokenizer
+        from library.families.registry import entry_for
 
         tokenizer = caption_tokenizer(config.pretrained_model_name_or_path, config.model_config)
-        text, usable = dataset_report(config, tokenizer)
+        model = config.pretrained_model_name_or_path
+        text, usable = dataset_report(config, tokenizer, frames_rule=entry_for(model).frames_rule if model else None)
         print(text)
         return 0 if usable else 2
 
