@@ -23,7 +23,7 @@ from library.data.dataset import TrainingData, build_training_data
 from library.families.family import Components
 from library.families.loading import load_components
 from library.families.objective import Objective
-from library.families.registry import file_options
+from library.families.registry import entry_for, file_options
 from library.families.settings import FamilySettings, settings_from
 from library.families.shared.vae_file import load_vae
 from library.memory.check import check_memory
@@ -141,10 +141,15 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     weight_dtype = WEIGHT_DTYPES[config.mixed_precision]
     vae_dtype = torch.float32 if config.no_half_vae else weight_dtype
     prompts = sample_prompts(config)
-    # The images are checked before the model is loaded, so data problems surface in seconds.
-    data = build_training_data(config, None, seed, accelerator.num_processes)
+    # The images are checked before the model is loaded, so data problems surface in seconds; video clips are cut
+    # for the family the registry tells from the model's files.
+    frames_rule = entry_for(config.pretrained_model_name_or_path).frames_rule
+    data = build_training_data(config, None, seed, accelerator.num_processes, frames_rule)
     components, settings = load_base(config, accelerator, data, weight_dtype, vae_dtype)
     family = components.family
+    if family.frames_rule != frames_rule:  # the clips were cut by the entry's rule
+        raise RuntimeError(f"{family.name}: its Family's frames_rule {family.frames_rule} differs from its registry "
+                           f"entry's {frames_rule}")
     check_controls(family, data, prompts)
     spec = network_spec(config, family)
     data.set_tokenizer(family.tokenizer(components, config.max_token_length), family.prompt_reads_controls)
