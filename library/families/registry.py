@@ -17,9 +17,10 @@ from library.families.flux2.entry import ENTRY as FLUX2
 from library.families.qwen_image.entry import ENTRY as QWEN_IMAGE
 from library.families.sd.entry import ENTRY as SD
 from library.families.sd3.entry import ENTRY as SD3
+from library.families.wan.entry import ENTRY as WAN
 from library.families.z_image.entry import ENTRY as Z_IMAGE
 
-ENTRIES: tuple[FamilyEntry, ...] = (SD, FLUX, CHROMA, SD3, Z_IMAGE, QWEN_IMAGE, FLUX2)
+ENTRIES: tuple[FamilyEntry, ...] = (SD, FLUX, CHROMA, SD3, Z_IMAGE, QWEN_IMAGE, FLUX2, WAN)
 
 
 def entry_for(path: str | Path) -> FamilyEntry:

@@ -1,0 +1,16 @@
+"""This family's line in library.families.registry: how its models are recognised, loaded and built tiny, and the
+options it reads."""
+from library.families.entry import FamilyEntry, Ref, TinyModel
+from library.families.shared.options import AE, BLOCKS_TO_SWAP, SIGMA_DENSITY, TIMESTEP_RANGE, TIMESTEP_SAMPLING
+from library.families.wan.options import WAN
+
+PACKAGE = "library.families.wan"
+FAMILY, FILES, TINY = f"{PACKAGE}.family", f"{PACKAGE}.files", f"{PACKAGE}.tiny"
+ENTRY = FamilyEntry(
+    "wan", "Wan", Ref(FAMILY, "is_wan_folder"), Ref(FAMILY, "load_wan_folder"), Ref(FILES, "is_wan_file"),
+    Ref(FILES, "load_wan_files"),
+    options=(AE, *TIMESTEP_RANGE, *SIGMA_DENSITY, *TIMESTEP_SAMPLING, *WAN, BLOCKS_TO_SWAP),
+    file_options=("t5", "ae"), network_modules=("networks.lora_wan",),
+    tiny=(TinyModel("wan21", Ref(TINY, "save_tiny_wan21"), Ref(TINY, "save_tiny_wan_files")),
+          TinyModel("wan22_a14b", Ref(TINY, "save_tiny_wan22_a14b"), Ref(TINY, "save_tiny_wan_files"))),
+    more_configs=("wan22_lora.toml",))

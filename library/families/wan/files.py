@@ -1,0 +1,190 @@
+"""Wan from the separate files people keep, which musubi-tuner trains from: the transformer file is
+`pretrained_model_name_or_path` (musubi's --dit; ComfyUI's diffusion_models/wan2.1_t2v_*.safetensors, the original
+Wan layout with or without `model.diffusion_model.`, or diffusers' names), `dit_high_noise` Wan 2.2 A14B's
+high-noise expert, `t5` the UMT5-XXL file (ComfyUI's text_encoders/umt5_xxl_*.safetensors with transformers' names,
+or the official models_t5_umt5-xxl-enc-bf16.pth in Wan's own layout) and `ae` the VAE (ComfyUI's
+vae/wan_2.1_vae.safetensors or the official Wan2.1_VAE.pth; musubi's --vae). `.pth` files are read with
+torch.load(weights_only=True), which runs no pickled code.
+
+The widths are read from the files' shapes (Wan's heads are 128 wide), or from `model_config`, a diffusers Wan folder
+describing them (its weights are not read); the UMT5 tokenizer (256k sentencepiece tokens, not shipped here) comes
+from that folder's tokenizer/, so `model_config` is needed: Wan-AI/Wan2.1-T2V-1.3B-Diffusers without its weights
+does. Weights are built on the meta device and assigned from the files, cast to the training dtype.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from library.config import UserError
+from library.core.memory import return_free_heap
+from library.families.family import Components
+from library.families.loading import LoadRequest
+from library.families.shared.diffusers_folder import transformer_components
+from library.families.shared.separate_files import assign, marked_keys, read_split, reading
+from library.families.wan.experts import ExpertSwitch
+from library.families.wan.family import Wan, WanVae
+
+COMFY_PREFIX = "model.diffusion_model."
+ORIGINAL_MARKERS = ("patch_embedding.weight", "blocks.0.self_attn.q.weight", "blocks.0.cross_attn.q.weight")
+DIFFUSERS_MARKERS = ("patch_embedding.weight", "blocks.0.attn1.to_q.weight", "condition_embedder.time_proj.weight")
+HEAD_DIM = 128  # every Wan transformer's attention head width
+# Wan 2.1's diffusers scheduler (UniPC on the flow, flow_shift 3 for 480p), used without model_config.
+SCHEDULER_CONFIG = {"num_train_timesteps": 1000, "prediction_type": "flow_prediction", "use_flow_sigmas": True,
+                    "flow_shift": 3.0}
+
+
+def is_wan_file(path: Path) -> bool:
+    keys = marked_keys(path, COMFY_PREFIX)
+    return all(k in keys for k in ORIGINAL_MARKERS) or all(k in keys for k in DIFFUSERS_MARKERS)
+
+
+def read_any(path: Path, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """A .safetensors file (with the other parts of a split one) or a .pth / .pt file read with weights_only, so no
+    pickled code runs; tensors in `dtype` (floating ones)."""
+    if path.suffix.lower() in (".pth", ".pt", ".bin"):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # noqa: BLE001 - pickle / zip errors of every kind: the file is unusable
+            raise UserError(f"{path}: cannot be read as a weights-only PyTorch file ({str(e).splitlines()[0]})"
+                            ) from None
+        state = state.get("state_dict", state) if isinstance(state, dict) else state
+        if not isinstance(state, dict):
+            raise UserError(f"{path}: holds no state dict")
+        return {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in state.items()
+                if isinstance(v, torch.Tensor)}
+    return read_split(path, dtype)
+
+
+def transformer_state_dict(path: Path, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The transformer file's weights in diffusers' names; an fp8 file with scales and an I2V file are refused."""
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    state = {k.removeprefix(COMFY_PREFIX): v for k, v in read_any(path, dtype).items()}
+    scaled = [k for k in state if k == "scaled_fp8" or k.endswith((".scale_weight", ".weight_scale"))]
+    if scaled:
+        raise UserError(f"{path}: an fp8 file with per-tensor scales ({scaled[0]}, ...), which cannot be read here; "
+                        "use the bf16 / fp16 file")
+    if "blocks.0.self_attn.q.weight" in state:
+        state = convert_wan_transformer_to_diffusers(state)
+    if "blocks.0.attn2.add_k_proj.weight" in state or "condition_embedder.image_embedder.norm1.weight" in state:
+        raise UserError(f"{path}: a Wan image-to-video transformer; image-to-video is not trained here yet")
+    if state.get("patch_embedding.weight", torch.empty(0, 0)).shape[1:2] != (16,):
+        raise UserError(f"{path}: not a Wan 2.1 / 2.2 A14B text-to-video transformer (TI2V 5B and the I2V models "
+                        "have other input channels and are not trained here yet)")
+    return state
+
+
+def transformer_config(state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """WanTransformer3DModel's config read from a text-to-video transformer's shapes."""
+    patch = state["patch_embedding.weight"]
+    dim = patch.shape[0]
+    layers = len({int(m.group(1)) for k in state if (m := re.match(r"blocks\.(\d+)\.", k))})
+    return {"patch_size": tuple(patch.shape[2:]), "num_attention_heads": dim // HEAD_DIM,
+            "attention_head_dim": HEAD_DIM, "in_channels": patch.shape[1],
+            "out_channels": state["proj_out.weight"].shape[0] // int(torch.tensor(patch.shape[2:]).prod()),
+            "text_dim": state["condition_embedder.text_embedder.linear_1.weight"].shape[1],
+            "freq_dim": state["condition_embedder.time_embedder.linear_1.weight"].shape[1],
+            "ffn_dim": state["blocks.0.ffn.net.0.proj.weight"].shape[0], "num_layers": layers}
+
+
+# Wan's own T5 names (models_t5_umt5-xxl-enc-bf16.pth) -> transformers' UMT5EncoderModel names.
+_T5_BLOCK = {"norm1.weight": "layer.0.layer_norm.weight", "attn.q.weight": "layer.0.SelfAttention.q.weight",
+             "attn.k.weight": "layer.0.SelfAttention.k.weight", "attn.v.weight": "layer.0.SelfAttention.v.weight",
+             "attn.o.weight": "layer.0.SelfAttention.o.weight",
+             "pos_embedding.embedding.weight": "layer.0.SelfAttention.relative_attention_bias.weight",
+             "norm2.weight": "layer.1.layer_norm.weight", "ffn.gate.0.weight": "layer.1.DenseReluDense.wi_0.weight",
+             "ffn.fc1.weight": "layer.1.DenseReluDense.wi_1.weight",
+             "ffn.fc2.weight": "layer.1.DenseReluDense.wo.weight"}
+
+
+def t5_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A UMT5 file -> UMT5EncoderModel's names: Wan's official layout converted, transformers' (ComfyUI's) kept;
+    what is no weight (ComfyUI's spiece_model, the tokenizer's bytes) left out."""
+    if "token_embedding.weight" not in state:
+        return {k: v for k, v in state.items() if k.startswith(("shared.", "encoder."))}
+    out = {"shared.weight": state["token_embedding.weight"], "encoder.final_layer_norm.weight": state["norm.weight"]}
+    for key, value in state.items():
+        match = re.match(r"blocks\.(\d+)\.(.+)$", key)
+        if match and match.group(2) in _T5_BLOCK:
+            out[f"encoder.block.{match.group(1)}.{_T5_BLOCK[match.group(2)]}"] = value
+    return out
+
+
+def t5_config(state: dict[str, torch.Tensor]) -> Any:
+    """UMT5's config read from its weights' shapes (UMT5-XXL: 4096 wide, 24 layers, 64 heads of 64)."""
+    from transformers import UMT5Config
+
+    vocab, width = state["shared.weight"].shape
+    heads = state["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"].shape[1]
+    layers = len({int(m.group(1)) for k in state if (m := re.match(r"encoder\.block\.(\d+)\.", k))})
+    return UMT5Config(vocab_size=vocab, d_model=width, d_kv=state["encoder.block.0.layer.0.SelfAttention.q.weight"]
+                      .shape[0] // heads, d_ff=state["encoder.block.0.layer.1.DenseReluDense.wi_0.weight"].shape[0],
+                      num_layers=layers, num_heads=heads, feed_forward_proj="gated-gelu", pad_token_id=0,
+                      eos_token_id=1, decoder_start_token_id=0, tie_word_embeddings=False)
+
+
+def vae_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """ComfyUI's / the official Wan 2.1 VAE layout, or diffusers' names -> diffusers' names."""
+    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+
+    if any(key.startswith("encoder.down_blocks.") for key in state):
+        return state
+    return convert_wan_vae_to_diffusers(state)
+
+
+def load_wan_files(request: LoadRequest) -> Components:
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from transformers import AutoTokenizer, UMT5EncoderModel
+
+    path, weight_dtype = request.path, request.weight_dtype
+    t5, ae = request.required_files(("t5", "ae"), "Wan", "the UMT5 text encoder and the VAE files: ComfyUI's "
+                                    "text_encoders/ and vae/, or the official .pth files")
+    if request.model_config is None:
+        raise UserError(f"{path} is a Wan transformer file: it needs model_config, a diffusers Wan folder (e.g. "
+                        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers, its weights not needed) for UMT5's tokenizer")
+    config_dir = Path(request.model_config)
+    local = {"local_files_only": True}
+    family = "Wan"
+    with reading(path, "the Wan files"):
+        state = transformer_state_dict(path, weight_dtype)
+        subfolder = "transformer_2" if (config_dir / "transformer_2").is_dir() else "transformer"
+        config = (WanTransformer3DModel.load_config(config_dir, subfolder=subfolder, **local)
+                  if (config_dir / subfolder).is_dir() else transformer_config(state))
+        with init_empty_weights():
+            transformer = WanTransformer3DModel.from_config(config)
+        assign(transformer, state, str(path), family=family)
+        return_free_heap()
+
+        vae_config = (AutoencoderKLWan.load_config(config_dir, subfolder="vae", **local)
+                      if (config_dir / "vae").is_dir() else AutoencoderKLWan().config)
+        with init_empty_weights():
+            vae = AutoencoderKLWan.from_config(vae_config)
+        assign(vae, vae_state_dict(read_any(Path(ae), request.vae_dtype)), ae, family=family)
+
+        t5_state = t5_state_dict(read_any(Path(t5), weight_dtype))
+        with init_empty_weights():
+            encoder = UMT5EncoderModel(t5_config(t5_state))
+        t5_state.setdefault("encoder.embed_tokens.weight", t5_state["shared.weight"])
+        assign(encoder, t5_state, t5, family=family)
+
+        tokenizer = AutoTokenizer.from_pretrained(config_dir, subfolder="tokenizer", **local)
+        scheduler = (UniPCMultistepScheduler.from_pretrained(config_dir, subfolder="scheduler", **local)
+                     if (config_dir / "scheduler").is_dir() else UniPCMultistepScheduler(**SCHEDULER_CONFIG))
+    return transformer_components(transformer, vae, [encoder], [tokenizer], scheduler, Wan(), vae_view=WanVae)
+
+
+def high_noise_expert(path: Path, low: torch.nn.Module) -> ExpertSwitch:
+    """dit_high_noise's weights (in their stored dtype; cast when swapped in) as the expert switch of `low`, the
+    loaded low-noise transformer; a file of other weights or shapes is refused."""
+    with reading(path, "the Wan high-noise expert"):
+        state = transformer_state_dict(path, None)
+    mine = low.state_dict()
+    if state.keys() != mine.keys() or any(state[k].shape != mine[k].shape for k in mine):
+        raise UserError(f"dit_high_noise {path}: not the high-noise expert of the model's transformer (other weights "
+                        "or shapes)")
+    return ExpertSwitch(state)

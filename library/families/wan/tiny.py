@@ -1,0 +1,145 @@
+"""Tiny Wan-shaped models built from configs, for tests and tries (nothing fetched from a hub).
+
+The classes are the real ones at tiny widths: WanTransformer3DModel ((1, 2, 2) patches, 2 blocks of 2 heads of 16),
+AutoencoderKLWan (Wan 2.1's VAE shape: 4x in time, 8x in space, 16 channels, its latents_mean / latents_std) at base
+width 8, UMT5EncoderModel with a small T5 tokenizer, and Wan 2.1's diffusers scheduler (UniPC on the flow, shift 3).
+`wan22_a14b` holds two such transformers, transformer/ the high-noise expert and transformer_2/ the low-noise one,
+with the pipeline's boundary_ratio 0.875 (Wan2.2-T2V-A14B-Diffusers' layout).
+
+    python -m library.families.tiny OUTPUT_DIR --family wan21|wan22_a14b [--files] [--seed N] [--overwrite]
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from library.families.shared import tiny_parts
+from library.families.wan.experts import DEFAULT_BOUNDARY
+from library.families.wan.files import COMFY_PREFIX, SCHEDULER_CONFIG
+
+WIDTH = 32  # text width and the transformer's inner dim
+
+
+def _transformer() -> Any:
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16,
+                                 out_channels=16, text_dim=WIDTH, freq_dim=32, ffn_dim=64, num_layers=2)
+
+
+def build_tiny_wan(seed: int = 0, experts: int = 1) -> dict[str, Any]:
+    """The components of a tiny WanPipeline (with `experts` 2, Wan 2.2 A14B's two transformers). Weights depend only
+    on the seed; the caller's global RNG state is left untouched."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tokenizer = tiny_parts.build_t5_tokenizer()
+
+    def vae() -> Any:
+        # Wan 2.1's VAE shape (2 blocks a level, as ComfyUI's layout assumes; time down after levels 2 and 3).
+        return AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                                temperal_downsample=[False, True, True])
+
+    def text_encoder() -> Any:
+        return UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), d_model=WIDTH, d_kv=8, d_ff=64, num_layers=2,
+                                           num_heads=4, feed_forward_proj="gated-gelu", pad_token_id=0,
+                                           eos_token_id=1, decoder_start_token_id=0))
+
+    models = {"transformer": _transformer, "vae": vae, "text_encoder": text_encoder}
+    others: dict[str, Any] = {}
+    if experts == 2:
+        models["transformer_2"] = _transformer
+        others["boundary_ratio"] = DEFAULT_BOUNDARY
+    return tiny_parts.seeded_parts(seed, 51, models, tokenizer=tokenizer,
+                                   scheduler=UniPCMultistepScheduler(**SCHEDULER_CONFIG), **others)
+
+
+def save_tiny_wan21(path: str | os.PathLike[str], seed: int = 0, overwrite: bool = False) -> Path:
+    """Write a tiny Wan 2.1 T2V WanPipeline folder at `path` (atomically) and return it."""
+    return tiny_parts.save_pipeline(path, overwrite, "WanPipeline", lambda: build_tiny_wan(seed), "Wan 2.1", seed)
+
+
+def save_tiny_wan22_a14b(path: str | os.PathLike[str], seed: int = 0, overwrite: bool = False) -> Path:
+    """Write a tiny Wan 2.2 T2V A14B WanPipeline folder (two experts) at `path` (atomically) and return it."""
+    return tiny_parts.save_pipeline(path, overwrite, "WanPipeline", lambda: build_tiny_wan(seed, experts=2),
+                                    "Wan 2.2 A14B", seed)
+
+
+# diffusers' names -> the original Wan layout's (the inverse of diffusers' convert_wan_transformer_to_diffusers for
+# the text-to-video weights), applied in order
+_TO_ORIGINAL = (
+    (r"^condition_embedder\.time_embedder\.linear_1\.", "time_embedding.0."),
+    (r"^condition_embedder\.time_embedder\.linear_2\.", "time_embedding.2."),
+    (r"^condition_embedder\.text_embedder\.linear_1\.", "text_embedding.0."),
+    (r"^condition_embedder\.text_embedder\.linear_2\.", "text_embedding.2."),
+    (r"^condition_embedder\.time_proj\.", "time_projection.1."), (r"^scale_shift_table$", "head.modulation"),
+    (r"^proj_out\.", "head.head."), (r"\.scale_shift_table$", ".modulation"), (r"\.attn1\.", ".self_attn."),
+    (r"\.attn2\.", ".cross_attn."), (r"\.to_out\.0\.", ".o."), (r"\.to_([qkv])\.", r".\1."),
+    (r"\.ffn\.net\.0\.proj\.", ".ffn.0."), (r"\.ffn\.net\.2\.", ".ffn.2."), (r"\.norm2\.", ".norm3."))
+
+
+def original_state_dict(transformer: Any) -> dict[str, torch.Tensor]:
+    """A WanTransformer3DModel's weights in the original Wan layout (ComfyUI's and the official files')."""
+    out = {}
+    for key, value in transformer.state_dict().items():
+        for pattern, replacement in _TO_ORIGINAL:
+            key = re.sub(pattern, replacement, key)
+        out[key] = value
+    return out
+
+
+_T5_TO_OFFICIAL = (
+    (r"^shared\.weight$", "token_embedding.weight"), (r"^encoder\.final_layer_norm\.", "norm."),
+    (r"^encoder\.block\.(\d+)\.layer\.0\.layer_norm\.", r"blocks.\1.norm1."),
+    (r"^encoder\.block\.(\d+)\.layer\.0\.SelfAttention\.relative_attention_bias\.",
+     r"blocks.\1.pos_embedding.embedding."),
+    (r"^encoder\.block\.(\d+)\.layer\.0\.SelfAttention\.([qkvo])\.", r"blocks.\1.attn.\2."),
+    (r"^encoder\.block\.(\d+)\.layer\.1\.layer_norm\.", r"blocks.\1.norm2."),
+    (r"^encoder\.block\.(\d+)\.layer\.1\.DenseReluDense\.wi_0\.", r"blocks.\1.ffn.gate.0."),
+    (r"^encoder\.block\.(\d+)\.layer\.1\.DenseReluDense\.wi_1\.", r"blocks.\1.ffn.fc1."),
+    (r"^encoder\.block\.(\d+)\.layer\.1\.DenseReluDense\.wo\.", r"blocks.\1.ffn.fc2."))
+
+
+def official_t5_state_dict(encoder: Any) -> dict[str, torch.Tensor]:
+    """A UMT5EncoderModel's weights in Wan's own layout (models_t5_umt5-xxl-enc-bf16.pth)."""
+    out = {}
+    for key, value in encoder.state_dict().items():
+        if key == "encoder.embed_tokens.weight":
+            continue  # tied to shared
+        for pattern, replacement in _T5_TO_OFFICIAL:
+            key = re.sub(pattern, replacement, key)
+        out[key] = value
+    return out
+
+
+def save_tiny_wan_files(folder: str | os.PathLike[str], target: str | os.PathLike[str]) -> dict[str, Path]:
+    """The tiny Wan folder's weights as users keep them: the (low-noise) transformer in the original layout behind
+    `model.diffusion_model.` (diffusion_models/), for A14B the high-noise one too (`dit_high_noise`), UMT5 with
+    transformers' names (text_encoders/, ComfyUI's file) and the VAE (vae/, diffusers' names). Returns their paths
+    by option name (`pretrained_model_name_or_path` as "transformer")."""
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from transformers import UMT5EncoderModel
+
+    folder = Path(folder)
+    two = (folder / "transformer_2").is_dir()
+    classes = {"transformer": WanTransformer3DModel, "vae": AutoencoderKLWan, "text_encoder": UMT5EncoderModel}
+    if two:
+        classes["transformer_2"] = WanTransformer3DModel
+    parts = tiny_parts.read_parts(folder, classes)
+    low = parts["transformer_2"] if two else parts["transformer"]
+    encoder = {k: v for k, v in parts["text_encoder"].state_dict().items() if k != "encoder.embed_tokens.weight"}
+    files = {
+        "transformer": ({COMFY_PREFIX + k: v for k, v in original_state_dict(low).items()},
+                        "diffusion_models/wan_tiny_low_noise.safetensors" if two else
+                        "diffusion_models/wan2.1_t2v_tiny.safetensors"),
+        "t5": (encoder, "text_encoders/umt5_xxl_tiny.safetensors"),
+        "ae": (parts["vae"].state_dict(), "vae/wan_2.1_vae_tiny.safetensors"),
+    }
+    if two:
+        files["dit_high_noise"] = (original_state_dict(parts["transformer"]),
+                                   "diffusion_models/wan_tiny_high_noise.safetensors")
+    return tiny_parts.save_files(Path(target), files)
