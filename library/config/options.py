@@ -62,7 +62,8 @@ GROUPS = {
 _MODEL = [
     _opt("pretrained_model_name_or_path", to_str, None,
          "local diffusers model folder (StableDiffusionPipeline layout) or single-file .safetensors checkpoint "
-         "(original SD layout, as shared on model sites)", is_path=True, metavar="PATH"),
+         "(original SD layout, as shared on model sites), or a transformer file with its separate files "
+         "(musubi-tuner's dit)", is_path=True, metavar="PATH", aliases=("dit",)),
     _opt("no_half_vae", to_bool, False, "keep the VAE in float32 under fp16/bf16 mixed precision"),
     _opt("model_config", to_str, None,
          "for a single-file checkpoint: a diffusers folder whose unet/vae/text_encoder/scheduler configs and "

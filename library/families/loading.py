@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 import torch
 
-from library.config import UserError
+from library.config import Config, UserError
 from library.core.memory import return_free_heap
 from library.families.entry import FamilyEntry
 from library.families.family import Components
@@ -97,6 +97,20 @@ def _check_model_version(entry: FamilyEntry, request: LoadRequest) -> None:
     readers = [e.title for e in ENTRIES if any(option.name == "model_version" for option in e.options)]
     raise UserError(f"model_version {request.model_version!r}: not read for {request.path} (a {entry.title} model); "
                     f"it tells the variant of {', '.join(readers)} weights; remove it")
+
+
+def musubi_autoencoder(config: Config) -> Config:
+    """musubi-tuner names a transformer file's autoencoder file `vae` (kohya: `ae`, keeping `vae` for a replacement
+    VAE). For a transformer file whose family takes `ae`, a `vae` without `ae` is musubi's: the config with it read
+    as `ae`. Any other config is returned as it is."""
+    path = config.pretrained_model_name_or_path
+    if (config.vae is None or config.ae is not None or path is None or not Path(path).is_file()
+            or "ae" not in entry_for(path).file_options):
+        return config
+    logger.info("vae %s: the autoencoder file of %s (musubi-tuner's --vae), read as ae", config.vae, path)
+    values = {**config.as_dict(), "ae": config.vae, "vae": None}
+    explicit = {name for name in values if config.is_set(name)} - {"vae"} | {"ae"}
+    return Config(values, explicit)
 
 
 def caption_tokenizer(model: str | Path | None, model_config: str | Path | None = None) -> Any:

@@ -21,7 +21,7 @@ from library.config import Config, UserError
 from library.core.memory import return_free_heap
 from library.data.dataset import TrainingData, build_training_data
 from library.families.family import Components
-from library.families.loading import load_components
+from library.families.loading import load_components, musubi_autoencoder
 from library.families.objective import Objective
 from library.families.registry import entry_for, file_options
 from library.families.settings import FamilySettings, settings_from
@@ -134,6 +134,7 @@ class Session:
 
 def build_session(config: Config, accelerator: Accelerator, started_at: float) -> Session:
     """Build every part in the order that fixes the run's random draws (LoRA initialisation follows set_seed)."""
+    config = musubi_autoencoder(config)
     output_dir = Path(config.output_dir)
     resume_dir, resumed = resume_point(config, accelerator, output_dir)
     seed = resolve_seed(config, accelerator, resumed)

@@ -333,3 +333,66 @@ def test_diffusers_kontext_pipeline_loads_every_key_with_our_weight_change(konte
     assert len(lora_names(other.transformer)) == len(lora_names(everything)) == 20
     with torch.no_grad():
         torch.testing.assert_close(other.transformer(**inputs)[0], everything(**inputs)[0], rtol=1e-4, atol=1e-5)
+
+
+# --- musubi-tuner's names for the files ---------------------------------------------------------------------------
+
+def musubi_file_toml(files: dict) -> str:
+    """A config in musubi-tuner's flux_kontext_train_network.py names: dit, text_encoder1 (T5-XXL), text_encoder2
+    (CLIP-L) and vae (the autoencoder file)."""
+    return "\n".join([f'dit = "{files["transformer"]}"', f'text_encoder1 = "{files["t5xxl"]}"',
+                      f'text_encoder2 = "{files["clip_l"]}"', f'vae = "{files["ae"]}"', 'model_version = "kontext"'])
+
+
+@pytest.fixture(scope="module")
+def kontext_files(kontext_dir, tmp_path_factory):
+    from library.families.flux.tiny import save_tiny_flux_files
+
+    return save_tiny_flux_files(kontext_dir, tmp_path_factory.mktemp("kontext_files"))
+
+
+def test_musubis_names_for_the_files_are_read_as_the_transformer_its_encoders_and_ae(kontext_dir, kontext_files,
+                                                                                     tmp_path):
+    from library.families.loading import musubi_autoencoder
+    from tests.helpers.runs import make_config
+
+    toml = musubi_file_toml(kontext_files)
+    config = make_config(kontext_dir, tmp_path, tmp_path / "out", toml=toml)  # the command line's model wins
+    assert config.pretrained_model_name_or_path == str(kontext_dir)
+    assert (config.t5xxl, config.clip_l) == (str(kontext_files["t5xxl"]), str(kontext_files["clip_l"]))
+    # With a folder, which brings its own VAE, vae stays kohya's replacement VAE.
+    assert musubi_autoencoder(config) is config
+    config = make_config(kontext_files["transformer"], tmp_path, tmp_path / "out", toml=toml)
+    musubi = musubi_autoencoder(config)
+    assert (musubi.ae, musubi.vae) == (str(kontext_files["ae"]), None)
+    assert musubi.is_set("ae") and not musubi.is_set("vae")
+    # kohya's names: ae given, so vae is a replacement VAE as kohya has it, not touched
+    both = make_config(kontext_files["transformer"], tmp_path, tmp_path / "out", toml=toml, ae=kontext_files["ae"])
+    assert musubi_autoencoder(both) is both
+
+
+@pytest.mark.slow  # about 30 s: two gloo processes, each importing torch and building the model
+def test_musubis_kontext_command_on_two_gloo_processes_ends_with_the_same_lora(kontext_dir, kontext_files, tmp_path):
+    """musubi-tuner's file names on pairs, two processes: each rank takes its half of the pairs, the gradients are
+    averaged (the ranks end with the same file and losses), and the file is FLUX.1's. (The transformer file loads
+    only with its autoencoder: musubi's vae is read as ae.)"""
+    import json
+
+    from safetensors.torch import load_file
+
+    from tests.helpers.cli import launch
+
+    toml = write_pairs(tmp_path / "data")
+    config = tmp_path / "musubi.toml"
+    config.write_text(musubi_file_toml(kontext_files) + f'\nmodel_config = "{kontext_dir}"\n', encoding="utf-8")
+    out = tmp_path / "ddp"
+    result = launch(2, ["--config", str(config), "--dataset_config", str(toml), "--output_dir", str(out),
+                        "--seed", "7", "--learning_rate", "3e-3", "--max_train_steps", "2",
+                        "--network_module", "networks.lora_flux", "--network_dim", "4"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    rank0, rank1 = (load_file(out / f"rank{r}.safetensors") for r in (0, 1))
+    assert rank0.keys() == rank1.keys() and all(torch.equal(rank0[k], rank1[k]) for k in rank0)
+    assert "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight" in load_file(out / "last.safetensors")
+    assert all(v.abs().max() > 0 for k, v in rank0.items() if "lora_up" in k and "lora_unet" in k)
+    losses = [json.loads((out / f"rank{r}.json").read_text())["losses"] for r in (0, 1)]
+    assert losses[0] == losses[1] and len(losses[0]) == 2

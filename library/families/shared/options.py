@@ -18,10 +18,11 @@ def _objective(name: str, convert, default, help: str, **kw) -> Option:
 
 
 # --- separate files a transformer file is loaded with -----------------------------------------------------------
-CLIP_L = _model("clip_l", to_str, None, "FLUX / SD3 from separate files: the CLIP-L text encoder .safetensors",
-                is_path=True, metavar="PATH")
-T5XXL = _model("t5xxl", to_str, None, "FLUX / SD3 from separate files: the T5-XXL text encoder .safetensors",
-               is_path=True, metavar="PATH")
+# musubi-tuner's FLUX.1 Kontext trainer names them text_encoder2 (CLIP-L) and text_encoder1 (T5-XXL).
+CLIP_L = _model("clip_l", to_str, None, "FLUX / SD3 from separate files: the CLIP-L text encoder .safetensors "
+                "(musubi-tuner's text_encoder2)", is_path=True, metavar="PATH", aliases=("text_encoder2",))
+T5XXL = _model("t5xxl", to_str, None, "FLUX / SD3 from separate files: the T5-XXL text encoder .safetensors "
+               "(musubi-tuner's text_encoder1)", is_path=True, metavar="PATH", aliases=("text_encoder1",))
 AE = _model("ae", to_str, None, "FLUX (and Chroma, Z-Image, Qwen-Image) from separate files: the autoencoder "
             "(ae.safetensors; for Qwen-Image its VAE file, musubi's --vae)", is_path=True, metavar="PATH")
 TEXT_ENCODER = _model("text_encoder", to_str, None,
@@ -30,7 +31,9 @@ TEXT_ENCODER = _model("text_encoder", to_str, None,
                       metavar="PATH")
 VAE = _model("vae", to_str, None,
              "a VAE to use instead of the model's (a diffusers VAE folder, or a .safetensors file with diffusers' or "
-             "the original key names, e.g. SDXL's fp16-fixed VAE); FLUX.1's is ae", is_path=True, metavar="PATH")
+             "the original key names, e.g. SDXL's fp16-fixed VAE); FLUX.1's is ae. With a transformer file that "
+             "takes ae and no ae given, it is musubi-tuner's --vae: the autoencoder file, read as ae",
+             is_path=True, metavar="PATH")
 
 # --- which variant of a family the weights are, where its files do not tell -------------------------------------
 # No schema-level choices: each family that lists it checks the value against its own variants (FLUX.1: dev,
