@@ -1,9 +1,10 @@
 """This family's line in library.families.registry: how its models are recognised, loaded and built tiny, and the
 options it reads."""
-from library.families.entry import FamilyEntry, Ref, TinyModel
+from library.families.entry import FamilyEntry, FramesRule, Ref, TinyModel
 from library.families.shared.options import AE, BLOCKS_TO_SWAP, SIGMA_DENSITY, TIMESTEP_RANGE, TIMESTEP_SAMPLING
 from library.families.wan.options import WAN
 
+FRAMES = FramesRule(4, 16.0)  # 4n+1 frames (the VAE's 4x in time), musubi's 16 fps for Wan
 PACKAGE = "library.families.wan"
 FAMILY, FILES, TINY = f"{PACKAGE}.family", f"{PACKAGE}.files", f"{PACKAGE}.tiny"
 ENTRY = FamilyEntry(
@@ -13,4 +14,4 @@ ENTRY = FamilyEntry(
     file_options=("t5", "ae"), network_modules=("networks.lora_wan",),
     tiny=(TinyModel("wan21", Ref(TINY, "save_tiny_wan21"), Ref(TINY, "save_tiny_wan_files")),
           TinyModel("wan22_a14b", Ref(TINY, "save_tiny_wan22_a14b"), Ref(TINY, "save_tiny_wan_files"))),
-    more_configs=("wan22_lora.toml",))
+    more_configs=("wan22_lora.toml",), frames_rule=FRAMES)

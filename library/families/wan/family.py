@@ -29,6 +29,7 @@ from library.families.shared import checks as transformer_checks
 from library.families.shared import musubi_flow
 from library.families.shared.diffusers_folder import load_folder, pipeline_class, transformer_class
 from library.families.wan import lora as wan_lora
+from library.families.wan.entry import FRAMES
 from library.families.wan.experts import ExpertSwitch, WanObjective, WanSettings, boundary_of
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ class Wan(musubi_flow.MusubiFamily):
     lora_rules = wan_lora
     default_sampling_scale = DEFAULT_CFG
     settings_type = WanSettings
+    frames_rule = FRAMES
     refused_options = (
         ("clip_skip", "Wan reads UMT5's last hidden states, as musubi-tuner and WanPipeline do"),
         ("max_token_length", f"prompts are {MAX_TOKENS} UMT5 tokens, musubi's fixed length"),
