@@ -11,8 +11,10 @@ import shutil
 import unicodedata
 import uuid
 from dataclasses import dataclass, field
+from html import escape
 from pathlib import Path
 from typing import Annotated
+from urllib.parse import quote
 
 from fastapi import APIRouter, File, Form, Request, UploadFile
 from fastapi.responses import HTMLResponse
@@ -40,10 +42,6 @@ def problems_html(problems: list[str], status_code: int = 400, title: str = "") 
     body = "".join(f"<li>{escape(p)}</li>" for p in problems)
     head = f'<p class="problem">{escape(title)}</p>' if title else ""
     return HTMLResponse(f'{head}<ul class="problems">{body}</ul>', status_code=status_code)
-
-
-def escape(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
 
 
 # ---------------------------------------------------------------------------------------------- a new folder
@@ -98,7 +96,7 @@ async def new_dataset(request: Request, roots: RootsDep, parent: Annotated[str, 
     count = len(list_images(target))
     return HTMLResponse(f'<p class="ok" id="new-dataset-made" data-folder="{escape(str(target))}">made '
                         f'{escape(str(target))} with {count} images. <a href="/dataset/tools?folder='
-                        f'{escape(str(target))}">Caption it</a></p>')
+                        f'{quote(str(target))}">Caption it</a></p>')
 
 
 async def write_uploads(uploads: list[UploadFile], staging: Path) -> list[str]:
@@ -120,14 +118,14 @@ async def write_uploads(uploads: list[UploadFile], staging: Path) -> list[str]:
             problems.append(f"{base}: the same name as {seen['/'.join(key)]} (an image and its caption pair by name)")
             continue
         seen["/".join(key)] = base
-        path = staging / base
+        path = staging / (Path(base).stem + suffix)  # the trainer reads captions by the lower-case extension
         with open(path, "wb") as out:
             while chunk := await upload.read(CHUNK):
                 out.write(chunk)
         if kind == "caption":
             captions.append(path)
             continue
-        images.add(Path(base).stem.lower())
+        images.add(path.stem)
         try:
             await asyncio.to_thread(inspect_image, path)
         except ImageProblem as e:
@@ -141,7 +139,7 @@ async def write_uploads(uploads: list[UploadFile], staging: Path) -> list[str]:
 
 def caption_file_problem(path: Path, image_stems: set[str]) -> str | None:
     """Why an uploaded caption file cannot go in the folder (as the dataset check would say), or None."""
-    if path.stem.lower() not in image_stems:
+    if path.stem not in image_stems:
         return "a caption without an image of the same name"
     try:
         text = path.read_text(encoding="utf-8-sig")
@@ -365,6 +363,7 @@ async def caption_with_model(request: Request, roots: RootsDep) -> HTMLResponse:
         outcome = await asyncio.to_thread(run)
     except captioning.CaptionerProblem as e:
         return problems_html([f"model: {e}"])
-    except (OSError, ValueError) as e:  # a folder transformers cannot read
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:  # a folder transformers cannot read, or
+        # one too large for the memory
         return problems_html([f"model: {model} could not be loaded: {e}"])
     return page(request, "caption_model_result.html", outcome=outcome, extension=chosen, folder=folder)

@@ -43,7 +43,7 @@ def test_a_new_folder_from_uploads_is_whole_or_not_at_all(tmp_path):
     assert "notes.pdf: not an image" in page and "empty.txt: a caption without an image" in page
     assert "good.png" not in page and list(tmp_path.iterdir()) == []  # nothing half-written, no staging left
     good = [("files", ("a.png", whole, "image/png")), ("files", ("b.png", png((0, 0, 255)), "image/png")),
-            ("files", ("a.txt", b"a photo of sks dog\n", "text/plain"))]
+            ("files", ("a.TXT", b"a photo of sks dog\n", "text/plain"))]  # read as .txt by the trainer
     made = c.post("/dataset/new", data={"parent": str(tmp_path), "name": "sks dog", "repeats": "3"}, files=good,
                   headers=ORIGIN)
     assert made.status_code == 200, made.text
