@@ -28,6 +28,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from library.memory.nf4 import nf4_linear
+
 logger = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
@@ -204,36 +206,40 @@ def _raise_leftovers(module: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 def _quantize(module: torch.nn.Module, kind: str, compute_dtype: torch.dtype) -> None:
-    """Every managed linear layer replaced by its bitsandbytes twin, one layer at a time (each layer's compute-dtype
-    copy lives only while it is quantized, and each original layer is dropped once replaced: held to the end, a
+    """Every managed linear layer not quantized yet (a loader may have quantized them as it read them) replaced by
+    its bitsandbytes twin, one layer at a time (each original layer is dropped once replaced: held to the end, a
     12 B FLUX transformer's fp8 weights stayed beside their whole NF4 copy, 17 GiB instead of 11)."""
-    import bitsandbytes as bnb
-
     layers = managed_layers(module, fp8=False)
     for name in list(layers):
         layer = layers.pop(name)
-        weight = layer.weight.data
-        device = weight.device
+        if layer.weight.dtype.is_floating_point:
+            replace_layer(module, name, quantize_layer(layer, kind, compute_dtype))
+        del layer
+
+
+def replace_layer(module: torch.nn.Module, name: str, layer: torch.nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(module.get_submodule(parent_name) if parent_name else module, child, layer)
+
+
+def quantize_layer(layer: torch.nn.Linear, kind: str, compute_dtype: torch.dtype) -> torch.nn.Module:
+    """`layer` as a bitsandbytes Linear4bit (NF4, quantized by library.memory.nf4 in bitsandbytes' layout) or
+    Linear8bitLt, on its device; it computes in `compute_dtype` (float32 too)."""
+    import bitsandbytes as bnb
+
+    if kind == "nf4":
+        quantized = nf4_linear(layer, compute_dtype)
+    else:
         with torch.device("meta"):
-            if kind == "nf4":
-                quantized = bnb.nn.Linear4bit(layer.in_features, layer.out_features, bias=layer.bias is not None,
-                                              compute_dtype=compute_dtype, quant_type="nf4")
-            else:
-                quantized = bnb.nn.Linear8bitLt(layer.in_features, layer.out_features, bias=layer.bias is not None,
-                                                has_fp16_weights=False)
-        high = weight.to(compute_dtype)
-        if kind == "nf4":
-            quantized.weight = bnb.nn.Params4bit(high, requires_grad=False, quant_type="nf4")
-        else:
-            quantized.weight = bnb.nn.Int8Params(high, requires_grad=False, has_fp16_weights=False)
+            quantized = bnb.nn.Linear8bitLt(layer.in_features, layer.out_features, bias=layer.bias is not None,
+                                            has_fp16_weights=False)
+        quantized.weight = bnb.nn.Int8Params(layer.weight.data.to(compute_dtype), requires_grad=False,
+                                             has_fp16_weights=False)
         if layer.bias is not None:
             quantized.bias = torch.nn.Parameter(layer.bias.data.to(compute_dtype), requires_grad=False)
-        quantized = quantized.to(device)  # bitsandbytes quantizes on the move
-        quantized.compute_dtype = compute_dtype  # (Linear4bit has it) peft starts the adapter in this dtype
-        del high
-        parent_name, _, child = name.rpartition(".")
-        setattr(module.get_submodule(parent_name) if parent_name else module, child, quantized)
-        del layer, weight, quantized
+    quantized = quantized.to(layer.weight.device)  # bitsandbytes quantizes int8 on the move
+    quantized.compute_dtype = compute_dtype  # (Linear4bit has it) peft starts the adapter in this dtype
+    return quantized
 
 
 @contextlib.contextmanager
