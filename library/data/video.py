@@ -96,7 +96,7 @@ def _open(path: Path) -> Any:
     try:
         return av.open(str(path))
     except (av.error.FFmpegError, OSError, EOFError) as e:
-        raise VideoProblem(f"cannot read video: {_reason(e)}") from None
+        raise VideoProblem(f"cannot read video (corrupt, or cut short): {_reason(e)}") from None
 
 
 def _reason(error: BaseException) -> str:
