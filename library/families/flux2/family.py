@@ -233,7 +233,10 @@ class Flux2(musubi_flow.MusubiFamily):
         return {**arguments, "image": list(images)}
 
     def vae_latents(self, latents: torch.Tensor, vae_config: Any, width: int, height: int) -> torch.Tensor:
-        # The pipeline's latents are the autoencoder's own; Flux2Vae decodes its patched, normalised view.
+        # Flux2KleinPipeline's latents are the autoencoder's own; Flux2Pipeline's are its tokens of the patched,
+        # normalised view, row-major (it unpacks them itself only when it decodes). Flux2Vae decodes that view.
+        if VARIANTS[self.version].dev:
+            return flux2_latents.unpack(latents, height // 16, width // 16)
         return flux2_latents.normalised(flux2_latents.patchify(latents), vae_config)
 
     def prompt_embeds(self, positive: Mapping[str, torch.Tensor],
