@@ -96,7 +96,9 @@ async def new_dataset(request: Request, roots: RootsDep, parent: Annotated[str, 
     count = len(list_images(target))
     return HTMLResponse(f'<p class="ok" id="new-dataset-made" data-folder="{escape(str(target))}">made '
                         f'{escape(str(target))} with {count} images. <a href="/dataset/tools?folder='
-                        f'{quote(str(target))}">Caption it</a></p>')
+                        f'{quote(str(target))}">Caption it</a>; a config trains on it with '
+                        f'<code>train_data_dir</code> = <code>{escape(str(folder))}</code> (the folder that holds '
+                        "it).</p>")
 
 
 async def write_uploads(uploads: list[UploadFile], staging: Path) -> list[str]:
