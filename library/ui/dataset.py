@@ -119,7 +119,7 @@ def controls_of(subset: SubsetSpec, images: list[Path]) -> tuple[dict[Path, tupl
         for key, entry in entries.items():
             path, (controls, _) = image_path(key, subset.image_dir), metadata_controls(entry, subset.image_dir)
             if path is not None and controls is not None:
-                named[path] = controls
+                named[path.resolve()] = controls  # keyed as the listed images are: real paths
     if subset.control_directory is None or not subset.control_directory.is_dir():
         return (named or None), []
     paired, unpaired, _ = pair_by_stem([i for i in images if i not in named], list_images(subset.control_directory))
