@@ -120,3 +120,36 @@ def test_clips_cache_in_memory_with_flips(tmp_path, video_vae):
     assert plain.shape == flipped.shape == (4, 2, 4, 4) and not torch.equal(plain, flipped)
     item = data.dataset[0]
     assert item["latent_mean"].shape == (4, 2, 4, 4) and "pixels" not in item
+
+
+def test_two_processes_share_the_disk_cache_by_file(tmp_path, video_vae, monkeypatch):
+    """Each video's clips are encoded and written by one process, so no two processes write one file."""
+    from library.data import cache as cache_module
+
+    data_dir = tmp_path / "data"
+    write_video(data_dir / "a.mp4", 9)
+    write_frame_folder(data_dir / "b", 5)
+    noise_image(data_dir / "c.png")
+    for name in ("a", "b", "c"):
+        (data_dir / f"{name}.txt").write_text(f"{name} caption", encoding="utf-8")
+    rank, written, second = [0], [], []
+    write_entries = cache_module.write_entries
+
+    def recording(path, entries):
+        written.append((rank[0], path.name, len(entries)))
+        write_entries(path, entries)
+
+    monkeypatch.setattr(cache_module, "write_entries", recording)
+
+    def other_process() -> None:  # rank 1 runs while rank 0 waits for everyone
+        rank[0] = 1
+        second.append(cache_latents(build(tmp_path), video_vae, to_disk=True, process_index=1, num_processes=2))
+        rank[0] = 0
+
+    first = cache_latents(build(tmp_path), video_vae, to_disk=True, process_index=0, num_processes=2,
+                          wait_for_everyone=other_process)
+    # Records in order: a.mp4's three clips (rank 0), then b's two clips and c.png (rank 1).
+    assert (first.encoded, second[0].encoded) == (3, 3)
+    assert sorted(written) == [(0, "a.mp4.latents.safetensors", 3), (1, "b.latents.safetensors", 2),
+                               (1, "c.png.latents.safetensors", 1)]
+    assert cache_latents(build(tmp_path), video_vae, to_disk=True).reused == 6
