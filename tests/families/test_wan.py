@@ -291,3 +291,24 @@ def test_comfyui_and_official_files_load_as_the_folder(wan21, components, tmp_pa
     torch.save({"weights": object()}, bad)
     with pytest.raises(UserError, match="weights-only"):
         load_components(files["transformer"], model_config=wan21, t5=str(bad), ae=str(files["ae"]))
+
+
+# --- sampling -----------------------------------------------------------------------------------------------------
+
+def test_sample_prompts_draw_wanpipelines_first_frame(components, tmp_path):
+    """A sample prompt renders one frame through WanPipeline with the model's own scheduler and musubi's CFG 5.0:
+    the same image WanPipeline draws itself (video samples are not written yet)."""
+    import numpy as np
+    from diffusers import WanPipeline
+
+    from tests.helpers.family_checks import assert_same_image, sample, sampling_models
+
+    _, (ours,) = sample(sampling_models(components), tmp_path, "a photo of sks dog --n red --s 2 --w 64 --h 64 --d 3\n")
+    pipe = WanPipeline(tokenizer=components.tokenizers[0], text_encoder=components.text_encoders[0],
+                       vae=components.vae.vae, transformer=components.denoiser,
+                       scheduler=components.family.sampling_scheduler(components.noise_scheduler.config))
+    with torch.no_grad():
+        frames = pipe(prompt="a photo of sks dog", negative_prompt="red", guidance_scale=5.0, num_inference_steps=2,
+                      width=64, height=64, num_frames=1, generator=torch.Generator().manual_seed(3),
+                      output_type="np").frames[0]
+    assert_same_image(ours, (frames[0] * 255).round().astype(np.uint8))
