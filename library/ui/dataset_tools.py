@@ -162,6 +162,7 @@ class Edits:
     suffix: str = ""
     find: str = ""
     replace: str = ""
+    fill: bool = False  # images without a caption get one: the trigger word, prefix and suffix
 
     def any(self) -> bool:
         return any((self.trigger, self.prefix, self.suffix, self.find))
@@ -235,7 +236,11 @@ def plan_edits(folder: Path, edits: Edits, extension: str = "") -> Plan:
     for image in images:
         path = image.with_name(image.stem + plan.extension)
         if not path.is_file():
-            plan.uncaptioned.append(image.name)
+            new = edit_line("", edits) if edits.fill else ""
+            if new:
+                plan.changes.append((path, "", new))
+            else:
+                plan.uncaptioned.append(image.name)
             continue
         try:
             before = path.read_text(encoding="utf-8-sig")
@@ -278,7 +283,7 @@ async def edits_request(request: Request, roots: security.Roots) -> tuple[Path |
     value = {k: str(v) for k, v in form.items()}
     edits = Edits(trigger=value.get("trigger", ""), old_trigger=value.get("old_trigger", ""),
                   prefix=value.get("prefix", ""), suffix=value.get("suffix", ""), find=value.get("find", ""),
-                  replace=value.get("replace", ""))
+                  replace=value.get("replace", ""), fill=value.get("fill") == "on")
     folder, problems = folder_of(value.get("folder", ""), roots)
     extension = value.get("extension", "")
     if extension.strip() and (problem := extension_problem(caption_extension([], extension))):

@@ -95,6 +95,12 @@ def test_bulk_edits_are_previewed_then_applied_together(tmp_path):
         "a.caption": "sks, a man, red coat, photo\n", "b.caption": "sks, a woman, photo\n",
         "c.caption": "sks, a man, blue coat, photo\n"}
     assert not [p for p in folder.iterdir() if p.name.endswith(".tmp")]
+    filled = {"folder": str(folder), "trigger": "sks", "suffix": "photo", "fill": "on"}  # d.png has no caption
+    page = text(c.post("/dataset/captions/preview", data=filled, headers=ORIGIN))
+    assert re.findall(r'<tr data-name="([^"]+)">', page) == ["d.caption"] and "(no caption file)" in page
+    digest = re.search(r'name="digest" value="([0-9a-f]+)"', page).group(1)
+    c.post("/dataset/captions/apply", data={**filled, "digest": digest}, headers=ORIGIN)
+    assert (folder / "d.caption").read_text() == "sks, photo\n"
     emptied = {"folder": str(folder), "find": "sks, a woman, photo", "replace": ""}
     page = text(c.post("/dataset/captions/preview", data=emptied, headers=ORIGIN))
     assert "b.caption: the edits would leave it empty" in page and 'id="apply-button"' not in page
