@@ -5,6 +5,12 @@ The load holds the denoiser, the text encoders and the VAE at once (the encoders
 cached); training adds the LoRA with its gradient and AdamW's two moments (fp32; counted as if every matrix of the
 denoiser had a LoRA, an upper bound) and the activations, for which only a rough allowance is made (they depend on
 the resolution, the batch and checkpointing far more than on the weights).
+
+A model whose text encoder alone outweighs what a card holds (FLUX.2 [dev]: a 24 B Mistral beside a 32 B
+transformer) is planned by phase instead (`phases`): a text-encoding phase (the text encoders and the VAE, while their
+outputs are cached) and a training phase (the denoiser as stored, less its swapped blocks, the VAE, the LoRA and
+optimizer, the activations), each against the device on its own, as when the encoders are freed before the
+denoiser is placed on it.
 """
 from __future__ import annotations
 
@@ -47,16 +53,19 @@ def count_file(path: Path, part: str) -> dict[str, Counts]:
         if entry["dtype"] not in _BYTES:
             continue
         owner = next((name for name, prefixes in _PREFIXES.items() if key.startswith(prefixes)), part)
-        shape = entry["shape"]
-        numel = 1
-        for side in shape:
-            numel *= side
-        if len(shape) >= 2 and numel >= 4096:
-            counts = Counts(numel, 0, shape[0] + numel // shape[0], numel if entry["dtype"].startswith("F8") else 0)
-        else:
-            counts = Counts(0, numel, 0)
-        out[owner] = out.get(owner, Counts()) + counts
+        out[owner] = out.get(owner, Counts()) + count_tensor(entry["shape"], entry["dtype"].startswith("F8"))
     return out
+
+
+def count_tensor(shape: Iterable[int], fp8: bool = False) -> Counts:
+    """One tensor's Counts: a matrix (2 or more sides, 4096 weights or more) or the rest."""
+    shape = tuple(shape)
+    numel = 1
+    for side in shape:
+        numel *= side
+    if len(shape) >= 2 and numel >= 4096:
+        return Counts(numel, 0, shape[0] + numel // shape[0], numel if fp8 else 0)
+    return Counts(0, numel, 0)
 
 
 def model_files(model: str | Path, separate: dict[str, Iterable[str | None]]) -> list[tuple[Path, str]] | None:
@@ -99,6 +108,9 @@ class Settings:
     reads_low: bool = True  # safetensors files read tensor by tensor (False: a diffusers folder, read whole)
 
 
+TEXT_PHASE, TRAINING_PHASE = "text encoding", "training"
+
+
 @dataclass(frozen=True)
 class Estimate:
     parts: dict[str, float]  # name -> bytes
@@ -112,6 +124,25 @@ class Estimate:
             f" GiB; about {self.total / GIB:.1f} GiB in all"
 
 
+def held_bytes(part: Counts, kind: str | None, settings: Settings) -> float:
+    """A component stored under `kind` (its matrices; the rest in the compute dtype)."""
+    compute = torch.finfo(settings.compute_dtype).bits / 8
+    return part.matrices * stored_bytes_per_weight(kind, settings.compute_dtype) + part.other * compute
+
+
+def lora_bytes(denoiser: Counts, settings: Settings) -> float:
+    """fp32 weight, gradient, two AdamW moments; never more than the matrices themselves (a LyCORIS "full matrix"
+    network_dim such as 100000 is not a rank)."""
+    return min(denoiser.lora_per_rank * settings.rank, denoiser.matrices) * 16
+
+
+def activation_bytes(denoiser: Counts, settings: Settings) -> float:
+    """A rough allowance: the checkpointed block inputs and one block's working set, or every block's
+    activations."""
+    compute = torch.finfo(settings.compute_dtype).bits / 8
+    return (0.15 if settings.gradient_checkpointing else 1.0) * denoiser.matrices * compute + 0.5 * GIB
+
+
 def estimate(counts: dict[str, Counts], settings: Settings) -> Estimate:
     """The peak of the load (every component as read: fp8 for fp8, the file's fp8 or else the compute dtype
     before int8 / nf4 quantize it, the compute dtype for a diffusers folder) and of training (the base as
@@ -120,7 +151,7 @@ def estimate(counts: dict[str, Counts], settings: Settings) -> Estimate:
     denoiser, text, vae = (counts.get(name, Counts()) for name in ("denoiser", "text", "vae"))
 
     def held(part: Counts, kind: str | None) -> float:
-        return part.matrices * stored_bytes_per_weight(kind, settings.compute_dtype) + part.other * compute
+        return held_bytes(part, kind, settings)
 
     def read(part: Counts, kind: str | None) -> float:
         if kind == "fp8" and settings.reads_low:
@@ -130,11 +161,7 @@ def estimate(counts: dict[str, Counts], settings: Settings) -> Estimate:
 
     vae_bytes = (vae.matrices + vae.other) * torch.finfo(settings.vae_dtype).bits / 8
     stored = held(denoiser, settings.denoiser) * (1 - settings.swapped_fraction)
-    # fp32 weight, gradient, two AdamW moments; never more than the matrices themselves (a LyCORIS "full matrix"
-    # network_dim such as 100000 is not a rank)
-    lora = min(denoiser.lora_per_rank * settings.rank, denoiser.matrices) * 16
-    # A rough allowance: the checkpointed block inputs and one block's working set, or every block's activations.
-    activations = (0.15 if settings.gradient_checkpointing else 1.0) * denoiser.matrices * compute + 0.5 * GIB
+    lora, activations = lora_bytes(denoiser, settings), activation_bytes(denoiser, settings)
     loading = {"denoiser as read": read(denoiser, settings.denoiser),
                "text encoders (until their outputs are cached)": read(text, settings.text_encoders),
                "VAE": vae_bytes}
@@ -142,6 +169,33 @@ def estimate(counts: dict[str, Counts], settings: Settings) -> Estimate:
         text, settings.text_encoders), "VAE": vae_bytes, "LoRA and optimizer": lora,
         "activations (rough)": activations}
     return Estimate(max(loading, training, key=lambda parts: sum(parts.values())))
+
+
+def phases(counts: dict[str, Counts], settings: Settings) -> dict[str, Estimate]:
+    """What the device holds in each phase when the text encoders' outputs are cached and the encoders freed before
+    the denoiser comes: while encoding (the text encoders as stored, the VAE caching latents) and while training
+    (the denoiser as stored less its swapped share, the VAE, LoRA and optimizer, activations). Reading the files
+    happens in host memory before either and is not counted here."""
+    denoiser, text, vae = (counts.get(name, Counts()) for name in ("denoiser", "text", "vae"))
+    vae_bytes = (vae.matrices + vae.other) * torch.finfo(settings.vae_dtype).bits / 8
+    return {TEXT_PHASE: Estimate({"text encoders": held_bytes(text, settings.text_encoders, settings),
+                                  "VAE": vae_bytes}),
+            TRAINING_PHASE: Estimate({"denoiser as stored": held_bytes(denoiser, settings.denoiser, settings)
+                                      * (1 - settings.swapped_fraction), "VAE": vae_bytes,
+                                      "LoRA and optimizer": lora_bytes(denoiser, settings),
+                                      "activations (rough)": activation_bytes(denoiser, settings)})}
+
+
+def swapped_share(denoiser: torch.nn.Module, plan: Iterable[tuple[Iterable[torch.nn.Module], int]]) -> float:
+    """The share of the denoiser's weights a block-swap plan (a family's block_swap_plan: each block list and how
+    many of it are swapped) keeps in host memory; the model may be on the meta device."""
+    total = sum(p.numel() for p in denoiser.parameters())
+    swapped = sum(p.numel() for blocks, count in plan for block in list(blocks)[:count] for p in block.parameters())
+    return swapped / total
+
+
+def describe_phases(planned: dict[str, Estimate]) -> str:
+    return "; ".join(f"{name}: {phase.describe()}" for name, phase in planned.items())
 
 
 def alternatives(counts: dict[str, Counts], settings: Settings, available: float,

@@ -69,3 +69,58 @@ def test_a_full_matrix_network_dim_counts_no_more_than_the_matrices(files):
     counts = {"denoiser": memory.count_file(files["transformer"], "denoiser")["denoiser"]}
     huge = memory.estimate(counts, memory.Settings(None, None, torch.bfloat16, torch.bfloat16, 100000, True))
     assert huge.parts["LoRA and optimizer"] == counts["denoiser"].matrices * 16
+
+
+# --- FLUX.2 [dev] by phase ------------------------------------------------------------------------------------------
+
+def flux2_dev_counts():
+    """FLUX.2 [dev]'s components at full size, built on the meta device: the transformer of musubi's Flux2Params
+    (8 double and 48 single blocks, 6144 wide, text width 3 x 5120, guidance input), Mistral Small 3.1's language
+    model (what is loaded from musubi's text-encoder files) and FLUX.2's autoencoder; and the transformer."""
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from library.families.flux2.mistral import TEXT_CONFIG
+
+    with init_empty_weights():
+        transformer = Flux2Transformer2DModel(
+            patch_size=1, in_channels=128, num_layers=8, num_single_layers=48, attention_head_dim=128,
+            num_attention_heads=48, joint_attention_dim=15360, timestep_guidance_channels=256, mlp_ratio=3.0,
+            axes_dims_rope=(32, 32, 32, 32), guidance_embeds=True)
+        parts = {"denoiser": transformer, "text": MistralForCausalLM(MistralConfig(**TEXT_CONFIG)),
+                 "vae": AutoencoderKLFlux2()}
+    counts = {}
+    for name, model in parts.items():
+        counts[name] = memory.Counts()
+        for tensor in model.state_dict().values():
+            counts[name] += memory.count_tensor(tensor.shape)
+    return counts, transformer
+
+
+def test_flux2_dev_is_planned_by_phase_and_its_training_phase_fits_24_gib_with_fp8_or_nf4_and_block_swap():
+    """32 B of transformer and 24 B of Mistral cannot share a 24 GiB card; each phase alone can: the text encoder
+    (fp8) while its outputs are cached, then the transformer stored in fp8 or 4 bits with musubi's 29 blocks
+    swapped (6 double and 44 single blocks: 85 % of its weights in host memory)."""
+    from library.families.flux2.family import Flux2
+
+    counts, transformer = flux2_dev_counts()
+    assert 32.0e9 < counts["denoiser"].matrices + counts["denoiser"].other < 32.5e9
+    assert 23.0e9 < counts["text"].matrices + counts["text"].other < 24.0e9
+    share = memory.swapped_share(transformer, Flux2("dev").block_swap_plan(transformer, 29))
+    assert 0.84 < share < 0.86
+    budget = 24 * memory.GIB
+    for base in ("fp8", "nf4"):
+        settings = memory.Settings(base, "fp8", torch.bfloat16, torch.bfloat16, 32, True, swapped_fraction=share)
+        planned = memory.phases(counts, settings)
+        text, training = planned[memory.TEXT_PHASE], planned[memory.TRAINING_PHASE]
+        assert set(text.parts) == {"text encoders", "VAE"}  # no transformer while encoding
+        assert "text encoders" not in training.parts and "denoiser as stored" in training.parts
+        assert text.total <= budget and training.total <= budget, memory.describe_phases(planned)
+        assert training.parts["denoiser as stored"] == pytest.approx(
+            memory.held_bytes(counts["denoiser"], base, settings) * (1 - share))
+        assert memory.estimate(counts, settings).total > budget  # all at once it would not fit
+    unswapped = memory.phases(counts, memory.Settings("fp8", "fp8", torch.bfloat16, torch.bfloat16, 32, True))
+    assert unswapped[memory.TRAINING_PHASE].total > budget  # fp8 alone is 30 GiB of transformer
+    bf16 = memory.phases(counts, memory.Settings(None, None, torch.bfloat16, torch.bfloat16, 32, True))
+    assert bf16[memory.TEXT_PHASE].total > budget  # Mistral in bf16 is 44 GiB
