@@ -398,3 +398,21 @@ def test_a_clip_item_stacks_to_a_five_dimensional_batch(tmp_path):
     pixels = collate([data.dataset[i] for i in batch])["pixels"]
     assert pixels.shape == (2, 3, 5, 32, 32) and pixels.dtype == torch.float32
     assert -1.0 <= float(pixels.min()) and float(pixels.max()) <= 1.0
+
+
+def test_an_image_model_refuses_a_video_dataset_in_the_check_and_before_training(tmp_path, capsys):
+    """The command's --dataset_check and a training run ask the model's registry entry for its frames rule: the
+    digits base is an SD model, which trains images only."""
+    import train_network
+    from tests.helpers.runs import run_args
+
+    repo = Path(__file__).resolve().parents[2]
+    write_clip(tmp_path / "v", "a.mp4", 9)
+    toml = dataset_toml(tmp_path, f'[[datasets]]\nvideo_directory = "{tmp_path / "v"}"\ntarget_frames = [9]\n')
+    args = run_args(repo / "models" / "digits-base", None, tmp_path / "out", "--dataset_config", str(toml), run=RUN)
+    refusal = f"{tmp_path / 'v'}: a video dataset, and the model's family trains images only"
+    assert train_network.main([*args, "--dataset_check"]) == 2
+    assert refusal in capsys.readouterr().out
+    assert train_network.main(args) == 2
+    assert refusal in capsys.readouterr().err
+    assert not list(tmp_path.rglob("*.safetensors"))  # no LoRA, no cache written
