@@ -84,13 +84,15 @@ async def new_dataset(request: Request, roots: RootsDep, parent: Annotated[str, 
     if problems or target is None:
         return problems_html(problems, title="nothing written")
     staging = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp")
-    staging.mkdir()
     try:
+        staging.mkdir()
         problems = await write_uploads(uploads, staging)
         if problems:
             return problems_html(problems, title="nothing written: fix or leave out these files")
         os.rename(staging, target)  # the folder appears whole, or not at all
         fsync_dir(folder)
+    except OSError as e:  # a folder that cannot be written, a full disk
+        return problems_html([f"folder: {e}"], title="nothing written")
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     count = len(list_images(target))
@@ -124,6 +126,8 @@ async def write_uploads(uploads: list[UploadFile], staging: Path) -> list[str]:
         with open(path, "wb") as out:
             while chunk := await upload.read(CHUNK):
                 out.write(chunk)
+            out.flush()
+            os.fsync(out.fileno())  # the folder's rename must not show files still being written
         if kind == "caption":
             captions.append(path)
             continue
