@@ -9,12 +9,19 @@ mixed-precision dtype, and the LoRA stays fp32 whatever the base holds, so the L
   tell peft the compute dtype, so the LoRA starts exactly as it would on a bf16 base), `finish` after (the hooks,
   on the layers peft now wraps).
 - int8 / nf4: bitsandbytes' Linear8bitLt / Linear4bit (QLoRA's layers), which peft wraps with its own LoRA layers;
-  bitsandbytes (>= 0.48) runs both forward and backward on CPU as well as CUDA.
+  bitsandbytes (>= 0.48) runs both forward and backward on CPU as well as CUDA. NF4 weights are quantized by
+  library.memory.nf4 (bitsandbytes' layout, to the bit, many times faster on CPU).
+
+With mixed_precision = "no" the compute dtype is float32: every low precision computes in fp32 (a CPU without bf16
+instructions, or a GPU without bf16, trains at its fp32 rate).
 
 Reading: inside `reading(rule)`, library.families.shared.safetensors_io reads the matrices the rule names straight
 into fp8 (fp8 files stay fp8), so a 12 B transformer is never held in bf16 first (loaders that hand the tensors to
 diffusers' from_single_file or from_pretrained get the compute dtype instead: those cast what they are given).
-Whatever of those stays high precision (embeddings, skipped layers) is cast up again by `prepare`.
+Whatever of those stays high precision (embeddings, skipped layers) is cast up again by `prepare`. The FLUX.1 and
+Qwen-Image file loaders read their transformer layer by layer, and under an int8 / nf4 rule quantize each linear
+layer as soon as it is assigned (`quantized_while_read`), so that the load holds the quantized transformer plus one
+layer, never the whole fp8 / bf16 transformer; `prepare` then quantizes only what is left.
 """
 from __future__ import annotations
 
@@ -82,10 +89,10 @@ class BasePrecision:
         """Which tensors are read low: every matrix of the denoiser's (and, with fp8 text encoders, the text
         encoders') separate files; in a file of several components, those under the component's key prefix. fp8
         keeps fp8-stored tensors as they are and lowers the rest; int8 / nf4 keep fp8-stored ones (they are
-        quantized from them later) and read the rest in the compute dtype."""
+        quantized from them, as they are read where the loader streams) and read the rest in the compute dtype."""
         if not self.lowered:
             return None
-        files: dict[Path, str | None] = {}
+        files: dict[Path, str] = {}
         for path in denoiser_files:
             files[Path(path).resolve()] = self.denoiser
         if self.text_encoders:
@@ -93,15 +100,7 @@ class BasePrecision:
                 files.setdefault(Path(path).resolve(), self.text_encoders)
         known = denoiser_prefixes + text_prefixes + ("first_stage_model.", "vae.")
         allowed = denoiser_prefixes + (text_prefixes if self.text_encoders else ())
-
-        def rule(path: Path, key: str, stored: torch.dtype) -> torch.dtype | None:
-            kind = files.get(path.resolve())
-            if kind is None or (key.startswith(known) and not key.startswith(allowed)):
-                return None  # not a lowered file, or another component of a single file (the VAE, ...)
-            if stored in FP8_DTYPES:
-                return stored
-            return FP8 if kind == "fp8" else None
-        return rule
+        return FileRule(files, known, allowed, self.compute_dtype)
 
     # --- the modules -------------------------------------------------------------------------------------------
     def prepare(self, denoiser: torch.nn.Module, text_encoders: Sequence[torch.nn.Module]) -> None:
@@ -240,6 +239,34 @@ def quantize_layer(layer: torch.nn.Linear, kind: str, compute_dtype: torch.dtype
     quantized = quantized.to(layer.weight.device)  # bitsandbytes quantizes int8 on the move
     quantized.compute_dtype = compute_dtype  # (Linear4bit has it) peft starts the adapter in this dtype
     return quantized
+
+
+@dataclass(frozen=True)
+class FileRule:
+    """BasePrecision.read_rule's rule: each lowered file's storage kind, by resolved path."""
+    files: dict[Path, str]
+    known: tuple[str, ...]  # the component prefixes of a file of several components
+    allowed: tuple[str, ...]  # those read low
+    compute_dtype: torch.dtype
+
+    def __call__(self, path: Path, key: str, stored: torch.dtype) -> torch.dtype | None:
+        kind = self.files.get(path.resolve())
+        if kind is None or (key.startswith(self.known) and not key.startswith(self.allowed)):
+            return None  # not a lowered file, or another component of a single file (the VAE, ...)
+        if stored in FP8_DTYPES:
+            return stored
+        return FP8 if kind == "fp8" else None
+
+
+def quantized_while_read(path: str | Path) -> tuple[str, torch.dtype] | None:
+    """(int8 or nf4, the compute dtype) when the active rule quantizes the model read from `path` (a denoiser's
+    file): its loader quantizes each linear layer as soon as its weights are assigned
+    (library.families.shared.separate_files.assign_streamed), so the whole fp8 / bf16 denoiser is never held."""
+    rule = _READ_RULE.get()
+    if not isinstance(rule, FileRule):
+        return None
+    kind = rule.files.get(Path(path).resolve())
+    return (kind, rule.compute_dtype) if kind in ("int8", "nf4") else None
 
 
 @contextlib.contextmanager

@@ -6,12 +6,13 @@ has dev's keys: model_version = "kontext" (or a FluxKontextPipeline model_config
 
 Weights are built on the meta device and assigned from the files, cast to the training dtype tensor by tensor as
 they are read (fp8-stored files are upcast, as kohya does without fp8_base), so a 12 B transformer is never
-initialised in fp32 first and the file's copy never sits beside the cast one.
+initialised in fp32 first and the file's copy never sits beside the cast one. The transformer is read layer by
+layer, so that an int8 / nf4 base is quantized as it is read (the whole fp8 transformer is never held).
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -22,8 +23,8 @@ from library.families.flux.variants import flux_variant, is_kontext_folder
 from library.families.loading import LoadRequest
 from library.families.shared.clip_tokenizer import load_tokenizer
 from library.families.shared.diffusers_folder import transformer_components
-from library.families.shared.safetensors_io import read_safetensors
-from library.families.shared.separate_files import assign, load_t5_tokenizer, marked_keys, reading
+from library.families.shared.safetensors_io import SafetensorsFile, read_safetensors
+from library.families.shared.separate_files import assign, assign_streamed, load_t5_tokenizer, marked_keys, reading
 
 BFL_PREFIX = "model.diffusion_model."
 BFL_MARKER = "double_blocks.0.img_attn.norm.key_norm.scale"  # diffusers' test for a FLUX checkpoint
@@ -59,13 +60,14 @@ def load_flux_files(request: LoadRequest) -> Components:
     family = flux_variant(not guidance, is_kontext_folder(config_dir), request.model_version, path)  # before the read
     local = {"local_files_only": True}
     with reading(path, "the FLUX files"):
-        state = {k.removeprefix(BFL_PREFIX): v for k, v in read_safetensors(path, dtype=weight_dtype).items()}
         config = dict(FluxTransformer2DModel.load_config(config_dir, subfolder="transformer", **local))
         config["guidance_embeds"] = guidance  # dev or schnell is the file's, not the folder's
         with init_empty_weights():
             transformer = FluxTransformer2DModel.from_config(config)
-        assign(transformer, diffusers_state_dict(state, config), str(path))
-        del state
+        with SafetensorsFile(path) as f:  # layer by layer: an int8 / nf4 base is quantized as it is read
+            names = {key.removeprefix(BFL_PREFIX): key for key in f.keys()}
+            tensors = diffusers_tensors(set(names), lambda key: f.read(names[key], weight_dtype), config)
+            assign_streamed(transformer, tensors, str(path), path)
         return_free_heap()  # each file's read buffers go before the next file is read
 
         vae_config = dict(AutoencoderKL.load_config(config_dir, subfolder="vae", **local))
@@ -176,26 +178,36 @@ def diffusers_state_dict(state: dict[str, torch.Tensor], config: Any) -> dict[st
     """BFL's layout -> diffusers' (the inverse of bfl_state_dict). Widths come from the model's config, where
     diffusers' own converter assumes FLUX.1's 3072."""
     state = dict(state)
+    return dict(diffusers_tensors(set(state), state.pop, config))
+
+
+def diffusers_tensors(keys: set[str], take: Callable[[str], torch.Tensor], config: Any
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """diffusers' (name, tensor) pairs for a BFL file with tensors `keys`, each group's read by `take(key)` only
+    when it is converted (a streamed load holds one group of the file at a time); a key of no layer is a
+    ValueError once the others are through."""
+    left = set(keys)
     hidden = config["num_attention_heads"] * config["attention_head_dim"]
-    out: dict[str, torch.Tensor] = {}
     for bfl, names, how in _layout_of(config):
         if how == "norm":
-            out[names[0] + ".weight"] = state.pop(bfl + ".scale")
+            left.discard(bfl + ".scale")
+            yield names[0] + ".weight", take(bfl + ".scale")
             continue
         for suffix in (".weight", ".bias"):
-            if bfl + suffix not in state:
+            if bfl + suffix not in left:
                 continue
-            tensor = state.pop(bfl + suffix)
+            left.discard(bfl + suffix)
+            tensor = take(bfl + suffix)
             if how == "fused":
                 sizes = [hidden] * 3 + ([tensor.shape[0] - 3 * hidden] if len(names) == 4 else [])
                 if min(sizes) <= 0 or sum(sizes) != tensor.shape[0]:
                     raise ValueError(f"{bfl} has {tensor.shape[0]} rows, which a transformer {hidden} wide cannot "
                                      "split (a model of other widths needs model_config: a diffusers FLUX folder "
                                      "describing it)")
-                out.update({name + suffix: part for name, part in zip(names, tensor.split(sizes), strict=True)})
+                yield from ((name + suffix, part) for name, part in zip(names, tensor.split(sizes), strict=True))
             else:
-                out[names[0] + suffix] = _swap(tensor) if how == "swap" else tensor
-    if state:
+                yield names[0] + suffix, _swap(tensor) if how == "swap" else tensor
+            del tensor
+    if left:
         raise ValueError(f"keys of no {'Chroma' if 'approximator_layers' in config else 'FLUX.1'} layer: "
-                         f"{', '.join(sorted(state)[:5])}")
-    return out
+                         f"{', '.join(sorted(left)[:5])}")

@@ -10,11 +10,12 @@ diffusers' names, with or without ComfyUI's `model.diffusion_model.`; the Qwen2.
 (`model.layers...`, `visual...`, as musubi reads them) or transformers'; the VAE file may be ComfyUI's (the Wan 2.1
 VAE layout, converted by diffusers' own Wan converter) or diffusers'. A split `...-00001-of-0000N.safetensors` is
 read with all its parts. Weights are built on the meta device and assigned from the files, cast to the training
-dtype tensor by tensor.
+dtype tensor by tensor; the transformer layer by layer, so that an int8 / nf4 base is quantized as it is read.
 """
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -24,7 +25,17 @@ from library.families.family import Components
 from library.families.loading import LoadRequest
 from library.families.qwen_image.family import QwenImageVae, family_of
 from library.families.shared.diffusers_folder import transformer_components
-from library.families.shared.separate_files import assign, load_qwen_tokenizer, marked_keys, read_split, reading
+from library.families.shared.safetensors_io import SafetensorsFile
+from library.families.shared.separate_files import (
+    assign,
+    assign_streamed,
+    file_keys,
+    load_qwen_tokenizer,
+    marked_keys,
+    read_split,
+    reading,
+    shards,
+)
 
 SHIPPED_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "qwen_image"
 SHIPPED_TOKENIZER = Path(__file__).resolve().parents[1] / "configs" / "z_image" / "tokenizer"
@@ -78,7 +89,7 @@ def load_qwen_image_files(request: LoadRequest, zero_cond_t: bool | None = None)
             config = {**config, "zero_cond_t": zero_cond_t}
         with init_empty_weights():
             transformer = QwenImageTransformer2DModel.from_config(config)
-        assign(transformer, transformer_state_dict(path, weight_dtype), str(path), family=family)
+        assign_streamed(transformer, transformer_tensors(path, weight_dtype), str(path), path, family=family)
         return_free_heap()
 
         with init_empty_weights():
@@ -101,11 +112,17 @@ def load_qwen_image_files(request: LoadRequest, zero_cond_t: bool | None = None)
                                   vae_view=QwenImageVae)
 
 
-def transformer_state_dict(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The transformer file's weights without ComfyUI's prefix; an fp8 file with per-tensor scales is refused."""
-    state = {k.removeprefix(COMFY_PREFIX): v for k, v in read_split(path, dtype).items()}
-    scaled = [k for k in state if k == "scaled_fp8" or k.endswith((".scale_weight", ".weight_scale"))]
+def transformer_tensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """The transformer file's (split file's) weights without ComfyUI's prefix, one at a time (an int8 / nf4 base is
+    quantized layer by layer as they come); an fp8 file with per-tensor scales is refused before any is read."""
+    parts = shards(path)
+    keys = [key for part in parts for key in file_keys(part)]
+    scaled = [k for k in keys if k.removeprefix(COMFY_PREFIX) == "scaled_fp8"
+              or k.endswith((".scale_weight", ".weight_scale"))]
     if scaled:  # the weights would load without their scales
         raise UserError(f"{path}: an fp8 file with per-tensor scales ({scaled[0]}, ...), which cannot be read "
                         "here (as in musubi-tuner); use the bf16 file")
-    return state
+    for part in parts:
+        with SafetensorsFile(part) as f:
+            for key in f.keys():
+                yield key.removeprefix(COMFY_PREFIX), f.read(key, dtype)

@@ -24,32 +24,60 @@ def read_safetensors(path: Path, prefix: str = "", dtype: torch.dtype | None = N
     """The tensors of a safetensors file whose keys start with `prefix`, floating ones cast to `dtype` (when given)
     one by one. A memory map instead of these reads put SD1.5's fp16 UNet beside its bf16 copy: 1.7 GB more at the
     peak."""
-    from safetensors import SafetensorError
+    with SafetensorsFile(path) as f:
+        return {key: f.read(key, dtype) for key in f.keys() if key.startswith(prefix)}
 
-    try:
-        with path.open("rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size))
-            base = 8 + size
-            out: dict[str, torch.Tensor] = {}
-            for key, entry in header.items():
-                if key == "__metadata__" or not key.startswith(prefix):
-                    continue
-                stored = _SAFETENSORS_DTYPES.get(entry["dtype"])
-                if stored is None:  # other rare dtypes: safetensors' own reader
-                    out.update(_read_mapped(path, [key], dtype))
-                    continue
-                start, end = entry["data_offsets"]
-                f.seek(base + start)
-                raw = torch.empty(end - start, dtype=torch.uint8)  # not zero-filled, unlike a bytearray
-                if f.readinto(raw.numpy()) != end - start:
-                    raise OSError(f"{key}: the file ends inside its data")
-                # Under library.memory.precision.reading, the base's matrices are read in their storage dtype.
-                low = read_dtype(path, key, stored, entry["shape"])
-                out[key] = _cast(raw.view(stored).reshape(entry["shape"]), low or dtype)
-            return out
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as e:
-        raise UserError(f"{path}: not a readable safetensors file ({e})") from None
+
+class SafetensorsFile:
+    """A safetensors file whose tensors are read one at a time, by name, in any order (a loader that converts and
+    quantizes each layer as it is read holds one layer of the file at a time)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        try:
+            self._file = self.path.open("rb")
+            size = int.from_bytes(self._file.read(8), "little")
+            header = json.loads(self._file.read(size))
+            self._base = 8 + size
+            self._entries = {key: entry for key, entry in header.items() if key != "__metadata__"}
+            for entry in self._entries.values():
+                entry["data_offsets"], entry["shape"], entry["dtype"]  # noqa: B018 - a malformed header fails here
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            if hasattr(self, "_file"):
+                self._file.close()
+            raise UserError(f"{path}: not a readable safetensors file ({e})") from None
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def read(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor `key`, cast to `dtype` when it is floating (under library.memory.precision.reading, the base's
+        matrices are read in their storage dtype instead)."""
+        from safetensors import SafetensorError
+
+        entry = self._entries[key]
+        try:
+            stored = _SAFETENSORS_DTYPES.get(entry["dtype"])
+            if stored is None:  # other rare dtypes: safetensors' own reader
+                return _read_mapped(self.path, [key], dtype)[key]
+            start, end = entry["data_offsets"]
+            self._file.seek(self._base + start)
+            raw = torch.empty(end - start, dtype=torch.uint8)  # not zero-filled, unlike a bytearray
+            if self._file.readinto(raw.numpy()) != end - start:
+                raise OSError(f"{key}: the file ends inside its data")
+            low = read_dtype(self.path, key, stored, entry["shape"])
+            return _cast(raw.view(stored).reshape(entry["shape"]), low or dtype)
+        except (OSError, ValueError, TypeError, RuntimeError, SafetensorError) as e:
+            raise UserError(f"{self.path}: not a readable safetensors file ({e})") from None
 
 
 def _read_mapped(path: Path, keys: list[str], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:

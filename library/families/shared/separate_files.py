@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -94,6 +94,63 @@ def assign(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str,
     except RuntimeError as e:
         raise UserError(f"{source}: the weights do not fit the config's shapes (a model of other widths needs "
                         f"model_config: a diffusers {family} folder describing it): {str(e)[:300]}") from None
+    if tied:
+        model.tie_weights()
+
+
+def assign_streamed(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], source: str,
+                    path: str | Path | None = None, tied: tuple[str, ...] = (), family: str = "FLUX") -> None:
+    """`assign` for tensors that arrive one at a time (read and converted lazily), each taken as it comes. When
+    the active precision rule quantizes the model read from `path` (int8 / nf4,
+    library.memory.precision.quantized_while_read), each linear layer it stores low is quantized as soon as its
+    weight and bias are in, so the load holds the quantized model plus the layer being read, never the whole
+    model in fp8 / bf16."""
+    from library.memory.precision import managed_layers, quantize_layer, quantized_while_read, replace_layer
+
+    slots: dict[str, tuple[torch.nn.Module, str, bool]] = {}  # key -> (module, name, is a parameter)
+    for prefix, module in model.named_modules():
+        for name, param in module._parameters.items():
+            if param is not None:  # as state_dict: a LayerNorm without affine weights has None
+                slots[f"{prefix}.{name}" if prefix else name] = (module, name, True)
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                slots[f"{prefix}.{name}" if prefix else name] = (module, name, False)
+    quantizing = quantized_while_read(path) if path is not None else None
+    pending: dict[str, set[str]] = {}
+    if quantizing:
+        for name, layer in managed_layers(model, fp8=False).items():
+            pending[name] = {f"{name}.{part}" for part, value in layer._parameters.items() if value is not None}
+    done: set[str] = set()
+    misfits: list[str] = []
+    for key, tensor in tensors:
+        slot = slots.get(key)
+        if slot is None or key in done:
+            continue  # a weight the model has no place for, as load_state_dict(strict=False) ignores it
+        module, name, is_param = slot
+        old = module._parameters[name] if is_param else module._buffers[name]
+        if old.shape != tensor.shape:
+            misfits.append(f"{key}: {tuple(tensor.shape)} in the file, {tuple(old.shape)} in the model")
+            continue
+        if is_param:
+            module._parameters[name] = torch.nn.Parameter(tensor, requires_grad=old.requires_grad)
+        else:
+            module._buffers[name] = tensor
+        done.add(key)
+        layer_name = key.rpartition(".")[0]
+        if quantizing and layer_name in pending:
+            pending[layer_name].discard(key)
+            if not pending[layer_name]:
+                del pending[layer_name]
+                replace_layer(model, layer_name, quantize_layer(module, *quantizing))
+        del tensor, old
+    if misfits:
+        raise UserError(f"{source}: the weights do not fit the config's shapes (a model of other widths needs "
+                        f"model_config: a diffusers {family} folder describing it): {'; '.join(misfits[:3])}")
+    missing = sorted(set(slots) - done - set(tied))
+    if missing:
+        raise UserError(f"{source}: {len(missing)} weights missing, e.g. {', '.join(missing[:3])}; is it the right "
+                        f"file? (a model of other widths needs model_config: a diffusers {family} folder describing "
+                        "it)")
     if tied:
         model.tie_weights()
 
