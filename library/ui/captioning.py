@@ -25,6 +25,7 @@ VLM_TYPES = ("qwen2_vl", "qwen2_5_vl")
 TAGS_FILE = "selected_tags.csv"
 DEFAULT_PROMPT = "Describe this image in one sentence."
 MAX_NEW_TOKENS = 60
+VLM_MAX_PIXELS = 1024 * 1024  # larger images are scaled down first: a photo at Qwen's own limit is ~16k tokens
 # WD14 tags: general tags at the threshold asked, characters at the taggers' usual stricter one; ratings never.
 GENERAL, CHARACTER, RATING = "0", "4", "9"
 CHARACTER_THRESHOLD = 0.85
@@ -112,6 +113,10 @@ def _vlm(folder: Path, prompt: str) -> Callable[[Image.Image], str]:
 
     @torch.no_grad()
     def caption(image: Image.Image) -> str:
+        scale = (VLM_MAX_PIXELS / (image.width * image.height)) ** 0.5
+        if scale < 1:
+            image = image.resize((max(1, round(image.width * scale)), max(1, round(image.height * scale))),
+                                 Image.Resampling.BICUBIC)
         seen = images(images=[image], return_tensors="pt")
         # The processor's job, done here (it insists on a video processor, built only with torchvision): one
         # <|image_pad|> per merged patch.
