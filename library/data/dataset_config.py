@@ -20,6 +20,8 @@ from library.data.dataset_toml import read_dataset_toml
 logger = logging.getLogger(__name__)
 # kohya's resize_interpolation choices (library.data.images maps them to PIL's filters)
 RESIZE_INTERPOLATIONS = ("lanczos", "nearest", "bilinear", "linear", "bicubic", "cubic", "area")
+# musubi-tuner's frame_extraction choices (library.data.video cuts the clips)
+FRAME_EXTRACTIONS = ("head", "chunk", "slide", "uniform", "full")
 
 
 @dataclass(frozen=True)
@@ -284,8 +286,6 @@ def check_dataset_spec(spec: DatasetSpec, config: Config | None, where: str) -> 
 
 def _video_problems(subset: SubsetSpec) -> list[str]:
     """musubi-tuner's video keys out of range, and the image options a video clip does not take."""
-    from library.data.video import FRAME_EXTRACTIONS
-
     problems = []
     if subset.frame_extraction not in FRAME_EXTRACTIONS:
         problems.append(f"frame_extraction {subset.frame_extraction!r} must be one of {', '.join(FRAME_EXTRACTIONS)}")

@@ -22,7 +22,6 @@ from library.data.images import IMAGE_EXTENSIONS, ImageProblem, fit_image, inspe
 
 # musubi-tuner's video extensions, and GIF
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".gif", ".avi", ".mkv", ".mov", ".flv", ".wmv", ".m4v", ".mpg", ".mpeg")
-FRAME_EXTRACTIONS = ("head", "chunk", "slide", "uniform", "full")
 _FPS_TOLERANCE = 0.01  # a file's rate within 1 % of source_fps is that rate (GIF delays are whole centiseconds)
 
 
