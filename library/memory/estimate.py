@@ -144,9 +144,14 @@ def activation_bytes(denoiser: Counts, settings: Settings) -> float:
 
 
 def estimate(counts: dict[str, Counts], settings: Settings) -> Estimate:
+    """The peak of the load and of training (`load_and_training`), whichever is larger, by part."""
+    return max(load_and_training(counts, settings), key=lambda phase: phase.total)
+
+
+def load_and_training(counts: dict[str, Counts], settings: Settings) -> tuple[Estimate, Estimate]:
     """The peak of the load (every component as read: fp8 for fp8, the file's fp8 or else the compute dtype
     before int8 / nf4 quantize it, the compute dtype for a diffusers folder) and of training (the base as
-    stored, LoRA, optimizer, activations), whichever is larger, by part."""
+    stored, LoRA, optimizer, activations), by part."""
     compute = torch.finfo(settings.compute_dtype).bits / 8
     denoiser, text, vae = (counts.get(name, Counts()) for name in ("denoiser", "text", "vae"))
 
@@ -168,7 +173,7 @@ def estimate(counts: dict[str, Counts], settings: Settings) -> Estimate:
     training = {"denoiser as stored": stored, "text encoders (until their outputs are cached)": held(
         text, settings.text_encoders), "VAE": vae_bytes, "LoRA and optimizer": lora,
         "activations (rough)": activations}
-    return Estimate(max(loading, training, key=lambda parts: sum(parts.values())))
+    return Estimate(loading), Estimate(training)
 
 
 def phases(counts: dict[str, Counts], settings: Settings) -> dict[str, Estimate]:
