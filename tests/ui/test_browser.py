@@ -1,18 +1,22 @@
-"""The web UI in a real headless browser (Debian's chromium + chromedriver, driven by Selenium, offline): load the
-quickstart config, train 20 steps with a sample every 10, watch the loss chart and a sample appear, stop (a state
-is saved), resume, and see the run finish with its LoRA listed.
+"""The web UI in a real headless browser (Debian's chromium + chromedriver, driven by Selenium, offline): a
+newcomer's first run (a dataset folder, a shipped example, a short run with samples asked for, the LoRA downloaded),
+the quickstart config trained, stopped and resumed, and one test per thing the UI once got wrong.
 
-Screenshots of the config editor and of the run go to $UI_SCREENSHOTS when set (the README's come from
-`UI_SCREENSHOTS=docs/images python -m pytest tests/ui/test_browser.py`), else to the test's temporary folder.
+The docs' screenshots (config editor, a run with samples, the runs list) are the newcomer test's:
+`UI_SCREENSHOTS=docs/images python -m pytest -n 0 tests/ui/test_browser.py -k newcomer`; without it they go to the
+test's temporary folder.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -47,25 +51,38 @@ def root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("ui")
 
 
-@pytest.fixture(scope="module")
-def ui(root):
+@contextmanager
+def running_ui(root: Path) -> Iterator[str]:
+    """train_ui.py over the repository and `root`, as a user starts it; its address."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    log = open(root / "ui.log", "wb")  # noqa: SIM115
+    log = open(root / f"ui-{port}.log", "wb")  # noqa: SIM115
     process = subprocess.Popen([sys.executable, "train_ui.py", "--port", str(port), "--root", str(REPO), "--root",
                                 str(root)], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert process.poll() is None, (root / f"ui-{port}.log").read_text()
+                time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()  # a connection the browser keeps open can hold its shutdown for 30 s
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            assert process.poll() is None, (root / "ui.log").read_text()
-            time.sleep(0.2)
-    yield f"http://127.0.0.1:{port}"
-    process.terminate()
-    process.wait(timeout=30)
-    log.close()
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def ui(root):
+    with running_ui(root) as url:
+        yield url
     reap_runs(root)
 
 
@@ -143,7 +160,6 @@ def test_no_console_error_on_any_page(ui, browser, place):
 def test_configure_train_watch_stop_resume_in_a_browser(ui, browser, place):
     from selenium.webdriver.common.by import By
 
-    shots = Path(os.environ.get("UI_SCREENSHOTS", place))
     run_dir = place / "run"
     wait = waiting(browser, 300)
     started = time.monotonic()
@@ -167,9 +183,6 @@ def test_configure_train_watch_stop_resume_in_a_browser(ui, browser, place):
     set_field(browser, "output_dir", str(run_dir))
     by_id(browser, "check-button").click()
     wait.until(lambda d: "no problems found" in by_id(d, "form-message").text)
-    browser.execute_script("window.scrollTo(0, 0)")
-    browser.save_screenshot(str(shots / "ui_config.png"))
-
     phase("config loaded and checked")
     by_id(browser, "start-button").click()
     wait.until(lambda d: "queued a run" in by_id(d, "form-message").text)
@@ -186,7 +199,6 @@ def test_configure_train_watch_stop_resume_in_a_browser(ui, browser, place):
     assert 10 <= step < 20 and points() >= 10 and int(by_id(browser, "bins-chart").get_attribute("data-points")) >= 1
     assert by_id(browser, "run-status").text == "running"
     assert browser.find_element(By.CSS_SELECTOR, "#samples figcaption").text == "a photo of sks"
-    browser.save_screenshot(str(shots / "ui_run.png"))
 
     by_id(browser, "stop-button").click()
     wait.until(lambda d: by_id(d, "run-status").text == "stopped")
@@ -362,3 +374,163 @@ def test_check_names_a_folder_of_images_given_as_the_model_at_the_top_with_a_lin
     assert "is a folder of 1 image, not a model" in link.text and link.is_displayed()
     link.click()
     wait.until(lambda d: d.switch_to.active_element.get_attribute("id") == "opt-pretrained_model_name_or_path")
+
+
+def test_the_fields_a_run_needs_are_marked_before_check(ui, browser, place):
+    from selenium.webdriver.common.by import By
+
+    browser.get(ui)
+    marked = [mark.find_element(By.XPATH, "ancestor::div[contains(@class, 'field')]").get_attribute("data-name")
+              for mark in browser.find_elements(By.CSS_SELECTOR, "#config-form .required-mark") if mark.is_displayed()]
+    assert marked == ["pretrained_model_name_or_path", "train_data_dir", "output_dir"]
+    assert by_id(browser, "form-message").text == ""  # before any Check
+
+
+def test_a_run_is_deleted_after_a_question_and_a_running_one_is_asked_for_a_save(ui, browser, place):
+    from selenium.webdriver.common.by import By
+
+    wait = waiting(browser)
+    run = finished_run(place / "run")
+    (place / "run" / "notes.md").write_text("not the run's\n", encoding="utf-8")
+    browser.get(f"{ui}/runs/view?path={run}")
+    wait.until(lambda d: by_id(d, "run-status").text == "finished" and by_id(d, "delete-button").is_enabled())
+    by_id(browser, "delete-button").click()
+    wait.until(lambda d: d.find_elements(By.ID, "delete-question"))
+    assert "mine.safetensors" in by_id(browser, "delete-question").text and (run / "mine.safetensors").exists()
+    by_id(browser, "delete-confirm").click()
+    wait.until(lambda d: d.find_elements(By.ID, "deleted"))
+    assert sorted(p.name for p in run.iterdir()) == ["notes.md"]
+
+    live = place / "live"
+    trainer = pretend_trainer(live)
+    try:
+        wait.until(lambda d: (live / "events.jsonl").exists())
+        browser.get(f"{ui}/runs/view?path={live}")
+        wait.until(lambda d: by_id(d, "run-status").text == "running" and by_id(d, "save-button-now").is_enabled())
+        assert not by_id(browser, "delete-button").is_enabled() and not by_id(browser, "sample-button").is_enabled()
+        by_id(browser, "save-button-now").click()
+        wait.until(lambda d: "a LoRA file asked for" in by_id(d, "run-message").text)
+        assert (live / "save_now").exists() and not by_id(browser, "save-button-now").is_enabled()
+    finally:
+        trainer.kill()
+        trainer.wait()
+
+
+def test_a_queued_run_is_still_queued_after_a_ui_restart(root, browser, place):
+    """A UI that starts finds the runs a previous one queued (waiting here for a run still going) and the one taken
+    off the queue, which never started."""
+    now = time.time()
+    busy, waiting_run, dropped = place / "busy", place / "waiting", place / "dropped"
+    trainer = pretend_trainer(busy)
+    try:
+        (busy / "ui_runs.json").write_text(json.dumps([{"queued": now, "time": now, "pid": trainer.pid,
+                                                        "argv": [], "exit": None}]), encoding="utf-8")
+        for folder, extra in ((waiting_run, {}), (dropped, {"cancelled": now + 2})):
+            folder.mkdir()
+            (folder / "run_config.toml").write_text(f'output_name = "{folder.name}"\n', encoding="utf-8")
+            record = {"queued": now + 1, "argv": [sys.executable, "-c", "pass"], "pid": None, "exit": None, **extra}
+            (folder / "ui_runs.json").write_text(json.dumps([record]), encoding="utf-8")
+        waiting(browser).until(lambda d: (busy / "events.jsonl").exists())
+        with running_ui(place) as restarted:
+            browser.get(f"{restarted}/runs/view?path={waiting_run}")
+            waiting(browser).until(lambda d: by_id(d, "run-status").text == "queued")
+            assert "waiting for the run before it" in by_id(browser, "run-message").text
+            browser.get(f"{restarted}/runs/view?path={dropped}")
+            waiting(browser).until(lambda d: by_id(d, "run-status").text == "not started")
+            browser.get(restarted)
+            waiting(browser).until(lambda d: "waiting" in by_id(d, "run-list").text)
+            rows = {row.get_attribute("data-dir"): row.text for row in browser.find_elements("css selector", "tr.run")}
+            assert "queued" in rows[str(waiting_run)] and "not started" in rows[str(dropped)]
+            browser.get("about:blank")
+    finally:
+        trainer.kill()
+        trainer.wait()
+
+
+def test_a_newcomer_uploads_a_dataset_starts_from_an_example_trains_and_downloads_the_lora(ui, browser, place):
+    """The path of a first visit: 20 images and their captions uploaded into a new kohya folder, a trigger word
+    added to every caption, a shipped example pointed at the folder and at the tiny model, a short run with samples
+    (one asked for while it trains) shown with their prompts, and the LoRA downloaded by its link. Its screenshots
+    are the docs' (UI_SCREENSHOTS=docs/images)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import Select
+
+    shots = Path(os.environ.get("UI_SCREENSHOTS", place))
+    wait = waiting(browser, 300)
+    uploads = place / "uploads"  # the user's pictures, captioned without the trigger
+    uploads.mkdir()
+    for image in sorted((REPO / "data" / "digits" / "train" / "10_sks").glob("*.png")):
+        shutil.copy(image, uploads / image.name)
+        (uploads / f"{image.stem}.txt").write_text("a digit\n", encoding="utf-8")
+    data = place / "data"
+    data.mkdir()
+    browser.get(f"{ui}/dataset/tools")
+    for element_id, value in [("new-parent", str(data)), ("new-repeats", "10"), ("new-name", "sks")]:
+        by_id(browser, element_id).clear()
+        by_id(browser, element_id).send_keys(value)
+    by_id(browser, "new-files").send_keys("\n".join(str(p) for p in sorted(uploads.iterdir())))
+    click(browser, "new-dataset-button")
+    wait.until(lambda d: "with 20 images" in by_id(d, "new-dataset-result").text)
+    browser.find_element(By.LINK_TEXT, "Caption it").click()
+    wait.until(lambda d: by_id(d, "tools-folder").get_attribute("value") == str(data / "10_sks"))
+    by_id(browser, "tools-trigger").send_keys("sks")
+    click(browser, "preview-button")
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#caption-changes tr[data-name]"))
+    click(browser, "apply-button")
+    wait.until(lambda d: "wrote 20 caption(s)" in by_id(d, "caption-apply-result").text)
+    assert (data / "10_sks" / "7_00.txt").read_text(encoding="utf-8") == "sks, a digit\n"
+
+    run = place / "output"
+    browser.set_window_size(1280, 900)
+    try:
+        browser.get(ui)
+        Select(by_id(browser, "example")).select_by_value("digits_lora.toml")
+        wait.until(lambda d: "new from digits_lora.toml" in by_id(d, "form-message").text)
+        set_field(browser, "pretrained_model_name_or_path", "models/digits-base")
+        by_id(browser, "opt-pretrained_model_name_or_path").send_keys(Keys.TAB)
+        wait.until(lambda d: by_id(d, "family").get_attribute("value") == "sd")
+        for name, value in [("train_data_dir", str(data)), ("reg_data_dir", ""), ("train_batch_size", "4"),
+                            ("max_train_steps", "40"), ("sample_every_n_steps", "20"), ("output_dir", str(run)),
+                            ("_prompts", "sks, a digit --w 32 --h 32 --s 4 --d 1")]:
+            set_field(browser, name, value)
+        click(browser, "check-button")
+        wait.until(lambda d: "no problems found" in by_id(d, "form-message").text)
+        browser.execute_script("window.scrollTo(0, 0)")
+        browser.save_screenshot(str(shots / "ui_config.png"))
+        click(browser, "start-button")
+        wait.until(lambda d: "queued a run" in by_id(d, "form-message").text)
+
+        browser.get(ui + "/#runs")  # the list links the run by its name
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, f'tr.run[data-dir="{run}"] a.run-name'))
+        browser.find_element(By.CSS_SELECTOR, f'tr.run[data-dir="{run}"] a.run-name').click()
+        wait.until(lambda d: by_id(d, "run-name").text == "digits_lora")
+        wait.until(lambda d: int(by_id(d, "run-step").text) >= 2 and by_id(d, "sample-button").is_enabled())
+        by_id(browser, "sample-button").click()
+        by_id(browser, "save-button-now").click()
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#samples figcaption"))
+        asked = browser.find_element(By.CSS_SELECTOR, ".sample-group h4").text
+        assert asked.startswith("step ") and int(asked.split()[1]) < 20
+        assert browser.find_element(By.CSS_SELECTOR, "#samples figcaption").text == "sks, a digit"
+        wait.until(lambda d: "-step" in by_id(d, "files").text)  # the LoRA file asked for
+        wait.until(lambda d: "step 20" in by_id(d, "samples").text and int(by_id(d, "loss-chart").get_attribute(
+            "data-points")) >= 20)
+        browser.set_window_size(1280, 1180)  # the samples in view below the charts
+        browser.save_screenshot(str(shots / "ui_run.png"))
+        browser.set_window_size(1280, 900)
+        wait.until(lambda d: by_id(d, "run-status").text == "finished")
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, '#files li[data-name="digits_lora.safetensors"] a'))
+        link = browser.find_element(By.CSS_SELECTOR, '#files li[data-name="digits_lora.safetensors"] a.download')
+        status, disposition, size = browser.execute_async_script(
+            "const done = arguments[arguments.length - 1];"
+            "fetch(arguments[0]).then((r) => r.arrayBuffer().then((b) => "
+            "done([r.status, r.headers.get('content-disposition'), b.byteLength])));", link.get_attribute("href"))
+        assert status == 200 and "attachment" in disposition
+        assert size == (run / "digits_lora.safetensors").stat().st_size
+        browser.get(ui + "/#runs")
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, f'tr.run[data-dir="{run}"]'))
+        browser.set_window_size(1280, 560)  # the end of the page: the runs list
+        browser.execute_script("document.getElementById('runs').scrollIntoView()")
+        browser.save_screenshot(str(shots / "ui_runs.png"))
+    finally:
+        browser.set_window_size(1400, 1000)
