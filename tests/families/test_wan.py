@@ -312,3 +312,29 @@ def test_sample_prompts_draw_wanpipelines_first_frame(components, tmp_path):
                       width=64, height=64, num_frames=1, generator=torch.Generator().manual_seed(3),
                       output_type="np").frames[0]
     assert_same_image(ours, (frames[0] * 255).round().astype(np.uint8))
+
+
+def test_the_high_noise_file_becomes_the_expert_swapped_in_above_the_boundary(tmp_path):
+    """musubi's --dit (low noise) and --dit_high_noise from ComfyUI's files: the expert switch holds the high-noise
+    file's weights, which the transformer takes for a batch at or above the boundary."""
+    from library.families.loading import load_components
+    from library.families.wan.tiny import save_tiny_wan22_a14b, save_tiny_wan_files
+
+    folder = save_tiny_wan22_a14b(tmp_path / "wan22")
+    files = save_tiny_wan_files(folder, tmp_path / "files")
+    reference = load_components(folder)
+    loaded = load_components(files["transformer"], model_config=folder, t5=str(files["t5"]), ae=str(files["ae"]))
+    family = loaded.family.configured(settings("--dit_high_noise", str(files["dit_high_noise"]),
+                                               "--timestep_boundary", "900", "--offload_inactive_dit"))
+    family.prepare_denoiser(loaded.denoiser, [])
+    assert family.version == "2.2" and family.experts.boundary == 0.9
+    low = {k: v.clone() for k, v in loaded.denoiser.state_dict().items()}
+    family.denoise(loaded.denoiser, torch.zeros(1, 16, 4, 4), torch.tensor([899.0]), {
+        "encoder_hidden_states": torch.zeros(1, 512, 32)}, {})
+    assert all(torch.equal(v, low[k]) for k, v in loaded.denoiser.state_dict().items())
+    family.denoise(loaded.denoiser, torch.zeros(1, 16, 4, 4), torch.tensor([900.0]), {
+        "encoder_hidden_states": torch.zeros(1, 512, 32)}, {})
+    high = reference.family.experts.high  # the folder's transformer/ (high noise), held by its own switch
+    assert all(torch.equal(v, high[k]) for k, v in loaded.denoiser.state_dict().items())
+    with pytest.raises(UserError, match="brings both experts"):
+        reference.family.configured(settings("--dit_high_noise", str(files["dit_high_noise"])))

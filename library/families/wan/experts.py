@@ -13,8 +13,11 @@ from typing import Any
 
 import torch
 
+from library.config import UserError
 from library.families.flow_matching import NUM_TRAIN_TIMESTEPS
 from library.families.shared.musubi_flow import MusubiFlowObjective, MusubiSettings, musubi_sigmas
+from library.families.shared.separate_files import reading
+from library.families.wan.weights import transformer_state_dict
 
 DEFAULT_BOUNDARY = 0.875  # musubi's t2v-A14B boundary (i2v-A14B: 0.9)
 MAX_DRAWS = 100  # musubi's num_max_calls
@@ -132,3 +135,15 @@ def _base_tensor(model: torch.nn.Module, name: str) -> Any:
             recurse=False)):
         module = module.get_submodule("base_layer")
     return getattr(module, leaf)
+
+
+def high_noise_weights(path: Path, low: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """dit_high_noise's weights (in their stored dtype; cast when swapped in) for `low`, the loaded low-noise
+    transformer; a file of other weights or shapes is refused."""
+    with reading(path, "the Wan high-noise expert"):
+        state = transformer_state_dict(path, None)
+    mine = low.state_dict()
+    if state.keys() != mine.keys() or any(state[k].shape != mine[k].shape for k in mine):
+        raise UserError(f"dit_high_noise {path}: not the high-noise expert of the model's transformer (other weights "
+                        "or shapes)")
+    return state

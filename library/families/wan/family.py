@@ -30,7 +30,7 @@ from library.families.shared import musubi_flow
 from library.families.shared.diffusers_folder import load_folder, pipeline_class, transformer_class
 from library.families.wan import lora as wan_lora
 from library.families.wan.entry import FRAMES
-from library.families.wan.experts import ExpertSwitch, WanObjective, WanSettings, boundary_of
+from library.families.wan.experts import ExpertSwitch, WanObjective, WanSettings, boundary_of, high_noise_weights
 
 logger = logging.getLogger(__name__)
 
@@ -153,9 +153,7 @@ class Wan(musubi_flow.MusubiFamily):
     def prepare_denoiser(self, denoiser: torch.nn.Module, resolutions: Sequence[tuple[int, int]]) -> None:
         """Reads dit_high_noise (the high-noise expert) against the loaded low-noise transformer."""
         if self.experts is not None and self.experts.pending is not None:
-            from library.families.wan.files import high_noise_expert
-
-            self.experts.high = high_noise_expert(self.experts.pending, denoiser)
+            self.experts.high = high_noise_weights(self.experts.pending, denoiser)
             self.experts.pending = None
 
     def objective(self, components: Components, settings: WanSettings, device: torch.device) -> WanObjective:

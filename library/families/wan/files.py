@@ -24,11 +24,10 @@ from library.core.memory import return_free_heap
 from library.families.family import Components
 from library.families.loading import LoadRequest
 from library.families.shared.diffusers_folder import transformer_components
-from library.families.shared.separate_files import assign, marked_keys, read_split, reading
-from library.families.wan.experts import ExpertSwitch
+from library.families.shared.separate_files import assign, marked_keys, reading
 from library.families.wan.family import Wan, WanVae
+from library.families.wan.weights import COMFY_PREFIX, read_any, transformer_state_dict
 
-COMFY_PREFIX = "model.diffusion_model."
 ORIGINAL_MARKERS = ("patch_embedding.weight", "blocks.0.self_attn.q.weight", "blocks.0.cross_attn.q.weight")
 DIFFUSERS_MARKERS = ("patch_embedding.weight", "blocks.0.attn1.to_q.weight", "condition_embedder.time_proj.weight")
 HEAD_DIM = 128  # every Wan transformer's attention head width
@@ -40,42 +39,6 @@ SCHEDULER_CONFIG = {"num_train_timesteps": 1000, "prediction_type": "flow_predic
 def is_wan_file(path: Path) -> bool:
     keys = marked_keys(path, COMFY_PREFIX)
     return all(k in keys for k in ORIGINAL_MARKERS) or all(k in keys for k in DIFFUSERS_MARKERS)
-
-
-def read_any(path: Path, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """A .safetensors file (with the other parts of a split one) or a .pth / .pt file read with weights_only, so no
-    pickled code runs; tensors in `dtype` (floating ones)."""
-    if path.suffix.lower() in (".pth", ".pt", ".bin"):
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as e:  # noqa: BLE001 - pickle / zip errors of every kind: the file is unusable
-            raise UserError(f"{path}: cannot be read as a weights-only PyTorch file ({str(e).splitlines()[0]})"
-                            ) from None
-        state = state.get("state_dict", state) if isinstance(state, dict) else state
-        if not isinstance(state, dict):
-            raise UserError(f"{path}: holds no state dict")
-        return {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in state.items()
-                if isinstance(v, torch.Tensor)}
-    return read_split(path, dtype)
-
-
-def transformer_state_dict(path: Path, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """The transformer file's weights in diffusers' names; an fp8 file with scales and an I2V file are refused."""
-    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
-
-    state = {k.removeprefix(COMFY_PREFIX): v for k, v in read_any(path, dtype).items()}
-    scaled = [k for k in state if k == "scaled_fp8" or k.endswith((".scale_weight", ".weight_scale"))]
-    if scaled:
-        raise UserError(f"{path}: an fp8 file with per-tensor scales ({scaled[0]}, ...), which cannot be read here; "
-                        "use the bf16 / fp16 file")
-    if "blocks.0.self_attn.q.weight" in state:
-        state = convert_wan_transformer_to_diffusers(state)
-    if "blocks.0.attn2.add_k_proj.weight" in state or "condition_embedder.image_embedder.norm1.weight" in state:
-        raise UserError(f"{path}: a Wan image-to-video transformer; image-to-video is not trained here yet")
-    if state.get("patch_embedding.weight", torch.empty(0, 0)).shape[1:2] != (16,):
-        raise UserError(f"{path}: not a Wan 2.1 / 2.2 A14B text-to-video transformer (TI2V 5B and the I2V models "
-                        "have other input channels and are not trained here yet)")
-    return state
 
 
 def transformer_config(state: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -177,14 +140,3 @@ def load_wan_files(request: LoadRequest) -> Components:
                      if (config_dir / "scheduler").is_dir() else UniPCMultistepScheduler(**SCHEDULER_CONFIG))
     return transformer_components(transformer, vae, [encoder], [tokenizer], scheduler, Wan(), vae_view=WanVae)
 
-
-def high_noise_expert(path: Path, low: torch.nn.Module) -> ExpertSwitch:
-    """dit_high_noise's weights (in their stored dtype; cast when swapped in) as the expert switch of `low`, the
-    loaded low-noise transformer; a file of other weights or shapes is refused."""
-    with reading(path, "the Wan high-noise expert"):
-        state = transformer_state_dict(path, None)
-    mine = low.state_dict()
-    if state.keys() != mine.keys() or any(state[k].shape != mine[k].shape for k in mine):
-        raise UserError(f"dit_high_noise {path}: not the high-noise expert of the model's transformer (other weights "
-                        "or shapes)")
-    return ExpertSwitch(state)

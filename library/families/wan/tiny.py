@@ -19,7 +19,8 @@ import torch
 
 from library.families.shared import tiny_parts
 from library.families.wan.experts import DEFAULT_BOUNDARY
-from library.families.wan.files import COMFY_PREFIX, SCHEDULER_CONFIG
+from library.families.wan.files import SCHEDULER_CONFIG
+from library.families.wan.weights import COMFY_PREFIX
 
 WIDTH = 32  # text width and the transformer's inner dim
 
