@@ -86,7 +86,8 @@ def dataset_report(config: Config, tokenizer: Any = None, num_processes: int = 1
                  f"{config.gradient_accumulation_steps})")
     from_files = sum(r.caption_from_file for r in data.records)
     total = len(data.records)
-    lines.append(f"captions: {from_files} of {total} usable images have a caption file"
+    what = "images and video clips" if any(r.frames is not None for r in data.records) else "images"
+    lines.append(f"captions: {from_files} of {total} usable {what} have a caption file"
                  + (f" ({100 * from_files / total:.0f}%)" if total else ""))
     if tokenizer is not None and data.records:
         limit = config.max_token_length or tokenizer.model_max_length - 2  # kohya's 75 / 150 / 225
