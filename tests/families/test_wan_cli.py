@@ -113,3 +113,13 @@ def test_a_video_dataset_trains_on_4n_plus_1_frame_clips(models, tmp_path, refer
     video, image = load_file(out / "last.safetensors"), load_file(reference / "last.safetensors")
     assert video.keys() == image.keys()
     assert any(not torch.equal(video[k], image[k]) for k in video if "lora_up" in k)
+
+
+@pytest.mark.slow
+def test_ddp_ranks_agree(models, data, tmp_path):
+    """Two gloo processes on different halves of the data end with the same LoRA: the gradients were synced."""
+    from tests.helpers.family_cli import ddp_ranks_agree
+
+    ddp_ranks_agree(models["wan"], data, tmp_path / "ddp", "--network_module", "networks.lora_wan",
+                    "--timestep_sampling", "shift", "--discrete_flow_shift", "3.0", batch_size=1)
+    assert "lora_unet_blocks_0_self_attn_q.lora_down.weight" in load_file(tmp_path / "ddp" / "last.safetensors")

@@ -148,6 +148,9 @@ class Wan(musubi_flow.MusubiFamily):
         if experts is not None:
             experts.configure(boundary_of(settings, experts.default_boundary), settings.offload_inactive_dit)
         two = experts is not None or task == "t2v-A14B"
+        if experts is None and task == "t2v-A14B" and (settings.min_timestep, settings.max_timestep) == (0, 1000):
+            logger.warning("task t2v-A14B with one expert: musubi-tuner recommends its timestep range, min_timestep 0 "
+                           "/ max_timestep 875 for the low-noise expert, 875 / 1000 for the high-noise one")
         return dataclasses.replace(self, version="2.2" if two else self.version, experts=experts)
 
     def prepare_denoiser(self, denoiser: torch.nn.Module, resolutions: Sequence[tuple[int, int]]) -> None:
