@@ -130,7 +130,8 @@ def _probe_file(path: Path) -> VideoFacts:
         if count == 0:
             raise VideoProblem("truncated or corrupt video: no frame decodes")
         stated = stream.frames
-        if stated and count < stated:
+        # A couple of frames fewer is an edit list trimming the start (phone videos), not a cut file.
+        if stated and count < stated - 2:
             raise VideoProblem(f"truncated video: {count} of the {stated} frames its header lists decode")
         if not stated and rates and len(container.streams) == 1 and container.duration:
             # No frame count in the header (WebM): the container's duration tells how far the frames should reach.
@@ -173,13 +174,14 @@ def read_frames(path: Path, indices: Sequence[int]) -> list[Image.Image]:
     import av
 
     frames: dict[int, Image.Image] = {}
+    last = max(indices)
     try:
         container = _open(path)
         try:
             for i, frame in enumerate(container.decode(video=0)):
                 if i in wanted:
                     frames[i] = frame.to_image().convert("RGB")
-                if i >= max(indices):
+                if i >= last:
                     break
         finally:
             container.close()
@@ -264,12 +266,13 @@ class Extraction:
 def clips(frames: int, extraction: Extraction) -> list[tuple[int, ...]]:
     """The source frame indices of each clip of a video of `frames` frames."""
     mode = extraction.effective_mode
-    end = max(extraction.target_frames) if mode == "head" else None
+    lengths = sorted(set(extraction.target_frames))  # musubi-tuner sorts them and drops repeats
+    end = max(lengths) if mode == "head" else None
     target_fps = extraction.target_fps if extraction.source_fps is not None else None
     kept = resampled(frames, extraction.source_fps, target_fps, end)
     return [tuple(kept[start:start + length]) for start, length in
-            windows(len(kept), mode, extraction.target_frames, extraction.stride, extraction.samples,
-                    extraction.max_frames, extraction.step)]
+            windows(len(kept), mode, lengths, extraction.stride, extraction.samples, extraction.max_frames,
+                    extraction.step)]
 
 
 def target_frames_problems(target_frames: Sequence[int], mode: str, rule: FramesRule) -> list[str]:

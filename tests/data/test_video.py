@@ -125,6 +125,7 @@ def test_the_40_frame_examples_of_musubi_tuner_docs():
     assert starts(ours(40, "uniform", (1, 13, 25), sample=4)) == [(0, 1), (13, 1), (26, 1), (39, 1), (0, 13),
                                                                   (9, 13), (18, 13), (27, 13), (0, 25), (5, 25),
                                                                   (10, 25), (15, 25)]
+    assert ours(40, "slide", (25, 1, 25), stride=10) == ours(40, "slide", (1, 25), stride=10)  # sorted, once each
     # The docs draw 31 frames for the third video; 31 is not 4n+1, and musubi-tuner's code rounds it down to 29.
     assert [len(ours(n, "full", (1,), max_frames=31)[0]) for n in (20, 25, 35)] == [17, 25, 29]
 
@@ -234,13 +235,18 @@ def bad_videos(folder: Path) -> dict[str, str]:
         path = write_clip(folder, name, frames)
         data = path.read_bytes()
         path.write_bytes(data[:int(len(data) * 0.9)])
+    cut = write_video(folder / "cut.mp4", 21, faststart=True)
+    (folder / "cut.txt").write_text("cut", encoding="utf-8")
+    cut.write_bytes(cut.read_bytes()[:int(cut.stat().st_size * 0.7)])
     write_clip(folder, "empty.mp4", 1).write_bytes(b"")
     write_clip(folder, "corrupt.webm", 1).write_bytes(b"not a video at all" * 20)
     write_clip(folder, "short.mp4", 5)
     write_clip(folder, "still.gif", 1)
     write_frame_folder(folder / "gap", 9, skip=(4,))
     (folder / "gap.txt").write_text("a folder", encoding="utf-8")
-    return {"truncated.mp4": "truncated", "truncated.webm": "truncated video", "truncated.gif": "truncated GIF",
+    return {"truncated.mp4": "cannot read video (corrupt, or cut short)",
+            "cut.mp4": "truncated or corrupt video: decoding stopped after",
+            "truncated.webm": "truncated video", "truncated.gif": "truncated GIF",
             "empty.mp4": "an empty file (0 bytes)", "corrupt.webm": "cannot read video",
             "short.mp4": "5 frames, shorter than the shortest target_frames 9",
             "still.gif": "one frame only (a still GIF)",
@@ -257,7 +263,7 @@ def test_the_check_names_each_broken_or_short_video(tmp_path):
     assert len(problems) == len(expected), text
     for name, words in expected.items():
         assert any(line.startswith(f"  - {folder / name}: ") and words in line for line in problems), (name, text)
-    assert "1 videos and images (8 left out) -> 1 clips" in text
+    assert "1 videos and images (9 left out) -> 1 clips" in text
 
 
 def test_skip_bad_images_leaves_the_broken_videos_out(tmp_path):
@@ -266,7 +272,7 @@ def test_skip_bad_images_leaves_the_broken_videos_out(tmp_path):
     toml = dataset_toml(tmp_path, f'[[datasets]]\nvideo_directory = "{folder}"\ntarget_frames = [9]\n')
     data = build_training_data(config_for(tmp_path, toml, "--skip_bad_images"), None, 0, 1, WAN)
     assert [r.path.name for r in data.records] == ["good.mp4"]
-    assert len(data.left_out) == 8
+    assert len(data.left_out) == 9
 
 
 def test_frame_rate_and_target_frames_problems(tmp_path):

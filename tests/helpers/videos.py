@@ -24,13 +24,15 @@ def frame_index(pixels: np.ndarray) -> int:
     return int(round((values.mean() - 16) / 8))
 
 
-def write_video(path: Path, frames: int, size: tuple[int, int] = (32, 32), fps: int = 16) -> Path:
-    """A video of `frames` frames in the format its extension names (.mp4, .webm, .gif)."""
+def write_video(path: Path, frames: int, size: tuple[int, int] = (32, 32), fps: int = 16,
+                faststart: bool = False) -> Path:
+    """A video of `frames` frames in the format its extension names (.mp4, .webm, .gif); `faststart`: an mp4 with
+    its index first, so that a cut file still opens and decodes up to the cut."""
     import av
 
     codec, pixel_format = CODECS[path.suffix.lower()]
     path.parent.mkdir(parents=True, exist_ok=True)
-    with av.open(str(path), "w") as container:
+    with av.open(str(path), "w", options={"movflags": "faststart"} if faststart else {}) as container:
         stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height = size
         stream.pix_fmt = pixel_format
