@@ -259,3 +259,28 @@ def test_two_gloo_processes_end_with_the_same_lora(dev_dir, small_dataset, tmp_p
     ddp_ranks_agree(dev_dir, small_dataset(tmp_path / "data"), tmp_path / "ddp", "--network_module",
                     "networks.lora_flux_2", "--timestep_sampling", "flux2_shift", batch_size=1)
     assert {key.split(".")[0] for key in load_file(tmp_path / "ddp" / "last.safetensors")} == MUSUBI_MODULES
+
+
+def test_fp8_base_stores_the_transformer_and_mistral_in_fp8_and_trains_the_lora(dev_dir):
+    """The shipped config's fp8_base on [dev]: the frozen Linear weights of the transformer (the fused q, k, v
+    included) and of Mistral are float8_e4m3fn, the prompt encodes to finite states, the step runs in bf16 and
+    every LoRA layer gets its gradients."""
+    from library.families.settings import settings_from
+    from library.training.model import build_model
+    from tests.helpers.runs import make_config
+
+    run = make_config(dev_dir, ".", ".", fp8_base=True, mixed_precision="bf16",
+                      network_module="networks.lora_flux_2", network_train_unet_only=True, network_dim=4)
+    loaded = load_components(dev_dir, weight_dtype=torch.bfloat16, vae_dtype=torch.bfloat16)
+    loaded.family = loaded.family.configured(settings_from(loaded.family.settings_type, run))
+    model, _ = build_model(run, loaded, torch.device("cpu"))
+    assert model.denoiser.transformer_blocks[0].attn.to_qkv.base_layer.weight.dtype == torch.float8_e4m3fn
+    mistral = loaded.text_encoders[0].model.language_model
+    assert mistral.layers[0].mlp.gate_proj.weight.dtype == torch.float8_e4m3fn
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, encoded = musubi_lora.encode_captions(loaded, ["a photo of sks dog"])
+        assert encoded["encoder_hidden_states"].isfinite().all()
+        noisy = torch.randn(1, 128, 4, 4, dtype=torch.bfloat16)
+        model(noisy, torch.tensor([500.0]), encoded, {}).float().square().mean().backward()
+    ups = [p for name, p in model.denoiser.named_parameters() if "lora_B" in name]
+    assert len(ups) == len(MUSUBI_MODULES) and all(p.grad.abs().sum() > 0 for p in ups)
