@@ -81,18 +81,22 @@ class RunManager:
     def submit(self, run_dir: Path, config_text: str, resume: bool = False) -> None:
         """Queue a run of `config_text` (written to run_dir/run_config.toml), or a resume of the folder's."""
         run_dir.mkdir(parents=True, exist_ok=True)
-        config = run_dir / RUN_CONFIG
         if not resume:
-            write_atomically(config, lambda tmp: tmp.write_text(config_text, encoding="utf-8"))
-        argv = [self.python, str(TRAINER), "--config", str(config)] + (["--resume", "latest"] if resume else [])
-        job = Job(run_dir, argv, family=model_family_of(run_dir, self.cwd))
+            write_atomically(run_dir / RUN_CONFIG, lambda tmp: tmp.write_text(config_text, encoding="utf-8"))
+        job = Job(run_dir, self.command(run_dir, resume), family=model_family_of(run_dir, self.cwd))
         with self._records:
             launches = read_launches(run_dir)
-            launches.append({"queued": job.queued_at, "argv": argv, "pid": None, "exit": None, "family": job.family})
+            launches.append({"queued": job.queued_at, "argv": job.argv, "pid": None, "exit": None,
+                             "family": job.family})
             self._write_launches(run_dir, launches)
         with self._lock:
             self.queue.append(job)
         self.start_next()
+
+    def command(self, run_dir: Path, resume: bool) -> list[str]:
+        """The trainer's command line for the folder's run_config.toml (an argument list, never a shell)."""
+        return [self.python, str(TRAINER), "--config", str(run_dir / RUN_CONFIG)] + (
+            ["--resume", "latest"] if resume else [])
 
     def adopt(self) -> None:
         """Take up the runs queued on disk under the roots (oldest first), to start once the runs that a previous
@@ -102,7 +106,9 @@ class RunManager:
             launches = read_launches(run_dir)
             last = launches[-1] if launches else {}
             if "queued" in last and "time" not in last and not last.get("cancelled") and last.get("argv"):
-                jobs.append(Job(run_dir, list(last["argv"]), queued_at=last["queued"], family=last.get("family", "")))
+                # The command is made again, not read back: a file under the roots never names what runs.
+                jobs.append(Job(run_dir, self.command(run_dir, "--resume" in last["argv"]), queued_at=last["queued"],
+                                family=last.get("family", "")))
             elif last.get("pid") and run_status(run_dir).status == "running":
                 running.append(run_dir)
         with self._lock:

@@ -353,12 +353,15 @@ def test_a_queued_run_survives_a_ui_restart_and_one_taken_off_the_queue_is_not_s
             assert "queued a run" in ui.post("/runs/start", data={**form, "output_dir": str(run)}, headers=ORIGIN).text
         assert "removed" in ui.post("/runs/stop", data={"path": str(dropped)}, headers=ORIGIN).text
         assert [status(ui, run) for run in (first, waiting, dropped)] == ["running", "queued", "not started"]
+    records = json.loads((waiting / "ui_runs.json").read_text())  # a record naming another program is not run
+    records[-1]["argv"] = ["/bin/sh", "-c", f"touch {tmp_path / 'ran'}"]
+    (waiting / "ui_runs.json").write_text(json.dumps(records))
     with client([REPO, tmp_path], python=python) as restarted:  # shares nothing with `ui` but the folders
         assert [status(restarted, run) for run in (first, waiting, dropped)] == ["running", "queued", "not started"]
         assert str(waiting) in restarted.get("/runs").text
         release.touch()  # the first run ends; the restarted UI starts the one queued before the restart
         wait_for(lambda: status(restarted, waiting) == "finished")
-    assert status(restarted, dropped) == "not started"
+    assert status(restarted, dropped) == "not started" and not (tmp_path / "ran").exists()
 
 
 def test_prompts_typed_in_the_form_become_the_runs_prompt_file(tmp_path):
