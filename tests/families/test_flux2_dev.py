@@ -20,7 +20,7 @@ from library.families.loading import load_components
 from tests.helpers import REPO, musubi_lora
 from tests.helpers.datasets import write_pairs
 from tests.helpers.lora_files import file_delta
-from tests.helpers.runs import train
+from tests.helpers.runs import family_settings, train
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
 
@@ -55,6 +55,11 @@ def test_a_dev_folder_is_told_by_its_pipeline_and_model_version_is_checked(dev_d
     assert load_components(dev_dir, model_version="dev").family == components.family
     with pytest.raises(UserError, match='holds FLUX.2 dev; set model_version = "dev"'):
         load_components(dev_dir, model_version="klein-base-4b")
+    with pytest.raises(UserError) as refused:  # musubi trains [dev]'s guidance input at 1.0 only
+        components.family.configured(family_settings(Flux2, guidance_scale=3.5, resolution=(72, 64)))
+    text = str(refused.value)
+    assert "guidance_scale: not for FLUX.2 [dev] training (its guidance input is 1" in text
+    assert "multiples of 16" in text and "no guidance input" not in text
 
 
 def test_musubis_files_load_to_the_folders_weights(dev_dir, components, tmp_path):

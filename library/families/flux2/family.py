@@ -113,6 +113,20 @@ class Flux2(musubi_flow.MusubiFamily):
     def name(self) -> str:  # type: ignore[override]
         return f"flux2-{self.version}"
 
+    def configured(self, settings: musubi_flow.MusubiSettings) -> Flux2:
+        """As musubi's families (musubi_flow.MusubiFamily.configured); [dev] has a guidance input, but musubi trains
+        it at 1.0 whatever is asked, so a guidance_scale is refused with that reason."""
+        if not (VARIANTS[self.version].dev and "guidance_scale" in settings.user_set):
+            return super().configured(settings)  # type: ignore[return-value]
+        problems = [f"guidance_scale: not for FLUX.2 [dev] training (its guidance input is {TRAINING_GUIDANCE:g} "
+                    "while training, as musubi-tuner has it); --g in a sample prompt sets it for samples"]
+        others = {name: value for name, value in settings.user_set.items() if name != "guidance_scale"}
+        try:
+            super().configured(dataclasses.replace(settings, user_set=others))
+        except UserError as e:
+            problems += e.problems
+        raise UserError(problems)
+
     @property
     def base_model_version(self) -> str:  # type: ignore[override]
         return VARIANTS[self.version].architecture
