@@ -534,3 +534,20 @@ def test_a_newcomer_uploads_a_dataset_starts_from_an_example_trains_and_download
         browser.save_screenshot(str(shots / "ui_runs.png"))
     finally:
         browser.set_window_size(1400, 1000)
+
+
+def test_a_run_past_its_last_step_says_it_is_finishing(ui, browser, place):
+    """The last step is written; the final samples and the LoRA are under way (no event says so until they are
+    done): the page names the phase rather than sitting at "N / N, running"."""
+    run = place / "run"
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "train_network"])
+    try:
+        write_events(run, attempt(0, 4, 4, time.time(), pid=trainer.pid))
+        (run / "train.lock").write_text(json.dumps({"pid": trainer.pid, "host": socket.gethostname()}))
+        browser.get(f"{ui}/runs/view?path={run}")
+        waiting(browser).until(lambda d: by_id(d, "run-phase").text == "finishing")
+        assert by_id(browser, "run-status").text == "running" and by_id(browser, "run-step").text == "4"
+        assert "final samples and saving the LoRA" in by_id(browser, "run-message").text
+    finally:
+        trainer.kill()
+        trainer.wait()
