@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -162,8 +163,6 @@ def save_tiny_flux2_dev_files(folder: str | os.PathLike[str], target: str | os.P
     layout, the Mistral text encoder split in two with transformers' older Mistral3 names (language_model.model.,
     vision_tower. ...) in text_encoder/, and the tokenizer/ folder beside it. Returns their paths by option name
     (`pretrained_model_name_or_path` as "transformer"; the text encoder's first part)."""
-    import shutil
-
     from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
     from transformers import Mistral3ForConditionalGeneration
 
