@@ -401,6 +401,16 @@ def test_a_run_is_deleted_after_a_question_and_a_running_one_is_asked_for_a_save
     wait.until(lambda d: d.find_elements(By.ID, "deleted"))
     assert sorted(p.name for p in run.iterdir()) == ["notes.md"]
 
+    listed = finished_run(place / "listed", output_name="listed")  # from the runs list, which refreshes itself
+    browser.get(ui + "/#runs")
+    row = f'tr.run[data-dir="{listed}"]'
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, f"{row} button.delete"))
+    browser.find_element(By.CSS_SELECTOR, f"{row} button.delete").click()
+    wait.until(lambda d: d.find_elements(By.ID, "delete-question"))
+    time.sleep(3.5)  # a refresh of the list would take the question away
+    by_id(browser, "delete-confirm").click()
+    wait.until(lambda d: not listed.exists())
+
     live = place / "live"
     trainer = pretend_trainer(live)
     try:
