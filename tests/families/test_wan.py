@@ -338,3 +338,25 @@ def test_the_high_noise_file_becomes_the_expert_swapped_in_above_the_boundary(tm
     assert all(torch.equal(v, high[k]) for k, v in loaded.denoiser.state_dict().items())
     with pytest.raises(UserError, match="brings both experts"):
         reference.family.configured(settings("--dit_high_noise", str(files["dit_high_noise"])))
+
+
+def test_ti2v_5b_trains_text_to_video_with_every_tokens_timestep_alike(tmp_path):
+    """Wan 2.2 TI2V 5B from its folder: 48 latent channels 16x down, and the denoiser's one timestep per item is what
+    WanPipeline gives the transformer per token with expand_timesteps and no image (every token at t)."""
+    from library.families.loading import load_components
+    from library.families.wan.tiny import save_tiny_wan22_ti2v_5b
+
+    loaded = load_components(save_tiny_wan22_ti2v_5b(tmp_path / "ti2v"))
+    family = loaded.family.configured(settings("--resolution", "64"))
+    assert family.version == "2.2-ti2v-5B"
+    with pytest.raises(UserError, match="multiples of 32"):
+        loaded.family.configured(settings("--resolution", "48"))
+    with torch.no_grad():
+        latents = loaded.vae.encode(torch.zeros(1, 3, 5, 64, 64)).latent_dist.mean
+        assert latents.shape == (1, 48, 2, 4, 4)
+        _, encoded = encode(loaded, ["a photo of sks dog"])
+        ours = family.denoise(loaded.denoiser, latents, torch.tensor([600.0]), encoded, {})
+        tokens = torch.full((1, 2 * 2 * 2), 600.0)  # frames x (h / 2) x (w / 2)
+        theirs = loaded.denoiser(hidden_states=latents, timestep=tokens,
+                                 encoder_hidden_states=encoded["encoder_hidden_states"], return_dict=False)[0]
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)

@@ -123,3 +123,18 @@ def test_ddp_ranks_agree(models, data, tmp_path):
     ddp_ranks_agree(models["wan"], data, tmp_path / "ddp", "--network_module", "networks.lora_wan",
                     "--timestep_sampling", "shift", "--discrete_flow_shift", "3.0", batch_size=1)
     assert "lora_unet_blocks_0_self_attn_q.lora_down.weight" in load_file(tmp_path / "ddp" / "last.safetensors")
+
+
+@pytest.mark.slow
+def test_ti2v_5b_trains_from_its_folder(data, tmp_path):
+    from library.families.wan.tiny import save_tiny_wan22_ti2v_5b
+
+    model = save_tiny_wan22_ti2v_5b(tmp_path / "ti2v")
+    config = write(tmp_path / "lora.toml", f'pretrained_model_name_or_path = "{model}"\ntrain_data_dir = "{data}"\n'
+                   f'output_dir = "{tmp_path / "out"}"\noutput_name = "last"\nresolution = 64\ncaption_extension = '
+                   '".txt"\ntrain_batch_size = 2\nnetwork_module = "networks.lora_wan"\nnetwork_dim = 4\n'
+                   'network_alpha = 2\nseed = 3\nlearning_rate = 1e-3\nmax_train_steps = 2\n')
+    result = run_cli("--config", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    state_dict, metadata = load_kohya_lora(tmp_path / "out" / "last.safetensors")
+    assert len({key.split(".")[0] for key in state_dict}) == MODULES and metadata["ss_task"] == "ti2v-5B"

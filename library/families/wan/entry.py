@@ -13,5 +13,6 @@ ENTRY = FamilyEntry(
     options=(AE, *TIMESTEP_RANGE, *SIGMA_DENSITY, *TIMESTEP_SAMPLING, *WAN, BLOCKS_TO_SWAP),
     file_options=("t5", "ae"), network_modules=("networks.lora_wan",),
     tiny=(TinyModel("wan21", Ref(TINY, "save_tiny_wan21"), Ref(TINY, "save_tiny_wan_files")),
-          TinyModel("wan22_a14b", Ref(TINY, "save_tiny_wan22_a14b"), Ref(TINY, "save_tiny_wan_files"))),
+          TinyModel("wan22_a14b", Ref(TINY, "save_tiny_wan22_a14b"), Ref(TINY, "save_tiny_wan_files")),
+          TinyModel("wan22_ti2v_5b", Ref(TINY, "save_tiny_wan22_ti2v_5b"))),
     more_configs=("wan22_lora.toml",), frames_rule=FRAMES)

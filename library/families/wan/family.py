@@ -38,6 +38,7 @@ TRANSFORMER_CLASS = "WanTransformer3DModel"
 MAX_TOKENS = 512  # musubi's text_len, WanPipeline's max_sequence_length
 DEFAULT_CFG = 5.0  # musubi's sample_guide_scale for Wan 2.1
 TRAINED_TASKS = ("t2v-1.3B", "t2v-14B", "t2i-14B", "t2v-A14B")
+TI2V, TI2V_CHANNELS = "2.2-ti2v-5B", 48  # Wan 2.2 TI2V 5B: its VAE's 48 channels, 16x down in space
 
 
 class _Posterior:
@@ -92,7 +93,9 @@ def clean_prompt(text: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Wan(musubi_flow.MusubiFamily):
-    """Wan T2V. `experts` is the 2.2 A14B expert switch (None for one transformer); `version` "2.1" or "2.2"."""
+    """Wan T2V. `experts` is the 2.2 A14B expert switch (None for one transformer); `version` "2.1", "2.2" (A14B) or
+    TI2V (TI2V 5B, trained on text-to-video: its transformer gets every token's timestep alike, which is what
+    WanPipeline's expand_timesteps gives without an image)."""
     version: str = "2.1"
     experts: ExpertSwitch | None = None
     name = "wan"
@@ -130,6 +133,15 @@ class Wan(musubi_flow.MusubiFamily):
                                 "high-noise one); remove it")
             else:
                 experts = ExpertSwitch(None, pending=Path(settings.dit_high_noise))
+        if self.version == TI2V:
+            if task is not None:
+                problems.append(f"task {task}: the model is Wan 2.2 TI2V 5B (48 latent channels), which musubi-tuner "
+                                "has no task for; remove task")
+            problems += [f"{name} {value}: Wan 2.2 TI2V 5B needs multiples of 32 (its VAE is 16x down)"
+                         for name, value in (("resolution", settings.sizes.resolution),
+                                             ("bucket_reso_steps", settings.sizes.bucket_reso_steps))
+                         if any(side % 32 for side in (value if isinstance(value, tuple) else (value,)))
+                         and (name == "resolution" or settings.sizes.enable_bucket)]
         for name in ("timestep_boundary", "offload_inactive_dit"):
             if value_of(settings, name) and experts is None:
                 problems.append(f"{name}: only for Wan 2.2 A14B with both experts (dit_high_noise, or a diffusers "
@@ -151,7 +163,8 @@ class Wan(musubi_flow.MusubiFamily):
         if experts is None and task == "t2v-A14B" and (settings.min_timestep, settings.max_timestep) == (0, 1000):
             logger.warning("task t2v-A14B with one expert: musubi-tuner recommends its timestep range, min_timestep 0 "
                            "/ max_timestep 875 for the low-noise expert, 875 / 1000 for the high-noise one")
-        return dataclasses.replace(self, version="2.2" if two else self.version, experts=experts)
+        return dataclasses.replace(self, version="2.2" if two and self.version != TI2V else self.version,
+                                   experts=experts)
 
     def prepare_denoiser(self, denoiser: torch.nn.Module, resolutions: Sequence[tuple[int, int]]) -> None:
         """Reads dit_high_noise (the high-noise expert) against the loaded low-noise transformer."""
@@ -221,6 +234,8 @@ class Wan(musubi_flow.MusubiFamily):
         fields = super().metadata_fields(settings)
         if settings.task is not None:
             fields["ss_task"] = settings.task
+        if self.version == TI2V:
+            fields["ss_task"] = "ti2v-5B"
         if self.experts is not None:
             fields["ss_timestep_boundary"] = self.experts.boundary
         return fields
@@ -280,7 +295,7 @@ def load_wan_folder(request: LoadRequest) -> Components:
     pipeline = pipeline_class(request.path)
     if pipeline not in (None, "WanPipeline"):
         raise UserError(f"{request.path}: a {pipeline} folder; Wan's text-to-video models (WanPipeline) are trained "
-                        "here, image-to-video and TI2V 5B not yet")
+                        "here, image-to-video not yet")
     scheduler_class = getattr(diffusers, _class_name(request.path / "scheduler" / "scheduler_config.json"),
                               diffusers.UniPCMultistepScheduler)
     classes = {"transformer": WanTransformer3DModel, "vae": AutoencoderKLWan, "text_encoder": UMT5EncoderModel,
@@ -293,6 +308,8 @@ def load_wan_folder(request: LoadRequest) -> Components:
         classes["transformer"] = _low_noise_class(WanTransformer3DModel)
 
     def family(transformer: Any, _: Sequence[Any]) -> Wan:
+        if transformer.config.in_channels == TI2V_CHANNELS:
+            return Wan(version=TI2V)
         if not second:
             return Wan()
         ratio = _boundary_ratio(request.path)

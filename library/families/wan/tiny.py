@@ -4,9 +4,10 @@ The classes are the real ones at tiny widths: WanTransformer3DModel ((1, 2, 2) p
 AutoencoderKLWan (Wan 2.1's VAE shape: 4x in time, 8x in space, 16 channels, its latents_mean / latents_std) at base
 width 8, UMT5EncoderModel with a small T5 tokenizer, and Wan 2.1's diffusers scheduler (UniPC on the flow, shift 3).
 `wan22_a14b` holds two such transformers, transformer/ the high-noise expert and transformer_2/ the low-noise one,
-with the pipeline's boundary_ratio 0.875 (Wan2.2-T2V-A14B-Diffusers' layout).
+with the pipeline's boundary_ratio 0.875 (Wan2.2-T2V-A14B-Diffusers' layout); `wan22_ti2v_5b` has TI2V 5B's
+48-channel VAE (16x down) and a 48-channel transformer (a folder only: no --files).
 
-    python -m library.families.tiny OUTPUT_DIR --family wan21|wan22_a14b [--files] [--seed N] [--overwrite]
+    python -m library.families.tiny OUTPUT_DIR --family wan21|wan22_a14b|wan22_ti2v_5b [--files] [--seed N]
 """
 from __future__ import annotations
 
@@ -25,16 +26,30 @@ from library.families.wan.weights import COMFY_PREFIX
 WIDTH = 32  # text width and the transformer's inner dim
 
 
-def _transformer() -> Any:
+def _transformer(channels: int = 16) -> Any:
     from diffusers import WanTransformer3DModel
 
-    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16,
-                                 out_channels=16, text_dim=WIDTH, freq_dim=32, ffn_dim=64, num_layers=2)
+    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
+                                 in_channels=channels, out_channels=channels, text_dim=WIDTH, freq_dim=32, ffn_dim=64,
+                                 num_layers=2)
 
 
-def build_tiny_wan(seed: int = 0, experts: int = 1) -> dict[str, Any]:
-    """The components of a tiny WanPipeline (with `experts` 2, Wan 2.2 A14B's two transformers). Weights depend only
-    on the seed; the caller's global RNG state is left untouched."""
+def _ti2v_vae() -> Any:
+    """Wan 2.2's TI2V VAE shape (48 channels, 2x2 pixel patches first, residual blocks: 16x down in space) at base
+    width 8; its latents_mean / latents_std are spread values standing in for the released ones."""
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan(base_dim=8, decoder_base_dim=8, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                            temperal_downsample=[False, True, True], is_residual=True, in_channels=12,
+                            out_channels=12, patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
+                            latents_mean=[round(-0.5 + i / 48, 4) for i in range(48)],
+                            latents_std=[round(0.5 + i / 48, 4) for i in range(48)])
+
+
+def build_tiny_wan(seed: int = 0, experts: int = 1, ti2v: bool = False) -> dict[str, Any]:
+    """The components of a tiny WanPipeline (with `experts` 2, Wan 2.2 A14B's two transformers; `ti2v`, Wan 2.2 TI2V
+    5B's shape: its 48-channel VAE and expand_timesteps). Weights depend only on the seed; the caller's global RNG
+    state is left untouched."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
     from transformers import UMT5Config, UMT5EncoderModel
 
@@ -50,8 +65,9 @@ def build_tiny_wan(seed: int = 0, experts: int = 1) -> dict[str, Any]:
                                            num_heads=4, feed_forward_proj="gated-gelu", pad_token_id=0,
                                            eos_token_id=1, decoder_start_token_id=0))
 
-    models = {"transformer": _transformer, "vae": vae, "text_encoder": text_encoder}
-    others: dict[str, Any] = {}
+    models = {"transformer": (lambda: _transformer(48)) if ti2v else _transformer, "vae": _ti2v_vae if ti2v else vae,
+              "text_encoder": text_encoder}
+    others: dict[str, Any] = {"expand_timesteps": True} if ti2v else {}
     if experts == 2:
         models["transformer_2"] = _transformer
         others["boundary_ratio"] = DEFAULT_BOUNDARY
@@ -68,6 +84,12 @@ def save_tiny_wan22_a14b(path: str | os.PathLike[str], seed: int = 0, overwrite:
     """Write a tiny Wan 2.2 T2V A14B WanPipeline folder (two experts) at `path` (atomically) and return it."""
     return tiny_parts.save_pipeline(path, overwrite, "WanPipeline", lambda: build_tiny_wan(seed, experts=2),
                                     "Wan 2.2 A14B", seed)
+
+
+def save_tiny_wan22_ti2v_5b(path: str | os.PathLike[str], seed: int = 0, overwrite: bool = False) -> Path:
+    """Write a tiny Wan 2.2 TI2V 5B WanPipeline folder (its VAE's shape, expand_timesteps) at `path`."""
+    return tiny_parts.save_pipeline(path, overwrite, "WanPipeline", lambda: build_tiny_wan(seed, ti2v=True),
+                                    "Wan 2.2 TI2V 5B", seed)
 
 
 # diffusers' names -> the original Wan layout's (the inverse of diffusers' convert_wan_transformer_to_diffusers for
