@@ -18,6 +18,7 @@ ALLOWED = {
     "digits": {"config", "core", "families", "monitoring"},  # families: the registry and FLUX LoRA keys
     # runs train_network.py as a process, never training's code; the family registry tells a model's family
     "ui": {"config", "core", "data", "families", "monitoring"},
+    "models": {"families"},  # `python -m library.models.tiny`, the tiny builder's other name
 }
 
 
