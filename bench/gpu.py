@@ -462,6 +462,7 @@ def run_cells(cells: list[dict[str, Any]], device: torch.device, tiny: bool, pea
                 logger.error("%s %s failed:\n%s", cell["model"], cell["name"], traceback.format_exc())
                 result = {**base, "error": (f"out of memory: {e}" if out_of_memory else f"{type(e).__name__}: {e}")[
                     :500]}
+            if "error" in result:  # the failed cell's tensors are free once its traceback is gone
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()

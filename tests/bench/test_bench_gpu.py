@@ -139,3 +139,19 @@ def test_peak_table_prefers_the_specific_name(gpu_bench):
     assert names.index("H100 PCIe") < names.index("H100")
     assert gpu_bench.peak_of(torch.device("cpu"), 123.0) == (123.0, "--peak_tflops")
     assert gpu_bench.peak_of(torch.device("cpu"), None)[0] is None
+
+
+def test_a_failing_cell_is_reported_and_the_plan_goes_on(gpu_bench, monkeypatch):
+    def run_cell(cell, device, tiny, peak):
+        if cell["model"] == "sd15":
+            raise RuntimeError("CUDA error: an illegal memory access")
+        return {**cell, "s_per_step": 1.0, "images_per_s": 1.0, "first_step_s": 1.0, "peak_allocated_gib": None,
+                "forward_tflop": 1.0, "mfu": None, "swapped_blocks": 0, "finite_losses": True}
+
+    monkeypatch.setattr(gpu_bench, "run_cell", run_cell)
+    cells = [gpu_bench.make_cell("sd15", 512, "bf16", True), gpu_bench.make_cell("sdxl", 1024, "bf16", True)]
+    lines = []
+    results = gpu_bench.run_cells(cells, torch.device("cpu"), False, None, gpu_bench.Clock(1e6, 0), lines.append)
+    assert results[0]["error"] == "RuntimeError: CUDA error: an illegal memory access"
+    assert "error" not in results[1] and results[1]["s_per_step"] == 1.0
+    assert "illegal memory access" in lines[0] and " s/step " in lines[1]
