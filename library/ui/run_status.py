@@ -15,7 +15,7 @@ from typing import Any
 from library.config import read_toml
 from library.core.run_files import LOCK_FILE, SAMPLE_NOW, SAVE_NOW  # the trainer's (library/training)
 from library.monitoring.events import EVENTS_FILE, read_events
-from library.ui.samples import sample_views
+from library.ui.samples import SAMPLE_SUFFIXES, sample_views
 
 RUN_CONFIG = "run_config.toml"
 LOG_FILE = "train.log"
@@ -101,7 +101,7 @@ def log_tail(run_dir: Path, lines: int = 30) -> list[str]:
     return [p for p in parts if p][-lines:]
 
 
-def _numbered(run_dir: Path, suffix: str, directories: bool) -> list[str]:
+def _numbered(run_dir: Path, suffix: str | tuple[str, ...], directories: bool) -> list[str]:
     try:
         entries = [p for p in run_dir.iterdir() if p.name.endswith(suffix) and p.is_dir() == directories
                    and not p.name.startswith(".")]
@@ -133,7 +133,8 @@ def run_status(run_dir: Path, process: subprocess.Popen | None = None, queued: b
             status.total_steps = event.get("total_steps", status.total_steps)
     status.files = _numbered(run_dir, ".safetensors", False)
     status.states = _numbered(run_dir, "-state", True)
-    status.samples = sample_views(run_dir, [f"sample/{name}" for name in _numbered(run_dir / "sample", ".png", False)])
+    status.samples = sample_views(run_dir, [f"sample/{name}"
+                                            for name in _numbered(run_dir / "sample", SAMPLE_SUFFIXES, False)])
     end = next((e for e in reversed(status.events) if e["event"] == "end"), None)
     alive = process is not None and process.poll() is None
     pid = launch.get("pid") if unstarted else next((e.get("pid") for e in latest if e["event"] == "start"), None)

@@ -42,7 +42,7 @@ TRAINER = Path(__file__).resolve().parents[2] / "train_network.py"
 REQUESTS = {"sample": SAMPLE_NOW, "save": SAVE_NOW}  # what Sample now / Save now ask the trainer for
 # The files of a run besides its outputs: the UI's, the trainer's event stream, lock and pending requests.
 RUN_FILES = (RUN_CONFIG, LOG_FILE, LAUNCHES, PROMPTS_FILE, EVENTS_FILE, LOCK_FILE, SAMPLE_NOW, SAVE_NOW)
-OUTPUT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".png")  # LoRA files, snapshots, the loss chart
+OUTPUT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".png", ".webp", ".mp4", ".webm")  # LoRA files, the chart, samples
 
 
 @dataclass
