@@ -1,5 +1,6 @@
-"""A run's sample images with the prompt each was made from (the PNG's "parameters" text, as the trainer writes
-it) and the step or epoch it was made at (its file name), for the run page to group them."""
+"""A run's samples, images and videos, with the prompt each was made from and the step or epoch it was made at (its
+file name), for the run page to group them. The prompt is the first line of the "parameters" text the trainer
+writes: a PNG's text chunk, an animated WebP's EXIF ImageDescription, an MP4's or WebM's "comment" tag."""
 from __future__ import annotations
 
 import functools
@@ -9,12 +10,17 @@ from typing import Any
 
 from PIL import Image
 
-# The trainer's sample names: {output_name}_{step:06d}_{index:02d}_{seed}.png, or e{epoch:06d} at an epoch's end.
-SAMPLE_NAME = re.compile(r"(?:^|_)(e?)(\d{6})_(\d{2})_(\d+)\.png$")
+VIDEO_SAMPLES = (".mp4", ".webm")  # played in a <video>; an animated .webp plays as an image
+SAMPLE_SUFFIXES = (".png", ".webp", *VIDEO_SAMPLES)
+# The trainer's sample names: {output_name}_{step:06d}_{index:02d}_{seed}.png (.webp, .mp4, .webm for a video
+# family's), or e{epoch:06d} at an epoch's end.
+SAMPLE_NAME = re.compile(r"(?:^|_)(e?)(\d{6})_(\d{2})_(\d+)\.(?:png|webp|mp4|webm)$")
+IMAGE_DESCRIPTION = 0x010E  # the EXIF tag
 
 
 def sample_views(run_dir: Path, names: list[str]) -> list[dict[str, Any]]:
-    """Each sample (`names`: relative to the run folder) with its prompt and when it was made, oldest first."""
+    """Each sample (`names`: relative to the run folder) with its prompt, when it was made and whether it plays as a
+    video, oldest first."""
     views = []
     for name in names:
         path = run_dir / name
@@ -26,7 +32,7 @@ def sample_views(run_dir: Path, names: list[str]) -> list[dict[str, Any]]:
             continue
         views.append({"path": name, "when": f"{'epoch' if epoch else 'step'} {number}" if match else "",
                       "order": [int(epoch), number, index],  # steps, then epochs (their files are apart)
-                      "prompt": prompt_of(str(path), stamp)})
+                      "video": path.suffix.lower() in VIDEO_SAMPLES, "prompt": prompt_of(str(path), stamp)})
     return sorted(views, key=lambda view: view["order"])
 
 
@@ -34,9 +40,24 @@ def sample_views(run_dir: Path, names: list[str]) -> list[dict[str, Any]]:
 def prompt_of(path: str, stamp: int) -> str:
     """The prompt a sample was made from (the first line of its "parameters" text); "" when it has none.
     `stamp` (the file's mtime) keys the cache."""
+    parameters = video_comment(path) if path.lower().endswith(VIDEO_SAMPLES) else image_parameters(path)
+    return parameters.split("\n", 1)[0].strip() if isinstance(parameters, str) else ""
+
+
+def image_parameters(path: str) -> object:
     try:
         with Image.open(path) as image:
-            parameters = image.info.get("parameters", "")
+            return image.info.get("parameters") or image.getexif().get(IMAGE_DESCRIPTION, "")
     except (OSError, ValueError):
         return ""
-    return parameters.split("\n", 1)[0].strip() if isinstance(parameters, str) else ""
+
+
+def video_comment(path: str) -> object:
+    """A video's "comment" tag (its container's metadata), read without decoding a frame."""
+    import av
+
+    try:
+        with av.open(path) as container:
+            return container.metadata.get("comment", "")
+    except (OSError, av.error.FFmpegError):
+        return ""
