@@ -138,3 +138,20 @@ def test_ti2v_5b_trains_from_its_folder(data, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     state_dict, metadata = load_kohya_lora(tmp_path / "out" / "last.safetensors")
     assert len({key.split(".")[0] for key in state_dict}) == MODULES and metadata["ss_task"] == "ti2v-5B"
+
+
+@pytest.mark.slow
+def test_musubis_file_options_train_from_the_separate_files(models, data, tmp_path):
+    """musubi-tuner's names: dit (the transformer file), t5, vae (the VAE file of a transformer file), task."""
+    from library.families.wan.tiny import save_tiny_wan_files
+
+    files = save_tiny_wan_files(models["wan"], tmp_path / "files")
+    config = write(tmp_path / "lora.toml", f'dit = "{files["transformer"]}"\nt5 = "{files["t5"]}"\n'
+                   f'vae = "{files["ae"]}"\nmodel_config = "{models["wan"]}"\ntask = "t2v-1.3B"\n'
+                   f'train_data_dir = "{data}"\noutput_dir = "{tmp_path / "out"}"\noutput_name = "last"\n'
+                   'resolution = 64\ncaption_extension = ".txt"\ntrain_batch_size = 2\nnetwork_module = '
+                   '"networks.lora_wan"\nnetwork_dim = 4\nnetwork_alpha = 2\nseed = 3\nmax_train_steps = 2\n')
+    result = run_cli("--config", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    state_dict, metadata = load_kohya_lora(tmp_path / "out" / "last.safetensors")
+    assert len({key.split(".")[0] for key in state_dict}) == MODULES and metadata["ss_task"] == "t2v-1.3B"
