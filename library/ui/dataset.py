@@ -1,9 +1,11 @@
 """The dataset view: the trainer's own --dataset_check report, thumbnails with their captions (an edit dataset's
-targets beside their control images, paired as the trainer pairs them), and caption edits. The dataset tools (a new
+targets beside their control images, paired as the trainer pairs them; a video dataset's videos playing, frame
+folders as a strip, each with the clips the model's family cuts from it), and caption edits. The dataset tools (a new
 folder, bulk caption edits, captioning with a model) are library.ui.dataset_tools'."""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import tempfile
 from pathlib import Path
@@ -18,14 +20,18 @@ from library.data.captions import read_caption
 from library.data.controls import metadata_controls, pair_by_stem
 from library.data.dataset_config import SubsetSpec, resolve_datasets
 from library.data.metadata import image_path, read_metadata
-from library.data.scan import list_images, scan_datasets
-from library.ui import dataset_tools, schema, security
+from library.data.scan import ImageRecord, list_images, scan_datasets
+from library.data.video import VideoProblem, frame_files, is_video_file, probe_video
+from library.families.entry import FramesRule
+from library.ui import dataset_tools, preflight, schema, security
 from library.ui.runs import TRAINER
 from library.ui.web import RootsDep, SettingsDep, form_values, page, refused
 
 THUMBNAILS_PER_SUBSET = 60
+STRIP_FRAMES = 5  # a frame folder is shown as this many of its frames, spread over it
 IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".webp": "image/webp",
                ".bmp": "image/bmp", ".gif": "image/gif"}
+VIDEO_TYPES = {".mp4": "video/mp4", ".m4v": "video/mp4", ".webm": "video/webm"}  # what a <video> plays
 
 router = APIRouter()
 router.include_router(dataset_tools.router)
@@ -37,13 +43,22 @@ async def dataset(request: Request, roots: RootsDep, settings: SettingsDep) -> H
     values = form_values(form)
     if not values.get("output_dir", "").strip():  # the dataset needs none; the config's checks do
         values["output_dir"] = str(roots.paths[0] / "output")
-    state, text = schema.check(values, roots.problem)
-    data_problems = {k: v for k, v in state.problems.items() if k not in ("output_dir",)}
-    if data_problems or state.general or state.config is None:
-        return page(request, "dataset.html", report="", subsets=[],
-                    problems=[p for ps in (data_problems or state.problems).values() for p in ps] + state.general)
-    subsets = await asyncio.to_thread(subset_views, state.config, roots)
-    report = await asyncio.to_thread(dataset_check, text, settings.python, roots.cwd)
+    model = values.get(preflight.MODEL_OPTION, "").strip()
+    with tempfile.TemporaryDirectory(prefix="lora-ui-model-") as stand_in:
+        if not model:  # the images can be looked at before a model is chosen; a video's clips cannot
+            values[preflight.MODEL_OPTION] = stand_in
+        state, text = schema.check(values, lambda name, typed: None if typed == stand_in else roots.problem(name,
+                                                                                                           typed))
+        data_problems = {k: v for k, v in state.problems.items() if k not in ("output_dir",)}
+        if data_problems or state.general or state.config is None:
+            return page(request, "dataset.html", report="", subsets=[],
+                        problems=[p for ps in (data_problems or state.problems).values() for p in ps] + state.general)
+        real = roots.resolve(model) if model else None
+        rule = preflight.frames_rule(real)
+        subsets = await asyncio.to_thread(subset_views, state.config, roots, rule, bool(model))
+    report = await asyncio.to_thread(dataset_check, text, settings.python, roots.cwd) if model else (
+        "no model set: the trainer's --dataset_check report needs the model (its tokenizer, and for videos its "
+        "family's clip lengths); the images are shown below")
     return page(request, "dataset.html", report=report, subsets=subsets, problems=[])
 
 
@@ -54,8 +69,9 @@ async def caption(request: Request, roots: RootsDep) -> HTMLResponse:
     extension = str(form.get("extension", ".txt"))
     if image is None:
         return refused(str(form.get("image", "")))
-    if image.suffix.lower() not in IMAGE_TYPES or not image.is_file():
-        return HTMLResponse('<p class="problem">not an image</p>', status_code=400)
+    if not (image.suffix.lower() in IMAGE_TYPES and image.is_file() or is_video_file(image) and image.is_file()
+            or image.is_dir() and frame_files(image)):
+        return HTMLResponse('<p class="problem">not an image, a video or a frame folder</p>', status_code=400)
     if not extension.startswith(".") or "/" in extension or "\\" in extension or len(extension) > 16:
         return HTMLResponse('<p class="problem">not a caption extension</p>', status_code=400)
     text = " ".join(str(form.get("caption", "")).split())
@@ -63,7 +79,7 @@ async def caption(request: Request, roots: RootsDep) -> HTMLResponse:
         return HTMLResponse('<span class="problem">not saved: a caption file must not be empty; write a caption, or '
                             "delete the file to train with the folder's class tokens</span>", status_code=400)
     existing = read_caption(image, extension).path
-    target = existing or image.with_name(image.stem + folder_extension(list_images(image.parent), extension))
+    target = existing or image.with_name(image.stem + folder_extension(media_files(image.parent), extension))
     if roots.resolve(target) is None:
         return refused(str(target))
     write_atomically(target, lambda tmp: tmp.write_text(text + "\n", encoding="utf-8"))
@@ -79,14 +95,23 @@ def folder_extension(images: list[Path], configured: str) -> str:
     return configured
 
 
-def subset_views(config: Config, roots: security.Roots) -> list[dict[str, Any]]:
+def subset_views(config: Config, roots: security.Roots, rule: FramesRule | None = None,
+                 model_set: bool = True) -> list[dict[str, Any]]:
     """Each subset under the roots: its folder, repeats, image count and the first images with their captions and
-    what the dataset check rejects them for."""
+    what the dataset check rejects them for. `rule`: the model's family's frames rule (None: an image family, or no
+    model when not `model_set`: then a video subset's items are shown unchecked)."""
     specs = resolve_datasets(config)
-    rejected = rejections(scan_datasets(specs).problems, roots)
+    scan = scan_datasets(specs, frames_rule=rule)
+    rejected = rejections(scan.problems, roots)
+    cut = clips_by_video(scan.records)
     subsets = []
     for spec in specs:
         for subset in spec.subsets:
+            if subset.is_video:
+                view = video_subset_view(subset, roots, rejected, cut, rule, model_set)
+                if view is not None:
+                    subsets.append(view)
+                continue
             directory = roots.resolve(subset.image_dir)
             if directory is None:
                 continue
@@ -107,6 +132,111 @@ def subset_views(config: Config, roots: security.Roots) -> list[dict[str, Any]]:
                             "extension": folder_extension(images, subset.caption_extension),
                             "rejected": sum(bool(item["problems"]) for item in items)})
     return subsets
+
+
+def media_files(directory: Path) -> list[Path]:
+    """What a video_directory holds for training, as the dataset check lists it: video files, frame folders and
+    images."""
+    return sorted(p for p in directory.iterdir() if not p.name.startswith(".") and (
+        p.is_dir() or p.is_file() and (is_video_file(p) or p.suffix.lower() in IMAGE_TYPES)))
+
+
+def listed_videos(subset: SubsetSpec) -> list[tuple[Path, str | None]]:
+    """(video file, frame folder or image; its caption from the JSONL, or None) of a video subset, in order."""
+    if subset.video_jsonl_file is None:
+        return [(p, None) for p in media_files(subset.image_dir)] if subset.image_dir.is_dir() else []
+    listed: list[tuple[Path, str | None]] = []
+    try:
+        lines = subset.video_jsonl_file.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return []  # the dataset check names it
+    for line in lines:
+        try:
+            entry = json.loads(line)
+            video, caption = Path(entry["video_path"]), entry["caption"]
+        except (ValueError, TypeError, KeyError):
+            continue
+        listed.append((video if video.is_absolute() else subset.image_dir / video, caption))
+    return listed
+
+
+def clips_by_video(records: list[ImageRecord]) -> dict[str, list[tuple[int, ...]]]:
+    """The clips the scan cut, by the real path of their video file or frame folder."""
+    found: dict[str, list[tuple[int, ...]]] = {}
+    for record in records:
+        if record.frames is not None:
+            found.setdefault(str(record.path.resolve()), []).append(record.frames)
+    return found
+
+
+def frames_text(frames: tuple[int, ...]) -> str:
+    """A clip's source frames, runs of consecutive frames as first-last ("0-8", "0, 2, 4-6")."""
+    runs: list[list[int]] = []
+    for frame in frames:
+        if runs and frame == runs[-1][-1] + 1:
+            runs[-1].append(frame)
+        else:
+            runs.append([frame])
+    parts = [f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs]
+    return ", ".join(parts[:8]) + (f" ... ({len(parts) - 8} more runs)" if len(parts) > 8 else "")
+
+
+def video_item(path: Path, caption: str | None, extension: str, problems: list[str],
+               clips: list[tuple[int, ...]]) -> dict[str, Any]:
+    """A video file, frame folder or image of a video subset, as the view shows it."""
+    kind = "folder" if path.is_dir() else "video" if is_video_file(path) else "image"
+    item: dict[str, Any] = {"path": str(path), "name": path.name, "kind": kind, "problems": problems,
+                            "caption": caption if caption is not None else read_caption(path, extension).text or "",
+                            "editable": caption is None, "frames": None, "fps": "", "strip": [],
+                            "media": VIDEO_TYPES.get(path.suffix.lower(), "image" if path.suffix.lower() in IMAGE_TYPES
+                                                     else ""),
+                            "clips": [{"count": len(c), "text": frames_text(c)} for c in clips]}
+    if kind == "image":
+        return item
+    try:
+        facts = probe_video(path)
+    except VideoProblem:
+        return item  # the dataset check's reason is among `problems`
+    item["frames"] = facts.frames
+    item["fps"] = f"{facts.fps[0]:.3g}" if facts.fps else ""
+    if facts.frame_files:
+        count = len(facts.frame_files)
+        picks = sorted({round(i * (count - 1) / max(1, STRIP_FRAMES - 1)) for i in range(min(STRIP_FRAMES, count))})
+        item["strip"] = [{"path": str(facts.frame_files[i]), "index": i} for i in picks]
+    return item
+
+
+def video_subset_view(subset: SubsetSpec, roots: security.Roots, rejected: dict[str, list[str]],
+                      cut: dict[str, list[tuple[int, ...]]], rule: FramesRule | None,
+                      model_set: bool) -> dict[str, Any] | None:
+    """A video subset: its videos, frame folders and images, each with the clips the family cuts from it and what
+    the dataset check rejects it for."""
+    where = roots.resolve(subset.video_jsonl_file or subset.image_dir)
+    if where is None:
+        return None
+    listed = [(path, caption) for path, caption in listed_videos(subset) if roots.resolve(path) is not None]
+    folder = subset.image_dir if subset.video_jsonl_file is None else where.parent
+    extension = folder_extension([p for p, _ in listed], subset.caption_extension)
+    items = []
+    for path, caption in listed[:THUMBNAILS_PER_SUBSET]:
+        real = str(path.resolve())
+        keys = [real] + caption_keys(path, subset.caption_extension)
+        items.append(video_item(path, caption, extension, [r for key in dict.fromkeys(keys)
+                                                           for r in rejected.get(key, [])], cut.get(real, [])))
+    note = ""
+    if rule is None:
+        note = preflight.NO_MODEL_FOR_VIDEO if not model_set else (
+            "a video dataset, and the model's family trains images only (video datasets train a video family such "
+            "as Wan)")
+    else:
+        note = (f"clips as the model's family takes them: 1 + {rule.step} * n frames, at {rule.fps:g} fps; "
+                f"frame_extraction {subset.frame_extraction}, " + (
+                    f"max_frames {subset.max_frames}" if subset.frame_extraction == "full" else
+                    f"target_frames {', '.join(map(str, subset.target_frames))}"))
+    return {"dir": str(subset.video_jsonl_file or folder), "repeats": subset.num_repeats, "is_reg": subset.is_reg,
+            "count": len(listed), "items": items, "pairs": False, "video": True, "note": note,
+            "note_is_problem": rule is None and model_set, "control_dir": "", "unpaired": [], "extension": extension,
+            "rejected": sum(bool(item["problems"]) for item in items)}
 
 
 def controls_of(subset: SubsetSpec, images: list[Path]) -> tuple[dict[Path, tuple[Path, ...]] | None, list[Path]]:

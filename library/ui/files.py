@@ -1,5 +1,5 @@
-"""Files under the roots: images for the thumbnails and samples, downloads of them and of LoRA files, and a LoRA
-file's metadata."""
+"""Files under the roots: images and videos for the thumbnails and samples (a video in ranges, as a <video> asks for
+it), downloads of them and of LoRA files, and a LoRA file's metadata."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,7 +8,7 @@ from fastapi import APIRouter
 from fastapi.responses import FileResponse, JSONResponse, Response
 
 from library.core.safetensors_header import read_safetensors_header
-from library.ui.dataset import IMAGE_TYPES
+from library.ui.dataset import IMAGE_TYPES, VIDEO_TYPES
 from library.ui.web import RootsDep
 
 router = APIRouter()
@@ -17,13 +17,15 @@ DOWNLOADS = {".safetensors": "application/octet-stream"}  # LoRA files: download
 
 @router.get("/files")
 async def files(path: str, roots: RootsDep, download: bool = False) -> Response:
-    """An image (shown, or downloaded with `download`), or a LoRA file (downloaded)."""
+    """An image or a video (shown, or downloaded with `download`), or a LoRA file (downloaded). FileResponse
+    answers a Range request with the part asked for (206), which a <video> needs to seek."""
     real = roots.resolve(path)
     if real is None:
         return Response("outside the UI's folders", status_code=403)
-    kind = IMAGE_TYPES.get(real.suffix.lower()) or DOWNLOADS.get(real.suffix.lower())
+    suffix = real.suffix.lower()
+    kind = IMAGE_TYPES.get(suffix) or VIDEO_TYPES.get(suffix) or DOWNLOADS.get(suffix)
     if kind is None or not real.is_file():
-        return Response("not an image or a LoRA file", status_code=404)
+        return Response("not an image, a video or a LoRA file", status_code=404)
     attachment = download or real.suffix.lower() in DOWNLOADS
     return FileResponse(real, media_type=kind, filename=real.name if attachment else None)
 

@@ -7,11 +7,14 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import tomllib
+
 from library.config import Config, ConfigError
 from library.data.dataset_config import resolve_datasets
 from library.data.images import IMAGE_EXTENSIONS
 from library.data.scan import listing, scan_datasets
-from library.families.registry import ENTRIES
+from library.families.entry import FramesRule
+from library.families.registry import ENTRIES, entry_for
 from library.monitoring.events import EVENTS_FILE
 from library.ui import schema, security
 from library.ui.model_family import model_family
@@ -33,9 +36,11 @@ def look_ahead(state: schema.FormState, values: dict[str, str], roots: security.
         state.problems.setdefault(MODEL_OPTION, []).append(problem)
     if state.config is not None:
         name = "dataset_config" if state.config.dataset_config else "train_data_dir"
-        verdict = dataset_verdict(state.config)
+        verdict = dataset_verdict(state.config, frames_rule(real))
         if verdict and name not in state.problems:
             state.problems.setdefault(name, []).append(f"{name}: {verdict}")
+    elif not model and names_videos(roots.resolve(values.get("dataset_config", "").strip() or ".")):
+        state.warnings.setdefault("dataset_config", []).append(f"dataset_config: {NO_MODEL_FOR_VIDEO}")
     typed = values.get("output_dir", "").strip()
     folder = roots.resolve(typed) if output and typed else None
     earlier = earlier_work(folder, values.get("output_name")) if folder is not None else None
@@ -87,20 +92,49 @@ def folder_contents(path: Path) -> str:
     return f"a folder holding {listing([p.name for p in entries])}"
 
 
-def dataset_verdict(config: Config) -> str | None:
-    """The dataset check's verdict when the dataset is not usable (its problems, the first few), else None."""
+def dataset_verdict(config: Config, rule: FramesRule | None = None) -> str | None:
+    """The dataset check's verdict when the dataset is not usable (its problems, the first few), else None.
+    `rule`: the model's family's frames rule (None: it trains images only, and video datasets are refused)."""
     problems: list[str] = []
     try:
         specs = resolve_datasets(config, [], problems)
     except ConfigError:
         return None  # the config's checks name it
-    scan = scan_datasets(specs)
+    scan = scan_datasets(specs, frames_rule=rule)
     problems += scan.problems
     if scan.records and (config.skip_bad_images or not problems):
         return None
     problems = problems or ["no usable images"]
     return (f"the dataset check finds it NOT USABLE, {len(problems)} problem(s): {'; '.join(problems[:3])}"
             + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "") + " (Check dataset shows each)")
+
+
+def frames_rule(model: str | Path | None) -> FramesRule | None:
+    """The clip lengths and rate the model's family takes (its registry entry's, read without loading the model);
+    None for an image family, or without a model."""
+    path = Path(model) if model else None
+    if path is None or not path.exists():
+        return None
+    try:
+        return entry_for(path).frames_rule
+    except (OSError, ValueError):
+        return None
+
+
+NO_MODEL_FOR_VIDEO = ("a video dataset: its clips are cut by the model's family (the clip lengths and frame rate it "
+                      "takes), so the videos cannot be checked until the model is set")
+
+
+def names_videos(dataset_config: Path | None) -> bool:
+    """Whether a dataset TOML names a video dataset (musubi-tuner's video_directory or video_jsonl_file)."""
+    if dataset_config is None or not dataset_config.is_file():
+        return False
+    try:
+        datasets = tomllib.loads(dataset_config.read_text(encoding="utf-8")).get("datasets", [])
+    except (OSError, ValueError):  # a TOML decode error and UnicodeDecodeError are ValueErrors
+        return False  # the config's checks name it
+    return isinstance(datasets, list) and any(
+        isinstance(d, dict) and ("video_directory" in d or "video_jsonl_file" in d) for d in datasets)
 
 
 def finished_lora(output_dir: Path, output_name: str | None) -> Path | None:

@@ -384,8 +384,10 @@ def test_samples_come_with_their_prompt_and_step_and_lora_files_download(tmp_pat
     sample_png(run / "sample" / "mine_000002_01_1.png", "a drawing of sks")
     c = client([tmp_path])
     assert c.get("/runs/status", params={"path": str(run)}).json()["samples"] == [
-        {"path": "sample/mine_000002_01_1.png", "when": "step 2", "order": [0, 2, 1], "prompt": "a drawing of sks"},
-        {"path": "sample/mine_000004_00_1.png", "when": "step 4", "order": [0, 4, 0], "prompt": "a photo of sks"}]
+        {"path": "sample/mine_000002_01_1.png", "when": "step 2", "order": [0, 2, 1], "prompt": "a drawing of sks",
+         "video": False},
+        {"path": "sample/mine_000004_00_1.png", "when": "step 4", "order": [0, 4, 0], "prompt": "a photo of sks",
+         "video": False}]
     lora = c.get("/files", params={"path": str(run / "mine.safetensors")})
     assert lora.status_code == 200 and lora.content == (run / "mine.safetensors").read_bytes()
     assert lora.headers["content-disposition"].startswith("attachment")
