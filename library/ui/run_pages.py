@@ -15,7 +15,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from library.core.atomic import write_atomically
 from library.monitoring.events import EVENTS_FILE, read_events
 from library.ui import preflight, schema, security
-from library.ui.run_status import PROMPTS_FILE
+from library.ui.run_status import PROMPTS_FILE, RunStatus, run_status
 from library.ui.runs import REQUESTS, RunManager
 from library.ui.web import ManagerDep, RootsDep, form_page, form_values, page
 
@@ -34,6 +34,25 @@ async def posted_run_dir(request: Request, roots: security.Roots) -> Path | None
     """The run folder a form posts as `path`, or None when it is not one."""
     form = await request.form()
     return run_dir(roots, str(form.get("path", "")))
+
+
+NOT_TAKEN_UP = ("queued on disk, but not in this UI's queue (another UI's, or queued after this one started): a UI "
+                "takes up the queued runs under its folders when it starts")
+
+
+def status_view(manager: RunManager, directory: Path, status: RunStatus | None = None) -> dict[str, Any]:
+    """A run's status (`status`, else read now) for the pages, with whether this UI can stop it: a running run, or
+    one this UI holds. A run queued on disk that this UI never took up says so; this UI can neither start nor stop
+    it."""
+    job, queued = manager.job_for(directory)
+    if status is None:
+        status = run_status(directory, job.process if job is not None else None, queued)
+    held = queued or job is not None
+    view = status.as_dict()
+    view["stoppable"] = view["status"] == "running" or held
+    if view["status"] == "queued" and not held:
+        view["message"] = NOT_TAKEN_UP
+    return view
 
 
 @router.post("/start", response_class=HTMLResponse)
@@ -83,8 +102,8 @@ def output_problems(state: schema.FormState, values: dict[str, str], output_dir:
 
 @router.get("", response_class=HTMLResponse)
 async def runs(request: Request, manager: ManagerDep) -> HTMLResponse:
-    statuses = await asyncio.to_thread(manager.all_runs)
-    return page(request, "runs.html", runs=[s.as_dict() for s in statuses])
+    statuses = await asyncio.to_thread(lambda: [status_view(manager, s.run_dir, s) for s in manager.all_runs()])
+    return page(request, "runs.html", runs=statuses)
 
 
 @router.get("/status")
@@ -92,7 +111,7 @@ async def run_state(path: str, roots: RootsDep, manager: ManagerDep) -> JSONResp
     directory = run_dir(roots, path)
     if directory is None:
         return JSONResponse({"error": NOT_A_RUN}, status_code=404)
-    return JSONResponse(manager.status(directory).as_dict())
+    return JSONResponse(status_view(manager, directory))
 
 
 @router.get("/view", response_class=HTMLResponse)
@@ -100,7 +119,7 @@ async def view(request: Request, path: str, roots: RootsDep, manager: ManagerDep
     directory = run_dir(roots, path)
     if directory is None:
         return HTMLResponse(NOT_A_RUN, status_code=404)
-    return page(request, "run.html", run=manager.status(directory).as_dict())
+    return page(request, "run.html", run=status_view(manager, directory))
 
 
 @router.post("/stop", response_class=HTMLResponse)
@@ -198,7 +217,7 @@ async def follow(request: Request, directory: Path, manager: RunManager,
         lines, offset = new_lines(directory, offset)
         for line in lines:
             yield f"event: run\ndata: {line}\n\n"
-        status = manager.status(directory).as_dict()
+        status = status_view(manager, directory)
         text = json.dumps(status)
         if text != last_status or ticks % 10 == 0:
             yield f"event: status\ndata: {text}\n\n"
