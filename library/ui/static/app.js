@@ -33,13 +33,18 @@ function loadOnEnter(e) {
   document.getElementById("load-button").click();
 }
 
-function followModel() {
+function followModel(offerDefaults = true) {
   // A model chosen in the form: its family (the trainer's own detection, on the server) picks the family filter,
-  // and that family's recommended settings are offered.
+  // and that family's recommended settings are offered (not when the form is only restored).
   const model = document.getElementById("opt-pretrained_model_name_or_path");
   const offer = document.getElementById("family-offer");
   fetch("/config/family?model=" + encodeURIComponent(model.value.trim())).then((r) => r.json()).then((found) => {
     markRequired(found.required || {});
+    if (!offerDefaults) {
+      if (found.family) document.getElementById("family").value = found.family;
+      filterFields();
+      return;
+    }
     offer.replaceChildren();
     offer.hidden = !found.family;
     if (!found.family) return;
@@ -114,6 +119,8 @@ function restoreDraft() {
     if (field) field.classList.add("is-set");
   });
   document.getElementById("form-message").textContent = "the unsaved edits of this tab are back";
+  // The family filter is the page's, not the config's: it follows the restored model's family again.
+  if (saved.pretrained_model_name_or_path) followModel(false);
 }
 
 function bindForm() {
@@ -266,10 +273,16 @@ function runView() {
     const link = document.createElement("a");
     link.href = fileUrl(sample.path, false);
     link.target = "_blank";
-    const img = document.createElement("img");
-    img.src = link.href;
-    img.alt = sample.prompt;
-    link.append(img);
+    // A video sample (.mp4, .webm) plays; an image, or an animated .webp, shows as an image.
+    const media = document.createElement(sample.video ? "video" : "img");
+    media.src = link.href;
+    if (sample.video) {
+      Object.assign(media, {controls: true, loop: true, muted: true, autoplay: true, playsInline: true});
+      fig.append(media);
+    } else {
+      media.alt = sample.prompt;
+      link.append(media);
+    }
     const cap = document.createElement("figcaption");
     cap.textContent = sample.prompt || sample.path.replace(/^sample\//, "");
     cap.title = sample.path.replace(/^sample\//, "");
@@ -364,7 +377,8 @@ function runView() {
     const said = document.getElementById("action-result");  // an answered request's "asked for" goes
     if ((said.textContent.startsWith("samples asked") && !asked.includes("sample_now")) ||
         (said.textContent.startsWith("a LoRA file asked") && !asked.includes("save_now"))) said.textContent = "";
-    document.getElementById("stop-button").disabled = !(s.status === "running" || s.status === "queued");
+    // Only a running run, or one this UI holds in its queue: a run queued on disk that it never took up is not its.
+    document.getElementById("stop-button").disabled = !s.stoppable;
     document.getElementById("resume-button").disabled = !s.can_resume;
   }
 
