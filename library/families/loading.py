@@ -31,6 +31,16 @@ class LoadRequest:
     v2: bool = False
     v_parameterization: bool = False
     allow_pickle_checkpoints: bool = False
+    # The parts not read ("denoiser", "text", "vae"): a loader that honours it (a transformer family's diffusers
+    # folder, `reads_by_part`) builds them from their config on the meta device, so that a run by phase reads the
+    # text encoders without the denoiser and then the denoiser alone. Other loaders read every part.
+    skip: frozenset[str] = frozenset()
+
+    def skips(self, folder: str) -> bool:
+        """Whether the diffusers subfolder `folder` (transformer, text_encoder_2, vae ...) is one not read."""
+        part = "denoiser" if folder in ("transformer", "unet") else "text" if folder.startswith("text_encoder") \
+            else "vae" if folder == "vae" else None
+        return part in self.skip
 
     def file(self, name: str) -> str | None:
         return self.files.get(name)
@@ -49,11 +59,12 @@ def load_components(model_path: str | Path, v2: bool = False, v_parameterization
                     weight_dtype: torch.dtype = torch.float32,
                     vae_dtype: torch.dtype = torch.float32, model_config: str | Path | None = None,
                     allow_pickle_checkpoints: bool = False, model_version: str | None = None,
-                    **files: str | None) -> Components:
+                    skip: frozenset[str] = frozenset(), **files: str | None) -> Components:
     """Load the denoiser, VAE, text encoders, tokenizers and noise schedule of a local diffusers folder or single
     file, of whichever registered family it is. `files` are the separate files a single transformer file is
     loaded with (registry.file_options(): clip_l, t5xxl, ae ...); `model_config` describes a single file's
-    widths; `model_version` is the variant the user says the weights are (the family checks it).
+    widths; `model_version` is the variant the user says the weights are (the family checks it); `skip` names the
+    parts not read (LoadRequest.skip; only where `reads_by_part`).
 
     Weights are loaded straight into their training dtype (casting afterwards makes diffusers warn and doubles
     the peak memory of the load), and the heap pages the load freed go back to the system.
@@ -68,7 +79,7 @@ def load_components(model_path: str | Path, v2: bool = False, v_parameterization
     request = LoadRequest(path=path, weight_dtype=weight_dtype, vae_dtype=vae_dtype,
                           model_config=None if model_config is None else str(model_config), files=files,
                           model_version=model_version, v2=v2, v_parameterization=v_parameterization,
-                          allow_pickle_checkpoints=allow_pickle_checkpoints)
+                          allow_pickle_checkpoints=allow_pickle_checkpoints, skip=frozenset(skip))
     try:
         entry = entry_for(path)
         _check_file_options(entry, request)
@@ -76,6 +87,38 @@ def load_components(model_path: str | Path, v2: bool = False, v_parameterization
         return entry.load_file(request) if path.is_file() else entry.load_folder(request)
     finally:
         return_free_heap()  # the read and converted copies of the weights: 0.4-1 GiB for SDXL
+
+
+# The entries whose diffusers folders are read through shared.diffusers_folder.load_folder alone, which honours
+# LoadRequest.skip. Wan's reads its second expert apart and its files loaders read every part.
+_READ_BY_PART = ("flux", "flux2", "qwen_image", "chroma", "sd3", "z_image")
+
+
+def reads_by_part(model_path: str | Path | None) -> bool:
+    """Whether the model's loader reads only the parts asked (LoadRequest.skip): a diffusers folder of a
+    transformer family whose folder loader honours it."""
+    if model_path is None or not Path(model_path).is_dir():
+        return False
+    try:
+        return entry_for(Path(model_path)).name in _READ_BY_PART
+    except UserError:
+        return False
+
+
+def empty_model(cls: Any, path: Path, subfolder: str, dtype: torch.dtype | None) -> Any:
+    """A diffusers or transformers model of `cls` built from `path`/`subfolder`'s config on the meta device: its
+    modules and config as loaded, no weight read or allocated."""
+    from diffusers import ModelMixin
+
+    with torch.device("meta"):
+        if issubclass(cls, ModelMixin):
+            model = cls.from_config(cls.load_config(path, subfolder=subfolder, local_files_only=True))
+        else:
+            from transformers import AutoConfig
+
+            model = cls._from_config(AutoConfig.from_pretrained(path, subfolder=subfolder, local_files_only=True))
+    # Module.to: diffusers' own warns about fp32-kept modules, which a model without weights does not have yet.
+    return model if dtype is None else torch.nn.Module.to(model, dtype)
 
 
 def _check_file_options(entry: FamilyEntry, request: LoadRequest) -> None:
