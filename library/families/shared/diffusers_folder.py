@@ -12,7 +12,7 @@ import torch
 
 from library.config import UserError
 from library.families.family import Components, Family
-from library.families.loading import LoadRequest
+from library.families.loading import LoadRequest, empty_model
 
 
 def _class_name(config: Path) -> str | None:
@@ -32,10 +32,12 @@ def pipeline_class(path: Path) -> str | None:
     return _class_name(path / "model_index.json")
 
 
-def read_folder(path: Path, model: str, parts: Mapping[str, tuple[Any, torch.dtype | None]]) -> dict[str, Any]:
+def read_folder(path: Path, model: str, parts: Mapping[str, tuple[Any, torch.dtype | None]],
+                empty: Sequence[str] = ()) -> dict[str, Any]:
     """Each subfolder named in `parts` through its class's from_pretrained, local files only: models in their dtype,
-    tokenizers and schedulers with None. A missing subfolder, or one that cannot be read, is a UserError naming
-    `model`."""
+    tokenizers and schedulers with None. Those named in `empty` are built from their config on the meta device,
+    their weights not read (loading.empty_model). A missing subfolder, or one that cannot be read, is a UserError
+    naming `model`."""
     from diffusers import ModelMixin
 
     missing = [name for name in parts if not (path / name).is_dir()]
@@ -47,6 +49,9 @@ def read_folder(path: Path, model: str, parts: Mapping[str, tuple[Any, torch.dty
             options: dict[str, Any] = {"local_files_only": True}
             if dtype is not None:  # diffusers' models take torch_dtype, transformers' dtype
                 options["torch_dtype" if issubclass(cls, ModelMixin) else "dtype"] = dtype
+            if name in empty:
+                loaded[name] = empty_model(cls, path, name, dtype)
+                continue
             loaded[name] = cls.from_pretrained(path, subfolder=name, **options)
     except (OSError, ValueError, json.JSONDecodeError) as e:
         raise UserError(f"{path}: cannot load the {model} model: {e}") from None
@@ -65,7 +70,8 @@ def load_folder(request: LoadRequest, model: str, classes: Mapping[str, Any],
             return request.vae_dtype
         return None if name.startswith("tokenizer") or name == "scheduler" else request.weight_dtype
 
-    parts = read_folder(request.path, model, {name: (cls, dtype(name)) for name, cls in classes.items()})
+    parts = read_folder(request.path, model, {name: (cls, dtype(name)) for name, cls in classes.items()},
+                        empty=[name for name in classes if request.skips(name)])
     encoders = [parts[name] for name in classes if name.startswith("text_encoder")]
     return transformer_components(parts["transformer"], parts["vae"], encoders,
                                   [parts[name] for name in classes if name.startswith("tokenizer")],
