@@ -89,16 +89,17 @@ def cache_inputs(config: Config, data: TrainingData, components: Components, acc
         cache_text_encoder_outputs(data, encode, batch_size=config.text_encoder_batch_size or 16)
 
 
-def release_encoders(components: Components, model: DiffusionModel, plan: CachePlan, train_text_encoder: bool,
+def release_encoders(components: Components, model: DiffusionModel | None, plan: CachePlan, train_text_encoder: bool,
                      sampling: bool, device: torch.device, validating: bool = False) -> None:
     """Once the VAE's and the frozen text encoders' outputs are cached, only sampling needs them. Without sample
     prompts their weights are dropped (moved to the meta device: the modules and configs stay, the memory goes);
     with them they wait on the CPU between sampling rounds (`on_device`). A cached encoder also leaves the trained
-    module, which then holds only what each step runs. Validation images are encoded when validated (`validating`),
-    so the VAE then stays."""
+    module, which then holds only what each step runs (`model`: None in a run by phase, whose trained module is
+    built without them). Validation images are encoded when validated (`validating`), so the VAE then stays."""
     parked: list[str] = []
     if plan.text and not train_text_encoder:
-        model.text_encoders = torch.nn.ModuleList()
+        if model is not None:
+            model.text_encoders = torch.nn.ModuleList()
         parked += [f"text encoder {i + 1}" for i in range(len(components.text_encoders))]
         _park(components.text_encoders, sampling)
     if plan.latents and not validating:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -184,21 +184,43 @@ def trained_parts(config: Config, family: Family) -> tuple[bool, bool]:
     return not config.network_train_text_encoder_only, train_text_encoder
 
 
+def place_encoders(config: Config, components: Components, device: torch.device) -> None:
+    """The first phase of a run by phase: the VAE and the frozen text encoders frozen, on the device and stored as
+    build_model stores them (fp8 text encoders cast around their forward), ready to fill the caches; the denoiser
+    is not touched (it is not read yet)."""
+    for module in (*components.text_encoders, components.vae):
+        module.requires_grad_(False)
+    components.vae.to(device).eval()
+    for text_encoder in components.text_encoders:
+        text_encoder.to(device).eval()
+    precision = replace(BasePrecision.from_config(config, WEIGHT_DTYPES[config.mixed_precision]), denoiser=None)
+    precision.prepare(torch.nn.Module(), components.text_encoders)
+    precision.finish(torch.nn.Module(), components.text_encoders)
+
+
 def build_model(config: Config, components: Components, device: torch.device,
-                spec: NetworkSpec | None = None) -> tuple[DiffusionModel, list[dict[str, Any]]]:
+                spec: NetworkSpec | None = None, encoded: bool = False) -> tuple[DiffusionModel, list[dict[str, Any]]]:
     """Freeze the base (already in its weight dtype), attach the LoRA (fp32, or the weight dtype with full_fp16 /
-    full_bf16); return the model and optimizer groups."""
+    full_bf16); return the model and optimizer groups. `encoded`: a run by phase, whose text encoders and VAE were
+    placed and used for the caches before the denoiser was read (place_encoders) and are left as they are; the
+    trained module then holds no text encoder. With blocks_to_swap on a CUDA device the swapped blocks' frozen
+    weights stay in host memory as the rest goes to the device, so the whole denoiser is never on it."""
     spec = spec or NetworkSpec(config.network_dim, config.network_alpha)
     train_unet, train_text_encoder = trained_parts(config, components.family)
     unet, text_encoders = components.denoiser, components.text_encoders
-    for module in (unet, *text_encoders, components.vae):
-        module.requires_grad_(False)
-    components.vae.to(device).eval()
-    unet.to(device)
-    for text_encoder in text_encoders:
-        text_encoder.to(device)
     precision = BasePrecision.from_config(config, WEIGHT_DTYPES[config.mixed_precision])
-    precision.prepare(unet, text_encoders)
+    unet.requires_grad_(False)
+    if encoded:
+        precision = replace(precision, text_encoders=None)
+    else:
+        for module in (*text_encoders, components.vae):
+            module.requires_grad_(False)
+        components.vae.to(device).eval()
+    on_host = place_denoiser(config, components.family, unet, device)
+    if not encoded:
+        for text_encoder in text_encoders:
+            text_encoder.to(device)
+    precision.prepare(unet, [] if encoded else text_encoders)
 
     groups: list[dict[str, Any]] = []
     net = network_args_of(config)
@@ -220,11 +242,16 @@ def build_model(config: Config, components: Components, device: torch.device,
             family.lora_text_encoders(text_encoders),
             config.text_encoder_lr if config.text_encoder_lr is not None else config.learning_rate,
             "text_encoder", net.loraplus_ratio("text_encoder"))
-    precision.finish(unet, text_encoders)
+    precision.finish(unet, [] if encoded else text_encoders)
     if config.full_fp16 or config.full_bf16:
         for group in groups:
             for param in group["params"]:
                 param.data = param.data.to(WEIGHT_DTYPES[config.mixed_precision])
+    if on_host:  # the LoRA of the blocks left in host memory: it stays on the device, as block swap keeps it
+        for group in groups:
+            for param in group["params"]:
+                if param.device != device:
+                    param.data = param.data.to(device)
     install_offloading_of(config, family, unet, device)
     if config.gradient_checkpointing or config.cpu_offload_checkpointing:  # kohya turns it on for the latter
         unet.enable_gradient_checkpointing()
@@ -237,10 +264,26 @@ def build_model(config: Config, components: Components, device: torch.device,
     for text_encoder in text_encoders:
         # A frozen encoder stays in eval mode: FLUX's T5 has dropout, which would otherwise perturb its states.
         text_encoder.train(any(text_encoder is trained for trained in trained_encoders))
-    model = DiffusionModel(components.family, unet, text_encoders, train_text_encoder, config.clip_skip)
+    model = DiffusionModel(components.family, unet, [] if encoded else text_encoders, train_text_encoder,
+                           config.clip_skip)
     if spec.initial_weights is not None:
         load_adapter(config, model, spec.initial_weights, strict=False, source=str(config.network_weights))
     return model, groups
+
+
+def place_denoiser(config: Config, family: Family, denoiser: torch.nn.Module, device: torch.device) -> bool:
+    """The denoiser to `device`, except, with blocks_to_swap on CUDA, the blocks the swap schedule starts in host
+    memory (the last `count` of each run of blocks, as BlockSwap.start places them): they are never on the device
+    before their turn. Whether any block was left in host memory."""
+    if not (config.blocks_to_swap and device.type == "cuda"):
+        denoiser.to(device)
+        return False
+    on_host = {id(module) for blocks, count in family.block_swap_plan(denoiser, config.blocks_to_swap) if count
+               for block in list(blocks)[len(blocks) - count:] for module in block.modules()}
+    for module in denoiser.modules():
+        if id(module) not in on_host:
+            module._apply(lambda tensor: tensor.to(device), recurse=False)
+    return bool(on_host)
 
 
 def install_offloading_of(config: Config, family: Family, denoiser: torch.nn.Module, device: torch.device) -> None:

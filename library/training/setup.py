@@ -21,7 +21,7 @@ from library.config import Config, UserError
 from library.core.memory import return_free_heap
 from library.data.dataset import TrainingData, build_training_data
 from library.families.family import Components
-from library.families.loading import load_components, musubi_autoencoder
+from library.families.loading import load_components, musubi_autoencoder, reads_by_part
 from library.families.objective import Objective
 from library.families.registry import entry_for, file_options
 from library.families.settings import FamilySettings, settings_from
@@ -44,7 +44,7 @@ from library.network.metadata import (
 from library.training import adapters as adapter_training
 from library.training.accelerator import gathered, realign_cpu_adam, restore_nvme_optimizer_state, zero3, zero3_refusals
 from library.training.base_weights import merge_base_weights
-from library.training.caching import cache_inputs, plan_caching, release_encoders
+from library.training.caching import CachePlan, cache_inputs, plan_caching, release_encoders
 from library.training.hub import HUB_STATE_FOLDER, download_state, parse_hub_state
 from library.training.model import (
     SAVE_DTYPES,
@@ -57,6 +57,7 @@ from library.training.model import (
     load_adapter,
     lora_modules,
     network_spec,
+    place_encoders,
     save_lora,
     trained_parts,
 )
@@ -155,9 +156,12 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     spec = network_spec(config, family)
     data.set_tokenizer(family.tokenizer(components, config.max_token_length), family.prompt_reads_controls)
     objective = family.objective(components, settings, accelerator.device)
-    model, groups = build_model(config, components, accelerator.device, spec)
+    caching, phased = encode_first(config, accelerator, data, components, vae_dtype, bool(prompts))
+    load_denoiser(config, components, data, weight_dtype, vae_dtype)  # where the first read left it out
+    model, groups = build_model(config, components, accelerator.device, spec, encoded=phased)
     trainable = [p for group in groups for p in group["params"]]
-    prepare_inputs(config, accelerator, output_dir, data, components, model, trainable, vae_dtype, bool(prompts))
+    prepare_inputs(config, accelerator, output_dir, data, components, model, trainable, vae_dtype, bool(prompts),
+                   caching, phased)
     dataloader = data.dataloader(config.max_data_loader_n_workers, config.persistent_data_loader_workers,
                                  config.gradient_accumulation_steps)
     optimizer = build_optimizer(config.optimizer_type, groups, config.learning_rate, config.optimizer_args,
@@ -201,27 +205,28 @@ def resume_point(config: Config, accelerator: Accelerator, output_dir: Path) -> 
     return resume_dir, TrainState.read(resume_dir)
 
 
+def may_run_by_phase(config: Config) -> bool:
+    """Whether the run may go by phase (encode_first) once its caching plan says the text encoders' outputs are
+    cached: not with base_weights, which are merged into the text encoders and the denoiser together."""
+    return not config.base_weights
+
+
 def load_base(config: Config, accelerator: Accelerator, data: TrainingData, weight_dtype: torch.dtype,
               vae_dtype: torch.dtype) -> tuple[Components, FamilySettings]:
     """The frozen base, checked against the memory available first, read in its storage precision and configured
-    for the run (its family's settings, a replacement VAE, merged base weights); and those settings."""
+    for the run (its family's settings, a replacement VAE, merged base weights); and those settings. Where the
+    run may go by phase and the model's loader reads by part (a transformer family's diffusers folder), the
+    denoiser is left out here (on the meta device) and read by load_denoiser once the caches are filled."""
     precision = BasePrecision.from_config(config, weight_dtype)
     check_memory(config, accelerator.device, accelerator.num_processes, precision, vae_dtype)
-    # Separate component files (kohya's FLUX files) are read straight into their storage precision (fp8 files stay
-    # fp8). A single SD checkpoint is not: diffusers' from_single_file casts what it is given to the training dtype.
-    # kohya's CLIP and T5 files are lowered as they are read; musubi-tuner's Qwen text encoder file is not.
-    files = {name: getattr(config, name) for name in file_options()}
-    separate = any(files[name] for name in ("clip_l", "t5xxl", "ae") if name in files)
-    text_files = [files[name] for name in ("clip_l", "clip_g", "t5xxl") if files.get(name)]
-    with reading(precision.read_rule([config.pretrained_model_name_or_path] if separate else [], text_files)):
-        components = load_components(config.pretrained_model_name_or_path, config.v2, config.v_parameterization,
-                                     weight_dtype, vae_dtype, config.model_config, config.allow_pickle_checkpoints,
-                                     model_version=config.model_version, **files)
+    later = may_run_by_phase(config) and reads_by_part(config.pretrained_model_name_or_path)
+    components = read_base(config, precision, weight_dtype, vae_dtype, frozenset({"denoiser"} if later else ()))
     if config.vae is not None:  # kohya's separate VAE file
         components.vae = load_vae(config.vae, components.vae, vae_dtype)
     settings = settings_from(components.family.settings_type, config)
     family = components.family = components.family.configured(settings)
-    family.prepare_denoiser(components.denoiser, [spec.resolution for spec in data.specs])
+    if not is_meta(components.denoiser):
+        family.prepare_denoiser(components.denoiser, [spec.resolution for spec in data.specs])
     merge_base_weights(components, config.base_weights, config.base_weights_multiplier)  # before any cache
     if config.weighted_captions and not family.offers_weighted_captions:
         raise UserError(f"weighted_captions is not offered for {family.name}: sd-scripts weights captions for the "
@@ -230,22 +235,81 @@ def load_base(config: Config, accelerator: Accelerator, data: TrainingData, weig
     return components, settings
 
 
+def read_base(config: Config, precision: BasePrecision, weight_dtype: torch.dtype, vae_dtype: torch.dtype,
+              skip: frozenset[str]) -> Components:
+    """The model's parts but those in `skip` (LoadRequest.skip), read in their storage precision."""
+    # Separate component files (kohya's FLUX files) are read straight into their storage precision (fp8 files stay
+    # fp8). A single SD checkpoint is not: diffusers' from_single_file casts what it is given to the training dtype.
+    # kohya's CLIP and T5 files are lowered as they are read; musubi-tuner's Qwen text encoder file is not.
+    files = {name: getattr(config, name) for name in file_options()}
+    separate = any(files[name] for name in ("clip_l", "t5xxl", "ae") if name in files)
+    text_files = [files[name] for name in ("clip_l", "clip_g", "t5xxl") if files.get(name)]
+    with reading(precision.read_rule([config.pretrained_model_name_or_path] if separate else [], text_files)):
+        return load_components(config.pretrained_model_name_or_path, config.v2, config.v_parameterization,
+                               weight_dtype, vae_dtype, config.model_config, config.allow_pickle_checkpoints,
+                               model_version=config.model_version, skip=skip, **files)
+
+
+def is_meta(module: torch.nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
+
+
+def encode_first(config: Config, accelerator: Accelerator, data: TrainingData, components: Components,
+                 vae_dtype: torch.dtype, sampling: bool) -> tuple[CachePlan, bool]:
+    """The caching plan, and the run's first phase where it goes by phase: when the text encoders are not trained
+    and their outputs are cached, they and the VAE are placed, fill the caches and are freed (their memory given
+    back) before the denoiser is read or placed. Whether it ran. With sample prompts the encoders wait on the CPU
+    (sampling encodes its prompts with them, as in a run without phases), else their weights are dropped."""
+    train_text_encoder = trained_parts(config, components.family)[1]
+    caching = plan_caching(config, data, train_text_encoder, components.family.prompt_reads_controls)
+    if not (may_run_by_phase(config) and caching.text and not train_text_encoder):
+        return caching, False
+    logger.info("by phase: the text encoders%s fill the caches and are freed before the denoiser is %s",
+                " and the VAE" if caching.latents else "",
+                "read and placed" if is_meta(components.denoiser) else "placed")
+    place_encoders(config, components, accelerator.device)
+    cache_inputs(config, data, components, accelerator, vae_dtype, caching)
+    release_encoders(components, None, caching, train_text_encoder, sampling, accelerator.device,
+                     validating=data.validation is not None)
+    give_back_memory(accelerator.device)
+    return caching, True
+
+
+def give_back_memory(device: torch.device) -> None:
+    """Freed weights' memory back to the system (glibc's heap) and, on CUDA, out of torch's cache."""
+    return_free_heap()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def load_denoiser(config: Config, components: Components, data: TrainingData, weight_dtype: torch.dtype,
+                  vae_dtype: torch.dtype) -> None:
+    """The denoiser that load_base left out, read alone (its folder's other parts left unread) and prepared for
+    the run by its family, in place of the meta one."""
+    if not is_meta(components.denoiser):
+        return
+    precision = BasePrecision.from_config(config, weight_dtype)
+    components.denoiser = read_base(config, precision, weight_dtype, vae_dtype, frozenset({"text", "vae"})).denoiser
+    components.family.prepare_denoiser(components.denoiser, [spec.resolution for spec in data.specs])
+
+
 def prepare_inputs(config: Config, accelerator: Accelerator, output_dir: Path, data: TrainingData,
                    components: Components, model: DiffusionModel, trainable: list[torch.nn.Parameter],
-                   vae_dtype: torch.dtype, sampling: bool) -> None:
+                   vae_dtype: torch.dtype, sampling: bool, caching: CachePlan, encoded: bool = False) -> None:
     """Before the first step: compile the denoiser's blocks if asked, check the disk has room for what the run
-    saves, cache latents and text-encoder outputs, and free the encoders no longer needed."""
+    saves, cache latents and text-encoder outputs (unless `encoded`: the first phase of a run by phase did), and
+    free the encoders no longer needed."""
     if config.torch_compile and config.dynamo_backend != "no":
         compile_repeated_blocks(model.denoiser, config.dynamo_backend)
     on_main_process(accelerator, lambda: check_free_space(
         output_dir, sum(p.numel() * p.element_size() for p in trainable),
         config.save_state or config.save_state_on_train_end or config.save_state_on_preemption))
-    train_text_encoder = trained_parts(config, components.family)[1]
-    caching = plan_caching(config, data, train_text_encoder, components.family.prompt_reads_controls)
-    cache_inputs(config, data, components, accelerator, vae_dtype, caching)
-    release_encoders(components, model, caching, train_text_encoder, sampling, accelerator.device,
-                     validating=data.validation is not None)
-    return_free_heap()  # the encoders' work and what of their weights was freed
+    if not encoded:
+        train_text_encoder = trained_parts(config, components.family)[1]
+        cache_inputs(config, data, components, accelerator, vae_dtype, caching)
+        release_encoders(components, model, caching, train_text_encoder, sampling, accelerator.device,
+                         validating=data.validation is not None)
+    give_back_memory(accelerator.device)  # the encoders' work and what of their weights was freed
     if zero3(accelerator):
         zero3_refusals(config, sampling, data.validation is not None)
 
