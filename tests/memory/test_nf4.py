@@ -75,3 +75,16 @@ def test_the_layer_computes_as_bitsandbytes_own(compute_dtype):
     x = torch.randn(5, 96, dtype=compute_dtype)
     assert torch.equal(ours(x), theirs(x))
     assert ours.bias.dtype == compute_dtype and ours.weight.quant_state.dtype == compute_dtype
+
+
+def test_values_on_a_midpoint_take_bitsandbytes_code():
+    """bitsandbytes' bucketize gives a value on a midpoint the lower code; so must the comparisons."""
+    code = bnb.functional.get_4bit_type("nf4", device="cpu")
+    bounds = (code[:-1] + code[1:]) / 2
+    block = torch.cat([torch.tensor([1.0]), bounds, code, -bounds, torch.nextafter(bounds, torch.ones(15)),
+                       torch.zeros(64 - 1 - 15 * 3 - 16 + 16)])[:64]
+    weight = torch.cat([block, block * 0.5]).reshape(2, 64)  # a block whose absmax is 1, and one of 0.5
+    packed, state = quantize_nf4(weight, compress_statistics=False)
+    expected_packed, expected = bnb.functional.quantize_4bit(weight, blocksize=64, compress_statistics=False,
+                                                             quant_type="nf4")
+    assert torch.equal(packed, expected_packed) and torch.equal(state.absmax, expected.absmax)
