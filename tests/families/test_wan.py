@@ -360,3 +360,27 @@ def test_ti2v_5b_trains_text_to_video_with_every_tokens_timestep_alike(tmp_path)
         theirs = loaded.denoiser(hidden_states=latents, timestep=tokens,
                                  encoder_hidden_states=encoded["encoder_hidden_states"], return_dict=False)[0]
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_batch_on_both_sides_of_the_boundary_gets_each_items_expert(tmp_path):
+    """Validation's fixed timesteps span both experts in one batch: each item is predicted by its own expert, as it
+    would be alone."""
+    from library.families.loading import load_components
+    from library.families.wan.tiny import save_tiny_wan22_a14b
+
+    loaded = load_components(save_tiny_wan22_a14b(tmp_path / "wan22"))
+    family = loaded.family.configured(settings("--timestep_boundary", "500"))
+    noisy = torch.randn(3, 16, 4, 4, generator=torch.Generator().manual_seed(1))
+    timesteps = torch.tensor([900.0, 100.0, 500.0])
+    text = {"encoder_hidden_states": torch.randn(3, 512, 32, generator=torch.Generator().manual_seed(2))}
+    with torch.no_grad():
+        together = family.denoise(loaded.denoiser, noisy, timesteps, text, {})
+        alone = [family.denoise(loaded.denoiser, noisy[i:i + 1], timesteps[i:i + 1],
+                                {"encoder_hidden_states": text["encoder_hidden_states"][i:i + 1]}, {})
+                 for i in (1, 0, 2)]
+    torch.testing.assert_close(together, torch.cat([alone[1], alone[0], alone[2]]), rtol=1e-5, atol=1e-5)
+    family.experts.activate(loaded.denoiser, high=False)
+    with torch.no_grad():  # the low-noise expert's prediction of item 0 differs: item 0 went to the high-noise one
+        low = loaded.denoiser(hidden_states=noisy[:1, :, None], timestep=timesteps[:1],
+                              encoder_hidden_states=text["encoder_hidden_states"][:1], return_dict=False)[0]
+    assert not torch.allclose(together[:1], low[:, :, 0], atol=1e-4)

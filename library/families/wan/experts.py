@@ -110,8 +110,14 @@ class ExpertSwitch:
 
     def is_high(self, timesteps: torch.Tensor) -> bool:
         """Whether a batch's timesteps (1000 * sigma; one side of the boundary) ask for the high-noise expert."""
-        two = self._inactive is not None or self.high_active
-        return two and float(timesteps.reshape(-1)[0]) / NUM_TRAIN_TIMESTEPS >= self.boundary
+        high = self.high_items(timesteps)
+        return high is not None and bool(high.reshape(-1)[0])
+
+    def high_items(self, timesteps: torch.Tensor) -> torch.Tensor | None:
+        """Per item: whether its timestep asks for the high-noise expert; None for one transformer."""
+        if self._inactive is None and not self.high_active:
+            return None
+        return (timesteps.detach().float().cpu() / NUM_TRAIN_TIMESTEPS >= self.boundary).reshape(-1)
 
     def activate(self, transformer: torch.nn.Module, high: bool) -> None:
         """Make `transformer`'s base weights the high-noise (or low-noise) expert's; the LoRA stays."""

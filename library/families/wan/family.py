@@ -205,12 +205,20 @@ class Wan(musubi_flow.MusubiFamily):
         image = noisy.ndim == 4
         height, width = noisy.shape[-2:]
         transformer_checks.check_latent_size("Wan", height, width)
-        if self.experts is not None:
-            self.experts.activate(denoiser, self.experts.is_high(timesteps))
         hidden = noisy.unsqueeze(2) if image else noisy
-        prediction = denoiser(hidden_states=hidden, timestep=timesteps.to(noisy.dtype),
-                              encoder_hidden_states=text["encoder_hidden_states"].to(noisy.dtype),
-                              return_dict=False)[0]
+        states = text["encoder_hidden_states"].to(noisy.dtype)
+        high = self.experts.high_items(timesteps) if self.experts is not None else None
+        if high is None or bool(high.all()) or not bool(high.any()):
+            if self.experts is not None:
+                self.experts.activate(denoiser, high is not None and bool(high.all()))
+            prediction = _call(denoiser, hidden, timesteps, states)
+        else:  # a batch on both sides (validation's fixed timesteps): each expert predicts its own items
+            prediction = torch.empty_like(hidden)
+            for side in (False, True):
+                items = (high == side).nonzero().flatten().to(hidden.device)
+                self.experts.activate(denoiser, side)
+                prediction[items] = _call(denoiser, hidden[items], timesteps[items.to(timesteps.device)],
+                                          states[items.to(states.device)])
         return prediction.squeeze(2) if image else prediction
 
     def block_swap_plan(self, denoiser: torch.nn.Module, blocks_to_swap: int) -> list[tuple[Any, int]]:
@@ -277,6 +285,12 @@ class Wan(musubi_flow.MusubiFamily):
                       negative: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         return {"prompt_embeds": positive["encoder_hidden_states"],
                 "negative_prompt_embeds": negative["encoder_hidden_states"]}
+
+
+def _call(denoiser: torch.nn.Module, hidden: torch.Tensor, timesteps: torch.Tensor,
+          states: torch.Tensor) -> torch.Tensor:
+    return denoiser(hidden_states=hidden, timestep=timesteps.to(hidden.dtype), encoder_hidden_states=states,
+                    return_dict=False)[0]
 
 
 def is_wan_folder(path: Path) -> bool:
