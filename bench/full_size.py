@@ -12,12 +12,15 @@ images at 256 px with captions; a TOML config (batch 1, LoRA rank 16, gradient c
 text-encoder outputs, FLUX's T5 prompt length 64, `mixed_precision = "no"`: the base computes in float32), and runs
 `python train_network.py --config CONFIG` in a child process that marks the end of each phase:
 
-- load: `load_components` (reading the files; an NF4 transformer is quantized layer by layer as it is read);
-- quantize: `build_model` (the rest of the base's quantization or fp8 cast, and the LoRA);
-- caching: `cache_inputs` (latents and text-encoder outputs);
+- load: from the launch to the end of `load_components` (reading the files; an NF4 transformer is quantized
+  layer by layer as it is read);
+- quantize: to the end of `build_model` (the rest of the base's quantization or fp8 cast, and the LoRA);
+- caching: to the end of `cache_inputs` (latents and text-encoder outputs);
 - first_step: to the end of the first optimizer step;
 - steps: to the end of the run.
 
+The phases are taken in the order they ran (`phase_order`: a run whose text-encoder outputs are cached fills the
+caches before `build_model`, so caching comes before quantize there), each from the end of the one before.
 At each mark the child reads the kernel's high-water mark (VmHWM, the peak RSS since the previous mark) and
 restarts it (`/proc/self/clear_refs`), so each phase's peak is its own; s/step comes from the run's events.jsonl
 (the steps after the first). The memory estimate (library/memory/estimate.py, from the files' headers as the
@@ -321,8 +324,11 @@ def run_one(name: str, run: Run, args: argparse.Namespace, work: Path, tiny: dic
         tail = "\n".join(log.read_text().splitlines()[-15:])
         raise SystemExit(f"{name}: train_network.py exited with {code} (phases marked: {', '.join(marks)}); "
                          f"log {log}:\n{tail}")
+    # The phases in the order they ran (a run by phase fills the caches before build_model); each mark's peak is
+    # the one since the mark before it.
+    order = sorted(PHASES, key=lambda phase: marks[phase]["time"])
     seconds, peaks, previous = {}, {}, launched
-    for phase in PHASES:
+    for phase in order:
         seconds[phase] = round(marks[phase]["time"] - previous, 2)
         peaks[phase] = round(marks[phase]["peak_bytes"] / GIB, 2)
         previous = marks[phase]["time"]
@@ -332,7 +338,8 @@ def run_one(name: str, run: Run, args: argparse.Namespace, work: Path, tiny: dic
             "base_precision": run.precision, "compute_dtype": "float32", "resolution": resolution,
             "batch_size": 1, "rank": 16, "t5_length": 64 if run.model == "flux" else None, "blocks_to_swap": swap,
             "steps": args.steps, "s_per_step": s_per_step(output / "events.jsonl"),
-            "seconds": seconds, "launch_to_first_step_s": round(marks["first_step"]["time"] - launched, 2),
+            "phase_order": order, "seconds": seconds,
+            "launch_to_first_step_s": round(marks["first_step"]["time"] - launched, 2),
             "peak_rss_gib": peaks, "peak_reset_per_phase": json.loads(record_path.read_text())["reset"],
             "estimate_gib": estimates(run, files, 16),
             "load_average": round(average, 2), "available_gib_before": free, "cpu_model": cpu_model(),

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "full_size.py"
 PHASES = {"load", "quantize", "caching", "first_step", "steps"}
 FIELDS = {"run", "model", "base_precision", "compute_dtype", "resolution", "batch_size", "rank", "t5_length",
-          "blocks_to_swap", "steps", "s_per_step", "seconds", "launch_to_first_step_s", "peak_rss_gib",
+          "blocks_to_swap", "steps", "s_per_step", "phase_order", "seconds", "launch_to_first_step_s", "peak_rss_gib",
           "peak_reset_per_phase", "estimate_gib", "load_average", "available_gib_before", "cpu_model", "threads",
           "time", "command", "config", "log"}
 
@@ -42,6 +42,7 @@ def test_the_tiny_mode_writes_a_record_per_run_with_every_field(tmp_path):
         assert all(0 < value < 8 for value in record["peak_rss_gib"].values())
         assert record["peak_rss_gib"]["overall"] == max(record["peak_rss_gib"][p] for p in PHASES)
         assert set(record["estimate_gib"]) == PHASES and set(record["seconds"]) == PHASES
+        assert sorted(record["phase_order"]) == sorted(PHASES) and record["phase_order"][-2:] == ["first_step", "steps"]
         assert all(value >= 0 for value in record["seconds"].values())
         assert record["s_per_step"] > 0 and isinstance(record["load_average"], float) and record["cpu_model"]
         log = Path(record["log"]).read_text()
