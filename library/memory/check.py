@@ -1,8 +1,11 @@
 """The memory check before a run loads its base: the estimate (library.memory.estimate) against what the device
-has, naming the options that would fit when it does not."""
+has, naming the options that would fit when it does not. A run by phase (library.training.setup.encode_first) is
+planned by phase: its largest phase must fit."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -15,10 +18,14 @@ logger = logging.getLogger(__name__)
 
 
 def check_memory(config: Config, device: torch.device, num_processes: int, precision: BasePrecision,
-                 vae_dtype: torch.dtype, available: float | None = None) -> None:
+                 vae_dtype: torch.dtype, available: float | None = None, by_phase: bool = False,
+                 sampling: bool = False) -> None:
     """Estimate what the run will hold from the model files' headers and stop before loading (UserError) where it
     exceeds the memory available (the CUDA device's, or the host's shared by this machine's `num_processes`), naming the
-    options that would fit. `available` stands in for the measured memory in tests."""
+    options that would fit. `by_phase`: the run caches its frozen text encoders' outputs and frees them before the
+    denoiser is read (then each phase is checked on its own, `sampling` saying whether sample prompts bring the
+    encoders back). blocks_to_swap on CUDA counts where the denoiser's blocks can be told without reading it (a
+    diffusers folder read by part). `available` stands in for the measured memory in tests."""
     files = memory.model_files(config.pretrained_model_name_or_path,
                                {"text": [config.clip_l, config.t5xxl, config.text_encoder], "vae": [config.ae]})
     if files is None:
@@ -32,20 +39,69 @@ def check_memory(config: Config, device: torch.device, num_processes: int, preci
         return  # the loader names what is wrong with the file
     # IA3 trains one scale per channel whatever network_dim says (the GUI's iA3 presets write 64 or 1024)
     rank = 1 if network_args_of(config).algo == "ia3" else config.network_dim
+    cuda = device.type == "cuda"
     settings = memory.Settings(precision.denoiser, precision.text_encoders, precision.compute_dtype, vae_dtype,
                                rank, config.gradient_checkpointing or config.cpu_offload_checkpointing,
                                reads_low=any((config.clip_l, config.t5xxl, config.ae)))  # as build_session reads
-    sharing = 1 if device.type == "cuda" else num_processes
-    need = memory.estimate(counts, settings)
+    swapped = swapped_share(config) if cuda and config.blocks_to_swap else None
+    if swapped:
+        settings = replace(settings, swapped_fraction=swapped)
+    read_apart = reads_apart(config.pretrained_model_name_or_path)
+
+    def planned(changed: memory.Settings) -> dict[str, memory.Estimate]:
+        if not by_phase:
+            return {"": memory.estimate(counts, changed)}
+        plan = memory.phases(counts, changed, sampling, host=not cuda)
+        if not cuda and not read_apart:  # the host reads every part at once before the phases
+            plan = {"reading every part": memory.load_and_training(counts, changed)[0], **plan}
+        return plan
+
+    plan = planned(settings)
+    need = memory.peak(plan)
+    sharing = 1 if cuda else num_processes
     if available is None:
         available = memory.available_memory(device) / sharing
-    where = "on the GPU" if device.type == "cuda" else "in host memory"
-    logger.info("memory estimate %s: %s (%.1f GiB available)", where, need.describe(), available / memory.GIB)
+    where = "on the GPU" if cuda else "in host memory"
+    swap_note = "" if not (cuda and config.blocks_to_swap) else (
+        f"; blocks_to_swap {config.blocks_to_swap}: {swapped:.0%} of the denoiser in host memory" if swapped else
+        f"; blocks_to_swap {config.blocks_to_swap} not counted (the denoiser's blocks are told from a diffusers "
+        "folder only)")
+    if by_phase:
+        logger.info("memory estimate %s by phase (the largest must fit): %s (%.1f GiB available)%s", where,
+                    memory.describe_phases(plan), available / memory.GIB, swap_note)
+    else:
+        logger.info("memory estimate %s: %s (%.1f GiB available)%s", where, need.describe(),
+                    available / memory.GIB, swap_note)
     if need.total <= available:
         return
-    fits = memory.alternatives(counts, settings, available, device.type == "cuda")
-    raise UserError([f"this run needs about {need.total / memory.GIB:.1f} GiB {where} ({need.describe()}) and "
+    fits = memory.alternatives(counts, settings, available, cuda, lambda changed: memory.peak(planned(changed)).total)
+    phase = next(name for name, estimate in plan.items() if estimate is need)
+    raise UserError([f"this run needs about {need.total / memory.GIB:.1f} GiB {where}"
+                     f"{f' while {phase}' if phase else ''} ({need.describe()}) and "
                      f"{available / memory.GIB:.1f} GiB is available: it would run out of memory; stopped before "
                      "loading",
                      f"options that would fit: {'; '.join(fits)}" if fits else
                      "none of base_model_precision fp8 / int8 / nf4 or gradient_checkpointing alone would fit"])
+
+
+def reads_apart(model: str | None) -> bool:
+    from library.families.loading import reads_by_part
+
+    return reads_by_part(model)
+
+
+def swapped_share(config: Config) -> float | None:
+    """blocks_to_swap's share of the denoiser's weights, from its family's swap plan on the denoiser built from its
+    folder's config (nothing read); None where the model is not such a folder or its family has no plan."""
+    if not reads_apart(config.pretrained_model_name_or_path):
+        return None
+    from library.families.loading import load_components
+
+    try:
+        components = load_components(Path(config.pretrained_model_name_or_path),
+                                     model_version=config.model_version,
+                                     skip=frozenset({"denoiser", "text", "vae"}))
+        return memory.swapped_share(components.denoiser,
+                                    components.family.block_swap_plan(components.denoiser, config.blocks_to_swap))
+    except (UserError, OSError, ValueError):
+        return None  # the loader or the swap plan names the problem when the run reaches them

@@ -14,9 +14,10 @@ denoiser is placed on it.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -91,8 +92,22 @@ def model_files(model: str | Path, separate: dict[str, Iterable[str | None]]) ->
             if path:
                 if Path(path).suffix != ".safetensors":
                     return None
-                files.append((Path(path), part))
+                files += [(shard, part) for shard in shards(Path(path))]
     return files
+
+
+_SHARD = re.compile(r"^(?P<stem>.*)-(?P<index>\d+)-of-(?P<count>\d+)\.safetensors$")
+
+
+def shards(path: Path) -> list[Path]:
+    """Every part of a split file (`model-00001-of-00004.safetensors` names all four, as transformers reads them
+    beside it), or the file alone."""
+    match = _SHARD.match(path.name)
+    if match is None:
+        return [path]
+    width, count = len(match["index"]), int(match["count"])
+    return [path.with_name(f"{match['stem']}-{i:0{width}d}-of-{match['count']}.safetensors")
+            for i in range(1, count + 1)]
 
 
 @dataclass(frozen=True)
@@ -108,7 +123,8 @@ class Settings:
     reads_low: bool = True  # safetensors files read tensor by tensor (False: a diffusers folder, read whole)
 
 
-TEXT_PHASE, TRAINING_PHASE = "text encoding", "training"
+TEXT_PHASE, PLACING_PHASE, TRAINING_PHASE, SAMPLING_PHASE = ("text encoding", "placing the denoiser", "training",
+                                                             "sampling")
 
 
 @dataclass(frozen=True)
@@ -176,19 +192,52 @@ def load_and_training(counts: dict[str, Counts], settings: Settings) -> tuple[Es
     return Estimate(loading), Estimate(training)
 
 
-def phases(counts: dict[str, Counts], settings: Settings) -> dict[str, Estimate]:
-    """What the device holds in each phase when the text encoders' outputs are cached and the encoders freed before
-    the denoiser comes: while encoding (the text encoders as stored, the VAE caching latents) and while training
-    (the denoiser as stored less its swapped share, the VAE, LoRA and optimizer, activations). Reading the files
-    happens in host memory before either and is not counted here."""
+def phases(counts: dict[str, Counts], settings: Settings, sampling: bool = False,
+           host: bool = False) -> dict[str, Estimate]:
+    """What the device holds in each phase of a run by phase (the text encoders' outputs cached and the encoders
+    freed before the denoiser is read): while encoding (the text encoders, as read on the host, as stored on a
+    GPU, which gets them stored low; the VAE caching latents), while placing
+    the denoiser (as read, before a low precision stores it, less its swapped share), while training (the
+    denoiser as stored less its swapped share, the VAE, LoRA and optimizer, activations) and, with sample prompts
+    (`sampling`), while sampling, when the parked text encoders come back beside the denoiser. `host`: the device
+    is the host (CPU), where the parked encoders stay through training. Reading the files happens in host memory
+    and is not counted for a GPU."""
     denoiser, text, vae = (counts.get(name, Counts()) for name in ("denoiser", "text", "vae"))
     vae_bytes = (vae.matrices + vae.other) * torch.finfo(settings.vae_dtype).bits / 8
-    return {TEXT_PHASE: Estimate({"text encoders": held_bytes(text, settings.text_encoders, settings),
-                                  "VAE": vae_bytes}),
-            TRAINING_PHASE: Estimate({"denoiser as stored": held_bytes(denoiser, settings.denoiser, settings)
-                                      * (1 - settings.swapped_fraction), "VAE": vae_bytes,
-                                      "LoRA and optimizer": lora_bytes(denoiser, settings),
-                                      "activations (rough)": activation_bytes(denoiser, settings)})}
+    kept = 1 - settings.swapped_fraction
+    stored = held_bytes(denoiser, settings.denoiser, settings) * kept
+    text_held = held_bytes(text, settings.text_encoders, settings)
+    lora = lora_bytes(denoiser, settings)
+    # On a GPU the text encoders are stored low before they are placed; the host holds them as read first.
+    text_placed = read_bytes(text, settings.text_encoders, settings) if host else text_held
+    planned = {TEXT_PHASE: Estimate({"text encoders": text_placed, "VAE": vae_bytes}),
+               PLACING_PHASE: Estimate({"denoiser as read": max(stored, read_bytes(denoiser, settings.denoiser,
+                                                                                   settings) * kept),
+                                        "VAE": vae_bytes}),
+               TRAINING_PHASE: Estimate({"denoiser as stored": stored, "VAE": vae_bytes, "LoRA and optimizer": lora,
+                                         "activations (rough)": activation_bytes(denoiser, settings)})}
+    if sampling and host:
+        for name in (PLACING_PHASE, TRAINING_PHASE):
+            planned[name] = Estimate({**planned[name].parts, "text encoders (kept for sampling)": text_held})
+    elif sampling:
+        planned[SAMPLING_PHASE] = Estimate({"denoiser as stored": stored, "text encoders": text_held,
+                                            "VAE": vae_bytes, "LoRA and optimizer": lora})
+    return planned
+
+
+def read_bytes(part: Counts, kind: str | None, settings: Settings) -> float:
+    """A component as read, before a low precision stores it: fp8 read as fp8 from files read tensor by tensor,
+    a file's fp8 tensors as they are, the rest in the compute dtype."""
+    compute = torch.finfo(settings.compute_dtype).bits / 8
+    if kind == "fp8" and settings.reads_low:
+        return held_bytes(part, "fp8", settings)
+    low = part.stored_fp8 if kind and settings.reads_low else 0
+    return low + (part.matrices - low) * compute + part.other * compute
+
+
+def peak(planned: dict[str, Estimate]) -> Estimate:
+    """The largest phase."""
+    return max(planned.values(), key=lambda phase: phase.total)
 
 
 def swapped_share(denoiser: torch.nn.Module, plan: Iterable[tuple[Iterable[torch.nn.Module], int]]) -> float:
@@ -204,8 +253,10 @@ def describe_phases(planned: dict[str, Estimate]) -> str:
 
 
 def alternatives(counts: dict[str, Counts], settings: Settings, available: float,
-                 cuda: bool) -> list[str]:
-    """The option changes (alone) under which the estimate fits `available`."""
+                 cuda: bool, need: Callable[[Settings], float] | None = None) -> list[str]:
+    """The option changes (alone) under which the estimate (`need`, by default `estimate`'s total) fits
+    `available`."""
+    need = need or (lambda changed: estimate(counts, changed).total)
     tries = [("base_model_precision = \"fp8\" (kohya's fp8_base)", replace(settings, denoiser="fp8",
                                                                           text_encoders="fp8")),
              ("base_model_precision = \"int8\"", replace(settings, denoiser="int8", text_encoders="fp8")),
@@ -213,9 +264,11 @@ def alternatives(counts: dict[str, Counts], settings: Settings, available: float
              ("gradient_checkpointing = true", replace(settings, gradient_checkpointing=True))]
     if cuda:
         tries.append(("blocks_to_swap (about half the blocks)", replace(settings, swapped_fraction=0.5)))
-    fits = [name for name, changed in tries if changed != settings and estimate(counts, changed).total <= available]
+    if cuda and settings.swapped_fraction:
+        tries.pop()  # blocks are swapped already
+    fits = [name for name, changed in tries if changed != settings and need(changed) <= available]
     both = replace(settings, denoiser="nf4", text_encoders="fp8", gradient_checkpointing=True)
-    if not fits and both != settings and estimate(counts, both).total <= available:
+    if not fits and both != settings and need(both) <= available:
         fits.append("base_model_precision = \"nf4\" with gradient_checkpointing = true")
     return fits
 

@@ -185,16 +185,17 @@ def trained_parts(config: Config, family: Family) -> tuple[bool, bool]:
 
 
 def place_encoders(config: Config, components: Components, device: torch.device) -> None:
-    """The first phase of a run by phase: the VAE and the frozen text encoders frozen, on the device and stored as
+    """The first phase of a run by phase: the VAE and the text encoders frozen, on the device and stored as
     build_model stores them (fp8 text encoders cast around their forward), ready to fill the caches; the denoiser
     is not touched (it is not read yet)."""
     for module in (*components.text_encoders, components.vae):
         module.requires_grad_(False)
     components.vae.to(device).eval()
-    for text_encoder in components.text_encoders:
-        text_encoder.to(device).eval()
+    # Stored low before they go to the device, which then never holds them in the compute dtype.
     precision = replace(BasePrecision.from_config(config, WEIGHT_DTYPES[config.mixed_precision]), denoiser=None)
     precision.prepare(torch.nn.Module(), components.text_encoders)
+    for text_encoder in components.text_encoders:
+        text_encoder.to(device).eval()
     precision.finish(torch.nn.Module(), components.text_encoders)
 
 

@@ -18,6 +18,7 @@ from accelerate.utils import DistributedType, broadcast_object_list, set_seed
 from torch.utils.data import DataLoader
 
 from library.config import Config, UserError
+from library.config.network_args import network_args_of
 from library.core.memory import return_free_heap
 from library.data.dataset import TrainingData, build_training_data
 from library.families.family import Components
@@ -147,7 +148,7 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     # for the family the registry tells from the model's files.
     frames_rule = entry_for(config.pretrained_model_name_or_path).frames_rule
     data = build_training_data(config, None, seed, accelerator.num_processes, frames_rule)
-    components, settings = load_base(config, accelerator, data, weight_dtype, vae_dtype)
+    components, settings = load_base(config, accelerator, data, weight_dtype, vae_dtype, bool(prompts))
     family = components.family
     if family.frames_rule != frames_rule:  # the clips were cut by the entry's rule
         raise RuntimeError(f"{family.name}: its Family's frames_rule {family.frames_rule} differs from its registry "
@@ -211,14 +212,28 @@ def may_run_by_phase(config: Config) -> bool:
     return not config.base_weights
 
 
+def predicted_by_phase(config: Config, data: TrainingData) -> bool:
+    """Before loading, whether encode_first will run the text encoders in a phase of their own: their outputs
+    cached (as plan_caching will say) and none trained. A family's own rules (one that never trains its text
+    encoders, an edit model whose prompt reads its control images) are known once it is loaded: a run that leaves
+    either to them, or whose dataset has control images, is taken as one phase, the stricter check."""
+    if not may_run_by_phase(config):
+        return False
+    explicit = config.cache_text_encoder_outputs or config.cache_text_encoder_outputs_to_disk  # checked frozen
+    trains = not explicit and not config.network_train_unet_only and network_args_of(config).trains_text_encoder
+    controls = any(record.controls for record in data.records)
+    return plan_caching(config, data, trains, controls).text and not trains
+
+
 def load_base(config: Config, accelerator: Accelerator, data: TrainingData, weight_dtype: torch.dtype,
-              vae_dtype: torch.dtype) -> tuple[Components, FamilySettings]:
+              vae_dtype: torch.dtype, sampling: bool = False) -> tuple[Components, FamilySettings]:
     """The frozen base, checked against the memory available first, read in its storage precision and configured
     for the run (its family's settings, a replacement VAE, merged base weights); and those settings. Where the
     run may go by phase and the model's loader reads by part (a transformer family's diffusers folder), the
     denoiser is left out here (on the meta device) and read by load_denoiser once the caches are filled."""
     precision = BasePrecision.from_config(config, weight_dtype)
-    check_memory(config, accelerator.device, accelerator.num_processes, precision, vae_dtype)
+    check_memory(config, accelerator.device, accelerator.num_processes, precision, vae_dtype,
+                 by_phase=predicted_by_phase(config, data), sampling=sampling)
     later = may_run_by_phase(config) and reads_by_part(config.pretrained_model_name_or_path)
     components = read_base(config, precision, weight_dtype, vae_dtype, frozenset({"denoiser"} if later else ()))
     if config.vae is not None:  # kohya's separate VAE file
