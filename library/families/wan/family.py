@@ -211,15 +211,25 @@ class Wan(musubi_flow.MusubiFamily):
         if high is None or bool(high.all()) or not bool(high.any()):
             if self.experts is not None:
                 self.experts.activate(denoiser, high is not None and bool(high.all()))
-            prediction = _call(denoiser, hidden, timesteps, states)
+            prediction = self.predict(denoiser, hidden, timesteps, states, conditioning)
         else:  # a batch on both sides (validation's fixed timesteps): each expert predicts its own items
             prediction = torch.empty_like(hidden)
             for side in (False, True):
                 items = (high == side).nonzero().flatten().to(hidden.device)
                 self.experts.activate(denoiser, side)
-                prediction[items] = _call(denoiser, hidden[items], timesteps[items.to(timesteps.device)],
-                                          states[items.to(states.device)])
+                prediction[items] = self.predict(denoiser, hidden[items], timesteps[items.to(timesteps.device)],
+                                                 states[items.to(states.device)],
+                                                 {k: v[items.to(v.device)] for k, v in conditioning.items()})
         return prediction.squeeze(2) if image else prediction
+
+    def attach_vae(self, vae: Any) -> None:
+        """The loaded VAE, for a family that encodes with it while training (image-to-video's first frames)."""
+
+    def predict(self, denoiser: torch.nn.Module, hidden: torch.Tensor, timesteps: torch.Tensor, states: torch.Tensor,
+                conditioning: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The transformer's raw output for (B, C, F, H, W) latents (the image-to-video models add their image
+        conditioning here)."""
+        return _call(denoiser, hidden, timesteps, states)
 
     def block_swap_plan(self, denoiser: torch.nn.Module, blocks_to_swap: int) -> list[tuple[Any, int]]:
         """kohya's schedule (library.memory.offload) swaps at most all blocks but two (Wan 14B: 38 of 40)."""
@@ -307,9 +317,9 @@ def load_wan_folder(request: LoadRequest) -> Components:
     from library.families.shared.diffusers_folder import read_folder
 
     pipeline = pipeline_class(request.path)
-    if pipeline not in (None, "WanPipeline"):
-        raise UserError(f"{request.path}: a {pipeline} folder; Wan's text-to-video models (WanPipeline) are trained "
-                        "here, image-to-video not yet")
+    if pipeline not in (None, "WanPipeline", "WanImageToVideoPipeline"):
+        raise UserError(f"{request.path}: a {pipeline} folder; Wan's WanPipeline and WanImageToVideoPipeline folders "
+                        "are trained here")
     scheduler_class = getattr(diffusers, _class_name(request.path / "scheduler" / "scheduler_config.json"),
                               diffusers.UniPCMultistepScheduler)
     classes = {"transformer": WanTransformer3DModel, "vae": AutoencoderKLWan, "text_encoder": UMT5EncoderModel,
@@ -322,14 +332,18 @@ def load_wan_folder(request: LoadRequest) -> Components:
         classes["transformer"] = _low_noise_class(WanTransformer3DModel)
 
     def family(transformer: Any, _: Sequence[Any]) -> Wan:
+        experts = ExpertSwitch.of(high[0], default_boundary=_boundary_ratio(request.path)) if second else None
+        if pipeline == "WanImageToVideoPipeline":
+            from library.families.wan.i2v import i2v_family
+
+            return i2v_family(request, transformer, experts)
         if transformer.config.in_channels == TI2V_CHANNELS:
             return Wan(version=TI2V)
-        if not second:
-            return Wan()
-        ratio = _boundary_ratio(request.path)
-        return Wan(version="2.2", experts=ExpertSwitch.of(high[0], default_boundary=ratio))
+        return Wan(version="2.2", experts=experts) if second else Wan()
 
-    return load_folder(request, "Wan", classes, family, vae_view=WanVae)
+    components = load_folder(request, "Wan", classes, family, vae_view=WanVae)
+    components.family.attach_vae(components.vae)
+    return components
 
 
 def _low_noise_class(cls: Any) -> Any:
