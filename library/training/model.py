@@ -279,12 +279,18 @@ def place_denoiser(config: Config, family: Family, denoiser: torch.nn.Module, de
     if not (config.blocks_to_swap and device.type == "cuda"):
         denoiser.to(device)
         return False
-    on_host = {id(module) for blocks, count in family.block_swap_plan(denoiser, config.blocks_to_swap) if count
-               for block in list(blocks)[len(blocks) - count:] for module in block.modules()}
-    for module in denoiser.modules():
-        if id(module) not in on_host:
-            module._apply(lambda tensor: tensor.to(device), recurse=False)
+    on_host = [block for blocks, count in family.block_swap_plan(denoiser, config.blocks_to_swap) if count
+               for block in list(blocks)[len(blocks) - count:]]
+    place_except(denoiser, device, on_host)
     return bool(on_host)
+
+
+def place_except(model: torch.nn.Module, device: torch.device, left: Sequence[torch.nn.Module]) -> None:
+    """`model`'s parameters and buffers to `device`, but those of the modules `left` (and their submodules)."""
+    skipped = {id(module) for block in left for module in block.modules()}
+    for module in model.modules():
+        if id(module) not in skipped:
+            module._apply(lambda tensor: tensor.to(device), recurse=False)
 
 
 def install_offloading_of(config: Config, family: Family, denoiser: torch.nn.Module, device: torch.device) -> None:

@@ -90,3 +90,15 @@ def test_a_run_by_phase_resumes_exactly(tiny_flux_dir, sample_data_dir, tmp_path
     resumed = train(tiny_flux_dir, sample_data_dir, tmp_path / "b", "--resume", str(state_dir), run=RUN)
     assert resumed.losses == straight.losses[2:]
     assert_same(tensors(straight.output_file), tensors(resumed.output_file))
+
+
+def test_swapped_blocks_stay_in_host_memory_as_the_rest_is_placed():
+    from library.training.model import place_except
+
+    # The meta device stands in for the GPU: every tensor but the left blocks' goes there.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)]),
+                                torch.nn.BatchNorm1d(4))
+    place_except(model, torch.device("meta"), list(model[1][1:]))
+    devices = {name: t.device.type for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    assert {name for name, device in devices.items() if device == "cpu"} == {
+        "1.1.weight", "1.1.bias", "1.2.weight", "1.2.bias"}
