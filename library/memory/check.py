@@ -92,7 +92,8 @@ def reads_apart(model: str | None) -> bool:
 
 def swapped_share(config: Config) -> float | None:
     """blocks_to_swap's share of the denoiser's weights, from its family's swap plan on the denoiser built from its
-    folder's config (nothing read); None where the model is not such a folder or its family has no plan."""
+    folder's config (nothing of it or the text encoders read); None where the model is not such a folder or its
+    family has no plan."""
     if not reads_apart(config.pretrained_model_name_or_path):
         return None
     from library.families.loading import load_components
@@ -100,7 +101,7 @@ def swapped_share(config: Config) -> float | None:
     try:
         components = load_components(Path(config.pretrained_model_name_or_path),
                                      model_version=config.model_version,
-                                     skip=frozenset({"denoiser", "text", "vae"}))
+                                     skip=frozenset({"denoiser", "text"}))  # some loaders read the VAE's statistics
         return memory.swapped_share(components.denoiser,
                                     components.family.block_swap_plan(components.denoiser, config.blocks_to_swap))
     except (UserError, OSError, ValueError):

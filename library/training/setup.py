@@ -299,12 +299,13 @@ def give_back_memory(device: torch.device) -> None:
 
 def load_denoiser(config: Config, components: Components, data: TrainingData, weight_dtype: torch.dtype,
                   vae_dtype: torch.dtype) -> None:
-    """The denoiser that load_base left out, read alone (its folder's other parts left unread) and prepared for
-    the run by its family, in place of the meta one."""
+    """The denoiser that load_base left out, read without the text encoders (the VAE is read again, and dropped:
+    FLUX.2's and Qwen-Image's loaders read its statistics) and prepared for the run by its family, in place of the
+    meta one."""
     if not is_meta(components.denoiser):
         return
     precision = BasePrecision.from_config(config, weight_dtype)
-    components.denoiser = read_base(config, precision, weight_dtype, vae_dtype, frozenset({"text", "vae"})).denoiser
+    components.denoiser = read_base(config, precision, weight_dtype, vae_dtype, frozenset({"text"})).denoiser
     components.family.prepare_denoiser(components.denoiser, [spec.resolution for spec in data.specs])
 
 

@@ -69,7 +69,7 @@ def test_a_run_by_phase_equals_one_loaded_at_once(tiny_flux_dir, sample_data_dir
     phased = train(tiny_flux_dir, sample_data_dir, tmp_path / "phased", run=RUN)
     # The transformer is read alone after the text encoders filled the caches and were freed.
     assert spy.events == ["read", "cache", "read", "build"]
-    assert spy.skips == [frozenset({"denoiser"}), frozenset({"text", "vae"})]
+    assert spy.skips == [frozenset({"denoiser"}), frozenset({"text"})]
     assert spy.denoiser_meta_while_caching == [True]
     assert spy.encoder_weights and spy.encoders_gone_while_building == [True]
 
