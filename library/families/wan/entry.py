@@ -14,5 +14,7 @@ ENTRY = FamilyEntry(
     file_options=("t5", "ae"), network_modules=("networks.lora_wan",),
     tiny=(TinyModel("wan21", Ref(TINY, "save_tiny_wan21"), Ref(TINY, "save_tiny_wan_files")),
           TinyModel("wan22_a14b", Ref(TINY, "save_tiny_wan22_a14b"), Ref(TINY, "save_tiny_wan_files")),
-          TinyModel("wan22_ti2v_5b", Ref(TINY, "save_tiny_wan22_ti2v_5b"))),
+          TinyModel("wan22_ti2v_5b", Ref(TINY, "save_tiny_wan22_ti2v_5b")),
+          TinyModel("wan21_i2v", Ref(TINY, "save_tiny_wan21_i2v")),
+          TinyModel("wan22_i2v_a14b", Ref(TINY, "save_tiny_wan22_i2v_a14b"))),
     more_configs=("wan22_lora.toml",), frames_rule=FRAMES)

@@ -5,9 +5,11 @@ AutoencoderKLWan (Wan 2.1's VAE shape: 4x in time, 8x in space, 16 channels, its
 width 8, UMT5EncoderModel with a small T5 tokenizer, and Wan 2.1's diffusers scheduler (UniPC on the flow, shift 3).
 `wan22_a14b` holds two such transformers, transformer/ the high-noise expert and transformer_2/ the low-noise one,
 with the pipeline's boundary_ratio 0.875 (Wan2.2-T2V-A14B-Diffusers' layout); `wan22_ti2v_5b` has TI2V 5B's
-48-channel VAE (16x down) and a 48-channel transformer (a folder only: no --files).
+48-channel VAE (16x down) and a 48-channel transformer (a folder only: no --files); `wan21_i2v` and
+`wan22_i2v_a14b` are WanImageToVideoPipeline folders (build_tiny_wan_i2v; folders only).
 
-    python -m library.families.tiny OUTPUT_DIR --family wan21|wan22_a14b|wan22_ti2v_5b [--files] [--seed N]
+    python -m library.families.tiny OUTPUT_DIR --family wan21|wan22_a14b|wan22_ti2v_5b|wan21_i2v|wan22_i2v_a14b
+        [--files] [--seed N]
 """
 from __future__ import annotations
 
@@ -26,12 +28,13 @@ from library.families.wan.weights import COMFY_PREFIX
 WIDTH = 32  # text width and the transformer's inner dim
 
 
-def _transformer(channels: int = 16) -> Any:
+def _transformer(channels: int = 16, in_channels: int | None = None, image_dim: int | None = None) -> Any:
     from diffusers import WanTransformer3DModel
 
     return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
-                                 in_channels=channels, out_channels=channels, text_dim=WIDTH, freq_dim=32, ffn_dim=64,
-                                 num_layers=2)
+                                 in_channels=in_channels or channels, out_channels=channels, text_dim=WIDTH,
+                                 freq_dim=32, ffn_dim=64, num_layers=2, image_dim=image_dim,
+                                 added_kv_proj_dim=WIDTH if image_dim else None)
 
 
 def _ti2v_vae() -> Any:
@@ -73,6 +76,44 @@ def build_tiny_wan(seed: int = 0, experts: int = 1, ti2v: bool = False) -> dict[
         others["boundary_ratio"] = DEFAULT_BOUNDARY
     return tiny_parts.seeded_parts(seed, 51, models, tokenizer=tokenizer,
                                    scheduler=UniPCMultistepScheduler(**SCHEDULER_CONFIG), **others)
+
+
+def build_tiny_wan_i2v(seed: int = 0, experts: int = 1) -> dict[str, Any]:
+    """A tiny WanImageToVideoPipeline's parts: with one transformer Wan 2.1 I2V's shape (36 input channels, the
+    image cross-attention over a CLIPVisionModel's features, its CLIPImageProcessor at 32 pixels); with two, Wan 2.2
+    I2V A14B's (two 36-channel experts, no image encoder, boundary_ratio 0.9 as Wan2.2-I2V-A14B-Diffusers has)."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    parts = build_tiny_wan(seed, experts=experts)
+    clip = experts == 1
+
+    def i2v() -> Any:
+        return _transformer(16, in_channels=36, image_dim=WIDTH if clip else None)
+
+    def image_encoder() -> Any:
+        return CLIPVisionModel(CLIPVisionConfig(hidden_size=WIDTH, intermediate_size=64, num_hidden_layers=3,
+                                                num_attention_heads=2, image_size=32, patch_size=8))
+
+    models = {"transformer": i2v, **({"transformer_2": i2v} if experts == 2 else {}),
+              **({"image_encoder": image_encoder} if clip else {})}
+    parts.update(tiny_parts.seeded_parts(seed, 71, models))
+    if clip:
+        parts["image_processor"] = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    else:
+        parts["boundary_ratio"] = 0.9
+    return parts
+
+
+def save_tiny_wan21_i2v(path: str | os.PathLike[str], seed: int = 0, overwrite: bool = False) -> Path:
+    """Write a tiny Wan 2.1 I2V WanImageToVideoPipeline folder (with its image encoder) at `path`."""
+    return tiny_parts.save_pipeline(path, overwrite, "WanImageToVideoPipeline", lambda: build_tiny_wan_i2v(seed),
+                                    "Wan 2.1 I2V", seed)
+
+
+def save_tiny_wan22_i2v_a14b(path: str | os.PathLike[str], seed: int = 0, overwrite: bool = False) -> Path:
+    """Write a tiny Wan 2.2 I2V A14B WanImageToVideoPipeline folder (two experts, no image encoder) at `path`."""
+    return tiny_parts.save_pipeline(path, overwrite, "WanImageToVideoPipeline",
+                                    lambda: build_tiny_wan_i2v(seed, experts=2), "Wan 2.2 I2V A14B", seed)
 
 
 def save_tiny_wan21(path: str | os.PathLike[str], seed: int = 0, overwrite: bool = False) -> Path:
