@@ -1,9 +1,11 @@
-"""Sample images during training: kohya's prompt files, samplers by kohya name, and a sampling round.
+"""Sample images and videos during training: kohya's prompt files, samplers by kohya name, and a sampling round.
 
 A round renders each prompt with the family's diffusers pipeline built around the trainer's own modules (LoRA
 attached), writes `<output_dir>/sample/<output_name>_<step or e<epoch>>_<index>_<seed>.png` (for an edit model's
-prompt with control images, musubi's --ci, those images left of the result in the one PNG), and leaves the
-training state exactly as it found it: train/eval flags, grad mode, autocast and every global random stream.
+prompt with control images, musubi's --ci, those images left of the result in the one PNG; for a video family's
+prompt of more than one frame, musubi's --f, an animated lossless `.webp` of the clip at the family's frame rate),
+and leaves the training state exactly as it found it: train/eval flags, grad mode, autocast and every global
+random stream.
 """
 from __future__ import annotations
 
@@ -32,14 +34,16 @@ from library.core.atomic import write_atomically
 logger = logging.getLogger(__name__)
 
 DEFAULT_STEPS = 30
+IMAGE_DESCRIPTION = 0x010E  # the EXIF tag a clip's "parameters" text goes in
 MAX_STEPS = 1000  # kohya clamps --s to 1..1000; outside that range it is reported as a mistake here
+MAX_FRAMES = 1025  # --f: a bound on typing mistakes (Wan generates 81 frames; musubi sets none)
 
-# Keys of a TOML / JSON prompt entry (kohya's names; control_image musubi's, a path or a list of them), and the
-# .txt options that set them (--ci may be given more than once).
+# Keys of a TOML / JSON prompt entry (kohya's names; control_image and frame_count musubi's, control_image a path
+# or a list of them), and the .txt options that set them (--ci may be given more than once).
 PROMPT_KEYS = ("prompt", "negative_prompt", "width", "height", "seed", "sample_steps", "scale", "sample_sampler",
-               "guidance_scale", "control_image")
+               "guidance_scale", "control_image", "frame_count")
 TXT_OPTIONS = {"n": "negative_prompt", "w": "width", "h": "height", "d": "seed", "s": "sample_steps", "l": "scale",
-               "ss": "sample_sampler", "g": "guidance_scale", "ci": "control_image"}
+               "ss": "sample_sampler", "g": "guidance_scale", "ci": "control_image", "f": "frame_count"}
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class SamplePrompt:
     index: int = 0
     guidance: float | None = None  # kohya's --g: the guidance input of FLUX.1 dev (None: the family's default)
     control_images: tuple[str, ...] = ()  # musubi's --ci: an edit model's control images, drawn left of the result
+    frames: int | None = None  # musubi's --f: a video family's clip length (None: one frame, an image)
 
 
 @dataclass(frozen=True)
@@ -80,11 +85,12 @@ class SamplingModels:
 
 
 class Sample(NamedTuple):
-    """One image a round wrote, for the trainer to log to its trackers."""
+    """One image or clip a round wrote, for the trainer to log to its trackers."""
     prompt: SamplePrompt
     seed: int
     path: Path
-    image: Any  # PIL.Image.Image
+    image: Any  # PIL.Image.Image; a clip's first frame
+    frames: tuple[Any, ...] = ()  # a clip's frames (PIL images); () for an image
 
 
 # --------------------------------------------------------------------------------------------- prompt files
@@ -141,7 +147,7 @@ _CONVERT: dict[str, Callable[[Any], Any]] = {
     "prompt": _text, "negative_prompt": _text, "width": _size, "height": _size,
     "seed": lambda v: _integer(v, 0, 2**64 - 1), "sample_steps": lambda v: _integer(v, 1, MAX_STEPS),
     "scale": _number, "sample_sampler": canonical_sampler, "guidance_scale": _number,
-    "control_image": _control_images,
+    "control_image": _control_images, "frame_count": lambda v: _integer(v, 1, MAX_FRAMES),
 }
 
 
@@ -163,7 +169,7 @@ def _make_prompt(values: Mapping[str, Any], labels: Mapping[str, str], where: st
         width=out.get("width", _size(default_size[0])), height=out.get("height", _size(default_size[1])),
         seed=out.get("seed"), steps=out.get("sample_steps", DEFAULT_STEPS), scale=out.get("scale"),
         sampler=out.get("sample_sampler"), index=index, guidance=out.get("guidance_scale"),
-        control_images=out.get("control_image", ()))
+        control_images=out.get("control_image", ()), frames=out.get("frame_count"))
 
 
 def _split_line(line: str) -> tuple[dict[str, Any], dict[str, str], list[str]]:
@@ -283,11 +289,30 @@ def prompt_seed(prompt: SamplePrompt, base_seed: int) -> int:
     return int.from_bytes(digest, "little")
 
 
+def sample_frames(prompt: SamplePrompt, family: Any) -> int | None:
+    """The clip length a prompt draws: its --f (1 when it has none) for a video family, rounded down to a length
+    the family takes as musubi does ((f - 1) // 4 * 4 + 1 for Wan); None for an image family (--f is ignored,
+    logged)."""
+    rule = getattr(family, "frames_rule", None)
+    if rule is None:
+        if prompt.frames is not None:
+            logger.warning("sample prompt %d --f %d: %s draws images; the frame count is ignored", prompt.index,
+                           prompt.frames, getattr(family, "display_name", "this model"))
+        return None
+    frames = rule.round_down(prompt.frames or 1)
+    if frames != (prompt.frames or 1):
+        logger.warning("sample prompt %d --f %d: %s draws 1 + %dn frames; drawing %d", prompt.index, prompt.frames,
+                       family.display_name, rule.step, frames)
+    return frames
+
+
 @torch.no_grad()
 def generate_image(prompt: SamplePrompt, models: SamplingModels, seed: int, sampler: str = "ddim") -> Any:
     """Render one prompt to a PIL image (with its control images on the left, for an edit model's prompt with
-    --ci). Call inside `sampling_mode`; the modules must be on their device."""
+    --ci), or, for a video family's prompt of more than one frame (--f), to a list of PIL frames. Call inside
+    `sampling_mode`; the modules must be on their device."""
     family = models.family
+    frames = sample_frames(prompt, family)
     scheduler = family.sampling_scheduler(models.scheduler_config)
     if scheduler is None:
         scheduler = build_scheduler(prompt.sampler or sampler, models.scheduler_config, models.prediction_type)
@@ -303,6 +328,8 @@ def generate_image(prompt: SamplePrompt, models: SamplingModels, seed: int, samp
         text = {"prompt": prompt.prompt, "negative_prompt": prompt.negative_prompt or None}
     guidance = family.sampling_guidance(sampling_scale(prompt, family), prompt.guidance, positive, prompt.width,
                                         prompt.height)
+    if frames is not None:
+        guidance = {**guidance, "num_frames": frames}
     controls = [_control_image(path) for path in prompt.control_images]
     if controls:
         guidance = family.sampling_controls(controls, guidance)
@@ -313,6 +340,9 @@ def generate_image(prompt: SamplePrompt, models: SamplingModels, seed: int, samp
     vae_dtype = next(models.vae.parameters()).dtype
     vae_input = family.vae_latents(latents.to(vae_dtype), models.vae.config, prompt.width, prompt.height)
     pixels = models.vae.decode(vae_input, return_dict=False)[0]
+    if pixels.ndim == 5:  # a clip: (B, C, F, H, W)
+        clip = [pipe.image_processor.postprocess(pixels[:, :, f], output_type="pil")[0] for f in range(pixels.shape[2])]
+        return clip if len(clip) > 1 else clip[0]
     image = pipe.image_processor.postprocess(pixels, output_type="pil")[0]
     return side_by_side([*controls, image]) if controls else image
 
@@ -375,12 +405,13 @@ def sampling_mode(modules: Iterable[torch.nn.Module], device: torch.device | str
 
 
 def sample_file_name(output_name: str | None, index: int, seed: int, step: int | None = None,
-                     epoch: int | None = None) -> str:
-    """`{output_name}_{step:06d}_{index:02d}_{seed}.png`, or `..._e{epoch:06d}_...` at an epoch end (kohya)."""
+                     epoch: int | None = None, suffix: str = ".png") -> str:
+    """`{output_name}_{step:06d}_{index:02d}_{seed}.png`, or `..._e{epoch:06d}_...` at an epoch end (kohya); a
+    clip's ends in `.webp`."""
     if step is None and epoch is None:
         raise ValueError("sample_file_name needs a step or an epoch")
     when = f"e{epoch:06d}" if epoch is not None else f"{step:06d}"
-    return f"{output_name + '_' if output_name else ''}{when}_{index:02d}_{seed}.png"
+    return f"{output_name + '_' if output_name else ''}{when}_{index:02d}_{seed}{suffix}"
 
 
 def sampling_scale(prompt: SamplePrompt, family: Any) -> float:
@@ -388,15 +419,32 @@ def sampling_scale(prompt: SamplePrompt, family: Any) -> float:
     return family.default_sampling_scale if prompt.scale is None else prompt.scale
 
 
+def _parameters(prompt: SamplePrompt, seed: int, sampler: str, scale: float, frames: int = 1) -> str:
+    """AUTOMATIC1111's "parameters" text: image viewers and web UIs show how the sample was made."""
+    negative = f"\nNegative prompt: {prompt.negative_prompt}" if prompt.negative_prompt else ""
+    clip = f", Frames: {frames}" if frames > 1 else ""
+    return (f"{prompt.prompt}{negative}\nSteps: {prompt.steps}, Sampler: {sampler}, CFG scale: {scale:g}, "
+            f"Seed: {seed}, Size: {prompt.width}x{prompt.height}{clip}")
+
+
 def _write_png(image: Any, path: Path, prompt: SamplePrompt, seed: int, sampler: str, scale: float) -> None:
     from PIL.PngImagePlugin import PngInfo
 
-    # AUTOMATIC1111's "parameters" text chunk: image viewers and web UIs show how the sample was made.
     info = PngInfo()
-    negative = f"\nNegative prompt: {prompt.negative_prompt}" if prompt.negative_prompt else ""
-    info.add_text("parameters", f"{prompt.prompt}{negative}\nSteps: {prompt.steps}, Sampler: {sampler}, "
-                                f"CFG scale: {scale:g}, Seed: {seed}, Size: {prompt.width}x{prompt.height}")
+    info.add_text("parameters", _parameters(prompt, seed, sampler, scale))
     write_atomically(path, lambda tmp: image.save(tmp, format="PNG", pnginfo=info))
+
+
+def write_webp_clip(frames: Sequence[Any], path: Path, fps: float, parameters: str) -> None:
+    """An animated, lossless WebP of `frames` at `fps`, looping, its "parameters" text in the EXIF
+    ImageDescription (where the web UI reads a sample's prompt). Lossless: decoding it gives the frames back."""
+    from PIL import Image
+
+    exif = Image.Exif()
+    exif[IMAGE_DESCRIPTION] = parameters
+    write_atomically(path, lambda tmp: frames[0].save(
+        tmp, format="WEBP", save_all=True, append_images=list(frames[1:]), lossless=True,
+        duration=round(1000 / fps), loop=0, exif=exif.tobytes()))
 
 
 def sample_images(prompts: Sequence[SamplePrompt], models: SamplingModels, out_dir: str | os.PathLike,
@@ -432,8 +480,15 @@ def sample_images(prompts: Sequence[SamplePrompt], models: SamplingModels, out_d
     samples: list[Sample] = []
     for i, seed, image in sorted(rendered, key=lambda r: r[0]):
         prompt = prompts[i]
-        path = directory / sample_file_name(output_name, prompt.index, seed, step, epoch)
-        _write_png(image, path, prompt, seed, prompt.sampler or default_sampler, sampling_scale(prompt, models.family))
-        samples.append(Sample(prompt, seed, path, image))
-    logger.info("wrote %d sample images to %s", len(samples), directory)
+        sampler, scale = prompt.sampler or default_sampler, sampling_scale(prompt, models.family)
+        if isinstance(image, list):  # a clip
+            path = directory / sample_file_name(output_name, prompt.index, seed, step, epoch, ".webp")
+            write_webp_clip(image, path, models.family.frames_rule.fps,
+                            _parameters(prompt, seed, sampler, scale, len(image)))
+            samples.append(Sample(prompt, seed, path, image[0], tuple(image)))
+        else:
+            path = directory / sample_file_name(output_name, prompt.index, seed, step, epoch)
+            _write_png(image, path, prompt, seed, sampler, scale)
+            samples.append(Sample(prompt, seed, path, image))
+    logger.info("wrote %d samples to %s", len(samples), directory)
     return samples

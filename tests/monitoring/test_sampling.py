@@ -173,6 +173,18 @@ sample_sampler = "nope"
     assert [p.split(": ")[1] for p in info.value.problems] == ["entry 1", "entry 2", "entry 3"]
 
 
+def test_musubis_frame_count_from_a_line_and_a_toml_entry(tmp_path):
+    lines = write(tmp_path, "p.txt", "a dog runs --f 33\na cat --F 1\nbad --f 0\nworse --f many\n")
+    with pytest.raises(UserError) as info:
+        sampling.load_prompts(lines)
+    assert [p.split(": ", 1)[1] for p in info.value.problems] == [
+        "line 3: --f '0': must be between 1 and 1025", "line 4: --f 'many': not an integer"]
+    lines.write_text("a dog runs --f 33\na cat --F 1\nstill\n")
+    assert [p.frames for p in sampling.load_prompts(lines)] == [33, 1, None]
+    table = write(tmp_path, "p.toml", "[prompt]\nframe_count = 9\n[[prompt.subset]]\nprompt = 'a'\n")
+    assert sampling.load_prompts(table)[0].frames == 9
+
+
 @pytest.mark.parametrize("name, text, message", [
     ("missing.txt", None, "cannot read"),
     ("p.yaml", "a", ".txt, .toml or .json"),
