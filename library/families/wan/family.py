@@ -222,8 +222,10 @@ class Wan(musubi_flow.MusubiFamily):
                                                  {k: v[items.to(v.device)] for k, v in conditioning.items()})
         return prediction.squeeze(2) if image else prediction
 
-    def attach_vae(self, vae: Any) -> None:
-        """The loaded VAE, for a family that encodes with it while training (image-to-video's first frames)."""
+    def attach_vae(self, vae: WanVae) -> WanVae:
+        """The loaded VAE -> the VAE the run uses: the image-to-video family's also encodes each clip's first frame
+        when the latents are encoded (cached or not), and keeps the VAE for training."""
+        return vae
 
     def predict(self, denoiser: torch.nn.Module, hidden: torch.Tensor, timesteps: torch.Tensor, states: torch.Tensor,
                 conditioning: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -342,7 +344,7 @@ def load_wan_folder(request: LoadRequest) -> Components:
         return Wan(version="2.2", experts=experts) if second else Wan()
 
     components = load_folder(request, "Wan", classes, family, vae_view=WanVae)
-    components.family.attach_vae(components.vae)
+    components.vae = components.family.attach_vae(components.vae)
     return components
 
 
