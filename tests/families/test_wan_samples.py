@@ -58,3 +58,26 @@ def test_frame_counts_round_down_to_wans_4n_plus_1_as_musubi_does(components):
     family = components.family
     assert [sampling.sample_frames(sampling.SamplePrompt("x", frames=f), family) for f in (None, 1, 4, 8, 9)] == [
         1, 1, 1, 5, 9]
+
+
+@pytest.mark.slow
+def test_a_training_run_writes_its_sample_clip_beside_the_checkpoint(sample_data_dir, tmp_path):
+    """train_network.py with a --f 5 prompt: the round's clip is a 5-frame WebP the run's events name."""
+    from library.families.wan.tiny import save_tiny_wan21
+    from tests.families.test_wan_cli import overrides
+    from tests.helpers import REPO
+    from tests.helpers.cli import run_cli
+    from tests.helpers.datasets import copy_images
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a dog runs --s 1 --w 64 --h 64 --d 5 --f 5\n")
+    out = tmp_path / "out"
+    result = run_cli("--config", str(REPO / "configs" / "wan_lora.toml"),
+                     *overrides(save_tiny_wan21(tmp_path / "model"), out), "--train_data_dir",
+                     str(copy_images(sample_data_dir, tmp_path / "data", 2)), "--max_train_steps", "1",
+                     "--sample_prompts", str(prompts), "--sample_every_n_steps", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    clip = out / "sample" / "last_000001_00_5.webp"
+    with Image.open(clip) as webp:
+        assert webp.n_frames == 5
+    assert "sample/last_000001_00_5.webp" in (out / "events.jsonl").read_text()
