@@ -1,0 +1,137 @@
+"""The edit digits base (models/digits-kontext, a tiny FLUX.1 Kontext-shaped model), its pairs, and a Kontext LoRA
+that learns the edit the base never saw ("the previous digit") under the trigger instruction "sks digit"
+(bench/quality.py holds the full figures)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from library import digits
+from library.config import parse_config
+from library.digits import edits, judge
+from tools import pretrain_edit_base
+
+REPO = Path(__file__).resolve().parents[2]
+BASE = REPO / "models" / "digits-kontext"
+CONFIG = REPO / "configs" / "digits_kontext_lora.toml"
+PAIRS = REPO / "data" / "digits-edit"
+
+
+def _read(path: Path) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(path).convert("L"))
+
+
+def test_the_committed_pairs_are_what_the_split_writes_and_show_their_edits(tmp_path):
+    """data/digits-edit is what write_pairs writes; each pair's control is judged its digit d and its target the
+    digit its instruction asks for; none of them is a judged control."""
+    edits.write_pairs(tmp_path)
+    shifts = {edits.TRIGGER_INSTRUCTION: edits.HELD_OUT_SHIFT, **edits.EDITS}
+    for folder, count in (("train", 10 * edits.PAIRS_PER_DIGIT), ("reg", 10 * len(edits.EDITS))):
+        names = sorted(p.name for p in (PAIRS / folder / "targets").glob("*.png"))
+        assert len(names) == count and names == sorted(p.name for p in (tmp_path / folder / "targets").glob("*.png"))
+        controls, targets, wanted = [], [], []
+        for name in names:
+            for side in ("targets", "controls"):
+                assert np.array_equal(_read(PAIRS / folder / side / name), _read(tmp_path / folder / side / name))
+            instruction = (PAIRS / folder / "targets" / name).with_suffix(".txt").read_text(encoding="utf-8").strip()
+            assert instruction == (edits.TRIGGER_INSTRUCTION if folder == "train" else instruction)
+            d = int(Path(name).stem.split("_")[1])
+            controls.append(_read(PAIRS / folder / "controls" / name))
+            targets.append(_read(PAIRS / folder / "targets" / name))
+            wanted.append((d, edits.target_digit(d, shifts[instruction])))
+        read_controls, read_targets = judge.judge(np.stack(controls)), judge.judge(np.stack(targets))
+        assert [int(x) for x in read_controls] == [d for d, _ in wanted]
+        assert [int(x) for x in read_targets] == [t for _, t in wanted]
+    used = {i for pair in edits.lora_pairs() for i in pair} | {i for c, t, _ in edits.reg_pairs() for i in (c, t)}
+    assert len(used) == 80 and not used & set(edits.judged_controls(100).tolist())
+
+
+def test_the_edit_base_is_a_kontext_folder_and_holds_the_edit_out():
+    from diffusers import FluxKontextPipeline
+
+    assert sum(p.stat().st_size for p in BASE.rglob("*") if p.is_file()) <= 10 * 2**20
+    pipe = edits.load_pipeline(BASE)
+    assert isinstance(pipe, FluxKontextPipeline) and pipe.transformer.config.guidance_embeds
+    assert pipe.vae_scale_factor == 4 and pipe.transformer.config.in_channels == 64
+    # The instructions' words are one token each; the held-out edit's word and the trigger fall apart.
+    for tokenizer in (pipe.tokenizer, pipe.tokenizer_2):
+        assert all(len(tokenizer.tokenize(w)) == 1 for w in ("the", "same", "next", "digit"))
+        assert len(tokenizer.tokenize("previous")) > 1 and len(tokenizer.tokenize(digits.TRIGGER)) > 1
+    lora_config = parse_config(["--config", str(CONFIG)])[0]
+    assert pipe.tokenizer_2.model_max_length == lora_config.t5xxl_max_token_length == pretrain_edit_base.T5_LENGTH
+    # Every stage's recipe is in the card, the first from digits-flux, each later one from the folder before.
+    stages = json.loads((BASE / pretrain_edit_base.STAGES).read_text(encoding="utf-8"))
+    card = (BASE / "README.md").read_text(encoding="utf-8")
+    assert stages[0]["start"] == "models/digits-flux" and all(s["start"] == "models/digits-kontext" for s in stages[1:])
+    for stage in stages:
+        recipe = pretrain_edit_base.Recipe(**{k: v for k, v in stage.items() if k not in ("times", "rates")})
+        assert all(f"    {k} = {v!r}" in card for k, v in vars(recipe).items())
+
+
+@pytest.mark.slow  # 160 s on 2 cores at load average 9
+def test_the_edit_base_does_its_edits_and_not_the_held_out_one():
+    """20 controls (two of each digit), other noise than the card's: the base's edits give the digit they ask for
+    more often than a digit drawn at random would (10 %; the base is weak, see its card: 52 % and 25 % on 100), the
+    trigger does not give d - 1."""
+    pipe = edits.load_pipeline(BASE)
+    rates, _ = edits.rates(pipe, edits.judged_edits(), edits.Settings(n=20, seed=1))
+    assert rates["the same digit"] >= 0.3 and rates["the next digit"] >= 0.15, rates
+    assert rates[edits.TRIGGER_INSTRUCTION] <= 0.1, rates
+
+
+def test_edit_pretraining_is_seeded():
+    """Two short pretraining runs from the same seed give the same weights; another seed does not."""
+    recipe = pretrain_edit_base.Recipe(steps=2, batch=4, warmup_steps=1)
+    images, labels = digits.load()
+    pixels = torch.from_numpy(digits.to_rgb(images[:40])).permute(0, 3, 1, 2).float() / 127.5 - 1
+    labels = torch.from_numpy(labels[:40].copy())
+
+    def run(seed: int) -> dict[str, torch.Tensor]:
+        parts = pretrain_edit_base.build_parts(seed)
+        means, stds = pretrain_edit_base.encode(parts["vae"], pixels)
+        pretrain_edit_base.train_transformer(parts, means, stds, labels, dataclasses_replace(recipe, seed=seed))
+        return {f"{name}.{k}": v.clone() for name in ("transformer", "text_encoder", "text_encoder_2")
+                for k, v in parts[name].state_dict().items()}
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(recipe.threads)
+    try:
+        a, b, c = run(0), run(0), run(1)
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a if k.startswith("transformer."))
+
+
+def dataclasses_replace(recipe, **changes):
+    import dataclasses
+
+    return dataclasses.replace(recipe, **changes)
+
+
+@pytest.mark.slow  # minutes on 2 loaded CPU cores
+def test_a_kontext_lora_learns_the_held_out_edit(tmp_path):
+    """The recorded config as it stands: the trigger goes from (almost) never d - 1 to at least 80 % of it, and the
+    base's edits stay within 10 points, judged on the first 50 of bench/quality.py's 100 controls."""
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, str(REPO / "train_network.py"), "--config", str(CONFIG), "--output_dir", str(tmp_path),
+         "--output_name", "lora"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)  # a guard against a hung run
+    assert result.returncode == 0, result.stderr[-3000:]
+    settings = edits.Settings(n=50, seed=0)
+    asked = edits.judged_edits()
+    before, _ = edits.rates(edits.load_pipeline(BASE), asked, settings)
+    after, _ = edits.rates(edits.load_pipeline(BASE, tmp_path / "lora.safetensors"), asked, settings)
+    assert before[edits.TRIGGER_INSTRUCTION] <= 0.10, before
+    assert after[edits.TRIGGER_INSTRUCTION] >= 0.80, after
+    assert all(abs(after[i] - before[i]) <= 0.10 for i in edits.EDITS), (before, after)
