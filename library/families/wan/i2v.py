@@ -9,12 +9,15 @@ the VAE's normalised latents of the first frame followed by F - 1 black frames (
 pipeline's `condition`. Wan 2.1 I2V also reads the image encoder's penultimate hidden states of the first frame
 (CLIPVisionModel, `hidden_states[-2]`, its CLIPImageProcessor's input: the pipeline's encode_image).
 
-Both are computed while training from the batch's pixels with the run's VAE (attached when the folder is read) and
-the folder's image_encoder, so `cache_latents` is refused for these models (musubi caches them with the latents).
+The VAE view (FirstFrameVae) encodes each clip's first-frame condition (and CLIP features) whenever the latents are
+encoded before training, as musubi's latent cache holds them beside the latents (in memory here, keyed by the
+item's latents); without cached latents they are encoded from the batch's pixels each step. A cache on disk is
+refused for these models (its latents would come without their condition).
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -22,7 +25,7 @@ import torch
 from library.config import UserError
 from library.families.loading import LoadRequest
 from library.families.wan.experts import ExpertSwitch, WanSettings
-from library.families.wan.family import Wan, _call
+from library.families.wan.family import Wan, WanVae, _call
 
 I2V_CHANNELS = 36  # 16 noisy + 4 mask + 16 first-frame latents
 I2V_TASKS = ("i2v-14B", "i2v-A14B")  # musubi's names; i2v-A14B's boundary 0.9 comes with the folder
@@ -43,6 +46,45 @@ class ImageParts:
         self.vae: Any = None
         self.clip = clip  # Wan 2.1 I2V: an image encoder (read with the VAE's part of the folder)
         self.encoder, self.processor = encoder, processor
+        self.recording = True  # until training starts: each latent encoded comes with its condition
+        self.conditions: dict[str, dict[str, torch.Tensor]] = {}  # by latent_key of the item's latents
+
+    def condition(self, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The batch's first-frame conditioning (the image latents and, for Wan 2.1, the image embeddings)."""
+        out = {"image_latents": first_frame_condition(self.vae, pixels)}
+        if self.clip:
+            if next(self.encoder.parameters()).device != pixels.device:
+                self.encoder.to(pixels.device)
+            out["image_embeds"] = image_embeds(self.encoder, self.processor, pixels)
+        return out
+
+
+def latent_key(latents: torch.Tensor) -> str:
+    """An item's latents (the latent cache's float32 posterior mean) as a key."""
+    latents = latents.detach().float().cpu().contiguous()
+    return hashlib.blake2b(repr(tuple(latents.shape)).encode() + latents.numpy().tobytes(), digest_size=16).hexdigest()
+
+
+class FirstFrameVae(WanVae):
+    """WanVae that, while `parts.recording` (before training), keeps each encoded item's first-frame condition by
+    its latents, so that cached latents come with their condition."""
+
+    def __init__(self, vae: WanVae, parts: ImageParts):
+        super().__init__(vae.vae)
+        self.parts = parts
+
+    def encode(self, pixels: torch.Tensor) -> Any:
+        out = super().encode(pixels)
+        if self.parts.recording:
+            means = out.latent_dist.mean
+            for i, condition in enumerate(_items(self.parts.condition(pixels))):
+                self.parts.conditions[latent_key(means[i])] = condition
+        return out
+
+
+def _items(batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    size = next(iter(batch.values())).shape[0]
+    return [{name: value[i].cpu() for name, value in batch.items()} for i in range(size)]
 
 
 def mask_channels(batch: int, frames: int, height: int, width: int) -> torch.Tensor:
@@ -64,7 +106,7 @@ def first_frame_condition(vae: Any, pixels: torch.Tensor) -> torch.Tensor:
                           dim=2)
     dtype = next(vae.parameters()).dtype
     with torch.autocast(pixels.device.type, enabled=False):
-        latents = vae.encode(condition.to(dtype)).latent_dist.mean
+        latents = WanVae.encode(vae, condition.to(dtype)).latent_dist.mean
     mask = mask_channels(latents.shape[0], frames, *latents.shape[-2:]).to(latents.device, latents.dtype)
     return torch.cat([mask, latents], dim=1)
 
@@ -105,9 +147,9 @@ class WanI2V(Wan):
             problems.append("clip: musubi-tuner's CLIP file is not read here yet; the Wan I2V diffusers folder's "
                             "image_encoder/ is used (remove clip)" if self.parts.clip else
                             "clip: Wan 2.2 I2V A14B has no image encoder; remove clip")
-        if settings.cache_latents or settings.cache_latents_to_disk:
-            problems.append("cache_latents: Wan I2V encodes each clip's first frame with the VAE (and the image "
-                            "encoder) while training; caching them is not done here yet, remove cache_latents")
+        if settings.cache_latents_to_disk:
+            problems.append("cache_latents_to_disk: Wan I2V keeps each clip's first-frame condition with its latents "
+                            "in memory only; use cache_latents")
         try:
             configured = Wan.configured(self, dataclasses.replace(settings, task=None, clip=None))
         except UserError as e:
@@ -117,8 +159,9 @@ class WanI2V(Wan):
         version = "2.1" if self.parts.clip else "2.2"
         return dataclasses.replace(configured, version=version)
 
-    def attach_vae(self, vae: Any) -> None:
-        self.parts.vae = vae
+    def attach_vae(self, vae: WanVae) -> FirstFrameVae:
+        self.parts.vae = FirstFrameVae(vae, self.parts)
+        return self.parts.vae
 
     def control_problems(self, counts: Mapping[int, int]) -> list[str]:
         with_controls = sum(items for count, items in counts.items() if count)
@@ -127,17 +170,22 @@ class WanI2V(Wan):
                 ] if with_controls else []
 
     def batch_conditioning(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        if "pixels" not in batch:
-            raise UserError("Wan I2V encodes each item's first frame from its pixels; cached latents are not offered")
+        """Each item's first-frame conditioning: kept when its latents were cached, else encoded from its pixels."""
         if self.parts.vae is None:
             raise RuntimeError("Wan I2V: the VAE was not attached when the model was read")
-        pixels = batch["pixels"]
-        out = {"image_latents": first_frame_condition(self.parts.vae, pixels)}
-        if self.parts.clip:
-            if next(self.parts.encoder.parameters()).device != pixels.device:
-                self.parts.encoder.to(pixels.device)
-            out["image_embeds"] = image_embeds(self.parts.encoder, self.parts.processor, pixels)
-        return out
+        if "latent_mean" not in batch:
+            self.parts.recording = False
+            self.parts.conditions.clear()
+            return self.parts.condition(batch["pixels"])
+        means = batch["latent_mean"]
+        keys = [latent_key(mean) for mean in means]
+        missing = [path for key, path in zip(keys, batch.get("path", ["?"] * len(keys)), strict=True)
+                   if key not in self.parts.conditions]
+        if missing:
+            raise UserError([f"{path}: its latents came without the first frame's condition (Wan I2V encodes both "
+                             "together before training)" for path in missing])
+        items = [self.parts.conditions[key] for key in keys]
+        return {name: torch.stack([item[name] for item in items]).to(means.device) for name in items[0]}
 
     def predict(self, denoiser: torch.nn.Module, hidden: torch.Tensor, timesteps: torch.Tensor, states: torch.Tensor,
                 conditioning: Mapping[str, torch.Tensor]) -> torch.Tensor:
