@@ -280,7 +280,7 @@ instruction `{edits.TRIGGER_INSTRUCTION}`.
     from diffusers import FluxKontextPipeline
     from PIL import Image
     pipe = FluxKontextPipeline.from_pretrained("models/digits-kontext", local_files_only=True)
-    control = Image.open("data/digits-edit/controls/00_0.png")
+    control = Image.open("data/digits-edit/train/controls/00_0.png")
     image = pipe(image=control, prompt="the next digit", height=32, width=32, max_area=32 * 32,
                  _auto_resize=False, guidance_scale={settings['guidance']:g},
                  num_inference_steps={settings['steps']}, max_sequence_length={T5_LENGTH}).images[0]
