@@ -111,8 +111,8 @@ def test_configured_refuses_what_does_not_apply(components):
         family.configured(settings("--task", "i2v-14B", "--clip", "c.pth", "--timestep_boundary", "0.9",
                                    "--clip_skip", "2", "--resolution", "72"))
     text = str(error.value)
-    for part in ("task i2v-14B: image-to-video", "clip: not for Wan", "timestep_boundary: only for Wan 2.2",
-                 "clip_skip", "multiples of 16"):
+    for part in ("task i2v-14B: the model is a text-to-video one", "clip: not for Wan",
+                 "timestep_boundary: only for Wan 2.2", "clip_skip", "multiples of 16"):
         assert part in text, part
 
 

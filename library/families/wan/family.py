@@ -112,7 +112,8 @@ class Wan(musubi_flow.MusubiFamily):
         ("t5xxl_max_token_length", f"Wan's UMT5 reads {MAX_TOKENS} tokens"),
         ("apply_t5_attn_mask", "Wan's UMT5 padding is always masked and zeroed, as in musubi-tuner"),
         ("clip_l", "Wan has no CLIP-L"), ("t5xxl", "Wan's text encoder is UMT5: t5"),
-        ("clip", "Wan 2.1 I2V (CLIP vision) is not trained here yet; train the T2V models"),
+        ("clip", "musubi-tuner's CLIP file is not read here; Wan 2.1 I2V trains from its diffusers folder, whose "
+                 "image_encoder/ is used"),
         ("vae", "Wan's VAE comes with the model (its vae/ folder, or ae for the separate files)"),
         ("network_train_text_encoder_only", "musubi-tuner trains Wan's transformer only"))
 
@@ -123,9 +124,14 @@ class Wan(musubi_flow.MusubiFamily):
         problems = []
         task = settings.task
         if task is not None and task not in TRAINED_TASKS:
-            kind = "image-to-video" if "i2v" in task or "flf2v" in task else "Fun-Control"
-            problems.append(f"task {task}: {kind} is not trained here yet; the T2V tasks are "
-                            f"({', '.join(TRAINED_TASKS)})")
+            if task in ("i2v-14B", "i2v-A14B"):
+                problems.append(f"task {task}: the model is a text-to-video one; image-to-video trains from a "
+                                "WanImageToVideoPipeline folder (Wan2.1-I2V-14B-*-Diffusers, "
+                                "Wan2.2-I2V-A14B-Diffusers)")
+            else:
+                kind = "FLF2V" if "flf2v" in task else "Fun-Control"
+                problems.append(f"task {task}: {kind} is not trained here yet; the T2V tasks are "
+                                f"({', '.join(TRAINED_TASKS)}), and i2v-14B / i2v-A14B from their diffusers folders")
         experts = self.experts
         if settings.dit_high_noise:
             if experts is not None:

@@ -10,16 +10,18 @@ TASKS = ("t2v-1.3B", "t2v-14B", "t2i-14B", "t2v-A14B", "i2v-14B", "i2v-A14B", "f
          "t2v-14B-FC", "i2v-14B-FC")
 
 TASK = Option("task", to_str, None,
-              "Wan: musubi-tuner's --task (t2v-1.3B, t2v-14B, t2i-14B, t2v-A14B; the I2V, FLF2V and Fun-Control "
-              "tasks are refused here): says the model is Wan 2.2 A14B (its timestep_boundary default 0.875) where "
-              "the files do not tell; the widths are read from the files", group="model", choices=TASKS)
+              "Wan: musubi-tuner's --task (t2v-1.3B, t2v-14B, t2i-14B, t2v-A14B; i2v-14B and i2v-A14B with their "
+              "diffusers folders; FLF2V and Fun-Control are refused here): says the model is Wan 2.2 A14B (its "
+              "timestep_boundary default 0.875) where the files do not tell; the widths are read from the files",
+              group="model", choices=TASKS)
 T5 = Option("t5", to_str, None,
             "Wan from separate files: the UMT5-XXL text encoder (ComfyUI's text_encoders/umt5_xxl_*.safetensors, or "
             "the official models_t5_umt5-xxl-enc-bf16.pth, read without running pickled code)", group="model",
             is_path=True, metavar="PATH")
 CLIP = Option("clip", to_str, None,
-              "Wan 2.1 I2V: the CLIP vision file (musubi-tuner's --clip); I2V is not trained here yet, so it is "
-              "refused", group="model", is_path=True, metavar="PATH")
+              "Wan 2.1 I2V: the CLIP vision file (musubi-tuner's --clip); not read here yet (refused): Wan 2.1 I2V "
+              "trains from its diffusers folder, whose image_encoder/ is used", group="model", is_path=True,
+              metavar="PATH")
 DIT_HIGH_NOISE = Option("dit_high_noise", to_str, None,
                         "Wan 2.2 A14B: the high-noise expert's transformer file; with it, "
                         "pretrained_model_name_or_path (dit) is the low-noise expert and both are trained, switched "

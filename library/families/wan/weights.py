@@ -42,7 +42,8 @@ def transformer_state_dict(path: Path, dtype: torch.dtype | None) -> dict[str, t
     if "blocks.0.self_attn.q.weight" in state:
         state = convert_wan_transformer_to_diffusers(state)
     if "blocks.0.attn2.add_k_proj.weight" in state or "condition_embedder.image_embedder.norm1.weight" in state:
-        raise UserError(f"{path}: a Wan image-to-video transformer; image-to-video is not trained here yet")
+        raise UserError(f"{path}: a Wan image-to-video transformer file; image-to-video trains from its diffusers "
+                        "folder (Wan2.1-I2V-14B-*-Diffusers, Wan2.2-I2V-A14B-Diffusers), not from separate files yet")
     if state.get("patch_embedding.weight", torch.empty(0, 0)).shape[1:2] != (16,):
         raise UserError(f"{path}: not a Wan 2.1 / 2.2 A14B text-to-video transformer (the I2V models have other input "
                         "channels and are not trained here yet; TI2V 5B trains from its diffusers folder)")
