@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from library.config import UserError, parse_config
 from library.families.settings import settings_from
 from library.families.wan import lora as wan_lora
+from library.network.kohya_format import load_kohya_lora
 from tests.helpers import REPO
 from tests.helpers.cli import run_cli, write
 from tests.helpers.lora_files import file_delta
@@ -199,7 +200,8 @@ def test_trains_from_videos_and_images_and_resumes_bit_exactly(models, data, tmp
                                                            "--cache_latents", "false")
     reference = train(models[version], data, tmp_path / "reference", "--save_every_n_steps", "2", "--save_state",
                       *more)
-    lora = load_file(reference / "last.safetensors")
+    lora, metadata = load_kohya_lora(reference / "last.safetensors")
+    assert metadata["ss_task"] == more[1] and metadata["ss_network_module"] == "networks.lora_wan"
     modules = {k.split(".")[0] for k in lora}
     assert len(modules) == 2 * (12 if version == "2.1" else 10)
     assert all(lora[f"{m}.lora_up.weight"].abs().sum() > 0 for m in modules)

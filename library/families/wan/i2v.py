@@ -197,6 +197,11 @@ class WanI2V(Wan):
                         encoder_hidden_states_image=conditioning["image_embeds"].to(hidden.device, hidden.dtype),
                         return_dict=False)[0]
 
+    def metadata_fields(self, settings: WanSettings) -> dict[str, Any]:
+        fields = super().metadata_fields(settings)
+        fields.setdefault("ss_task", "i2v-14B" if self.parts.clip else "i2v-A14B")
+        return fields
+
     # --- sampling ----------------------------------------------------------------------------------------------
     def pipeline(self, denoiser: Any, vae: Any, text_encoders: Sequence[Any], tokenizers: Sequence[Any],
                  scheduler: Any) -> Any:
