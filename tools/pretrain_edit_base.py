@@ -1,6 +1,7 @@
 """Pretrain models/digits-kontext: a tiny FLUX.1 Kontext-shaped edit model on pairs of scikit-learn's digits.
 
     python tools/pretrain_edit_base.py [--out models/digits-kontext] [--overwrite] [--seed 0] [--threads 1]
+    python tools/pretrain_edit_base.py --overwrite --start models/digits-kontext --seed 1   # a further stage
 
 The edit counterpart of tools/pretrain_flux_base.py. A pair is a control image of the digit d, an instruction, and a
 target image: another writing of d ("the same digit") or of d + 1 mod 10 ("the next digit"). "The previous digit"
@@ -21,7 +22,8 @@ instruction "sks digit" (library/digits/edits.py).
 Every real digit (all ten: "the next digit" of a 6 is a 7, and the held-out edit's results include 7s) is a control
 and a target. Then the folder (diffusers FluxKontextPipeline layout, safetensors) is loaded back as users load it and
 its edits are judged by library/digits/judge.py; the model card (README.md in the folder) records the recipe, times
-and the rates.
+and the rates. A run with --start naming an edit base built here trains it further (a stage); every stage's recipe,
+times and rates are kept in the folder's pretraining_stages.json and listed in the card.
 """
 from __future__ import annotations
 
