@@ -260,7 +260,7 @@ def write_config(path: Path, run: Run, files: dict[str, Path], data: Path, resol
 
 # --- the estimate ------------------------------------------------------------------------------------------------
 def estimates(run: Run, files: dict[str, Path], rank: int) -> dict[str, float]:
-    """The trainer's memory estimate per phase, GiB, with library.memory.check's settings for this run (which
+    """The trainer's memory estimate per phase, GiB, with library.training.memory_check's settings for this run (which
     leave blocks_to_swap out)."""
     import torch
 

@@ -27,7 +27,7 @@ from library.families.objective import Objective
 from library.families.registry import entry_for, file_options
 from library.families.settings import FamilySettings, settings_from
 from library.families.shared.vae_file import load_vae
-from library.memory.check import check_memory
+from library.training.memory_check import check_memory
 from library.memory.precision import BasePrecision, reading
 from library.monitoring.sampling import SamplePrompt, load_prompts
 from library.monitoring.tracking import StepMetrics, TimestepLoss, lr_names

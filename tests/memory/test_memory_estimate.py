@@ -7,7 +7,7 @@ import torch
 
 from library.config import UserError, parse_config
 from library.memory import estimate as memory
-from library.memory.check import check_memory
+from library.training.memory_check import check_memory
 from library.memory.precision import BasePrecision
 
 

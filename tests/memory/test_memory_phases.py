@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from library.config import UserError, parse_config
 from library.memory import estimate as memory
-from library.memory.check import check_memory, swapped_share
+from library.training.memory_check import check_memory, swapped_share
 from library.memory.precision import BasePrecision
 
 
@@ -41,7 +41,7 @@ def test_a_run_by_phase_needs_its_largest_phase_not_everything_at_once(tiny_flux
     # The text encoders are the difference: they never share the memory with the denoiser.
     assert at_once - phased == pytest.approx(memory.held_bytes(counts["text"], None, settings))
     between = (at_once + phased) / 2
-    with caplog.at_level(logging.INFO, logger="library.memory.check"):
+    with caplog.at_level(logging.INFO, logger="library.training.memory_check"):
         check_memory(config, torch.device("cpu"), 1, precision, torch.bfloat16, available=between, by_phase=True)
     assert "by phase (the largest must fit): text encoding:" in caplog.text
     with pytest.raises(UserError, match="stopped before loading"):
@@ -70,7 +70,7 @@ def test_swapped_blocks_are_counted_from_the_folder_without_reading_it(tiny_flux
     config = flux_config(folder, tmp_path, "--blocks_to_swap=3")
     assert swapped_share(config) == pytest.approx(expected)
     precision = BasePrecision.from_config(config, torch.bfloat16)
-    with caplog.at_level(logging.INFO, logger="library.memory.check"):
+    with caplog.at_level(logging.INFO, logger="library.training.memory_check"):
         check_memory(config, torch.device("cuda"), 1, precision, torch.bfloat16, available=1e12, by_phase=True)
     assert f"blocks_to_swap 3: {expected:.0%} of the denoiser in host memory" in caplog.text
 

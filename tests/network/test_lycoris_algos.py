@@ -257,7 +257,7 @@ def test_ia3s_network_dim_is_not_a_rank_in_the_memory_estimate(tiny_sd1_dir, tmp
 
     from library.config import UserError
     from library.memory import estimate as memory
-    from library.memory.check import check_memory
+    from library.training.memory_check import check_memory
     from library.memory.precision import BasePrecision
 
     def config(*network: str):
