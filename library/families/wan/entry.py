@@ -17,4 +17,4 @@ ENTRY = FamilyEntry(
           TinyModel("wan22_ti2v_5b", Ref(TINY, "save_tiny_wan22_ti2v_5b")),
           TinyModel("wan21_i2v", Ref(TINY, "save_tiny_wan21_i2v")),
           TinyModel("wan22_i2v_a14b", Ref(TINY, "save_tiny_wan22_i2v_a14b"))),
-    more_configs=("wan22_lora.toml",), frames_rule=FRAMES)
+    more_configs=("wan22_lora.toml", "wan_i2v_lora.toml"), frames_rule=FRAMES)
