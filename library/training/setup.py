@@ -255,10 +255,11 @@ def read_base(config: Config, precision: BasePrecision, weight_dtype: torch.dtyp
     """The model's parts but those in `skip` (LoadRequest.skip), read in their storage precision."""
     # Separate component files (kohya's FLUX files) are read straight into their storage precision (fp8 files stay
     # fp8). A single SD checkpoint is not: diffusers' from_single_file casts what it is given to the training dtype.
-    # kohya's CLIP and T5 files are lowered as they are read; musubi-tuner's Qwen text encoder file is not.
+    # Text encoder files (kohya's CLIP and T5, musubi-tuner's Qwen / Mistral / UMT5 file) are lowered as they are
+    # read: a 7 B Qwen2.5-VL read in float32 first would take 30 GiB.
     files = {name: getattr(config, name) for name in file_options()}
     separate = any(files[name] for name in ("clip_l", "t5xxl", "ae") if name in files)
-    text_files = [files[name] for name in ("clip_l", "clip_g", "t5xxl") if files.get(name)]
+    text_files = [files[name] for name in ("clip_l", "clip_g", "t5xxl", "text_encoder", "t5") if files.get(name)]
     with reading(precision.read_rule([config.pretrained_model_name_or_path] if separate else [], text_files)):
         return load_components(config.pretrained_model_name_or_path, config.v2, config.v_parameterization,
                                weight_dtype, vae_dtype, config.model_config, config.allow_pickle_checkpoints,

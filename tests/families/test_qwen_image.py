@@ -360,3 +360,24 @@ def test_blocks_to_swap_trains_the_same_lora(components):
     assert all(torch.equal(a, b) for a, b in zip(without, with_swap, strict=True))
     assert recorder.seen and all(resident for _, resident, _ in recorder.seen)
     assert {"host", "device"} <= {d for _, d in recorder.moves} and len(recorder.moves) > 8
+
+
+def test_with_an_fp8_base_the_text_encoder_file_is_read_in_fp8(tiny_qwen_image_dir, tmp_path):
+    """musubi's Qwen2.5-VL file is lowered as it is read, as kohya's T5 file is: its matrices arrive in fp8 (a 7 B
+    encoder read in float32 first would take 30 GiB), the transformer's too, and the VAE's stay float32."""
+    from library.families.qwen_image.tiny import save_tiny_qwen_image_files
+    from library.memory.precision import BasePrecision
+    from library.training.setup import read_base
+    from tests.helpers.runs import make_config
+
+    files = save_tiny_qwen_image_files(tiny_qwen_image_dir, tmp_path)
+    config = make_config(files["transformer"], tmp_path, tmp_path / "out", model_config=tiny_qwen_image_dir,
+                         text_encoder=files["text_encoder"], ae=files["ae"], fp8_base=True, mixed_precision="no",
+                         network_module="networks.lora_qwen_image")
+    loaded = read_base(config, BasePrecision.from_config(config, torch.float32), torch.float32, torch.float32,
+                       frozenset())
+    encoder_matrices = [p for name, p in loaded.text_encoders[0].named_parameters() if p.ndim == 2
+                        and "layers" in name]
+    assert encoder_matrices and all(p.dtype == torch.float8_e4m3fn for p in encoder_matrices)
+    assert any(p.dtype == torch.float8_e4m3fn for p in loaded.denoiser.parameters())
+    assert all(p.dtype == torch.float32 for p in loaded.vae.parameters())
