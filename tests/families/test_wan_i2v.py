@@ -157,6 +157,9 @@ def test_a_sample_prompt_takes_its_first_frame_as_ci(components, tmp_path, monke
     expected = (frames[0] * 255).round().astype(np.uint8)
     assert ours.shape == (64, 128, 3)  # the first frame on the left, the drawn frame on the right
     assert_same_image(ours[:, 64:], expected)
+    (tmp_path / "without").mkdir()
+    with pytest.raises(UserError, match="--ci"):
+        sample(sampling_models(components), tmp_path / "without", "sks moves --s 2 --w 64 --h 64 --d 3\n")
 
 
 # --- through train_network.py ---------------------------------------------------------------------------------

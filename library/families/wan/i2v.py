@@ -28,7 +28,6 @@ from library.families.wan.experts import ExpertSwitch, WanSettings
 from library.families.wan.family import Wan, WanVae, _call
 
 I2V_CHANNELS = 36  # 16 noisy + 4 mask + 16 first-frame latents
-I2V_TASKS = ("i2v-14B", "i2v-A14B")  # musubi's names; i2v-A14B's boundary 0.9 comes with the folder
 TEMPORAL = 4  # the VAE's frames per latent frame
 
 
