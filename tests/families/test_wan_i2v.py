@@ -180,8 +180,13 @@ def dataset(root: Path, data: Path) -> Path:
 
 
 def train(model: Path, data: Path, out: Path, *more: str, steps: int = 4) -> Path:
-    result = run_cli("--config", str(REPO / "configs" / "wan_i2v_lora.toml"), "--pretrained_model_name_or_path",
-                     str(model), "--dataset_config", str(data), "--output_dir", str(out), "--output_name", "last",
+    """The shipped config with its image folder swapped for the video dataset config, as its comment says."""
+    shipped = (REPO / "configs" / "wan_i2v_lora.toml").read_text()
+    image_folder = 'train_data_dir = "/path/to/train_images"\n'
+    assert image_folder in shipped
+    config = write(out.parent / f"{out.name}.toml", shipped.replace(image_folder, f'dataset_config = "{data}"\n'))
+    result = run_cli("--config", str(config), "--pretrained_model_name_or_path",
+                     str(model), "--output_dir", str(out), "--output_name", "last",
                      "--mixed_precision", "no", "--save_precision", "float", "--gradient_checkpointing", "false",
                      "--network_dim", "4", "--network_alpha", "2", "--learning_rate", "1e-3", "--seed", "3",
                      "--max_train_epochs", "0", "--save_every_n_epochs", "0", "--max_train_steps", str(steps),
