@@ -119,7 +119,7 @@ def dataclasses_replace(recipe, **changes):
 
 
 @pytest.mark.slow  # minutes on 2 loaded CPU cores
-@pytest.mark.xfail(reason="not reached yet: bench/quality.py measured 5 % -> 39 % on 100 controls, the base's own "
+@pytest.mark.xfail(reason="not reached yet: bench/quality.py measured 5 % -> 45 % on 100 controls, the base's own "
                           "edits being weak (bench/README.md)")
 def test_a_kontext_lora_learns_the_held_out_edit(tmp_path):
     """The recorded config as it stands: the trigger goes from (almost) never d - 1 to at least 80 % of it, and the
