@@ -165,9 +165,13 @@ def place_controls(paths: Sequence[Path], sizes: Sequence[tuple[int, int]], buck
     controls, problems = [], []
     for path, size in zip(paths, sizes, strict=True):
         target = control_target(size, bucket, subset, steps)
-        if min(target) < steps:
+        if min(target) < steps and subset.no_resize_control:
             problems.append(f"{path}: the control image is {size[0]}x{size[1]}, smaller than bucket_reso_steps "
                             f"{steps}, and no_resize_control keeps its size")
+        elif min(target) < steps:
+            problems.append(f"{path}: the control image would be fed at {target[0]}x{target[1]} (its target's "
+                            f"bucket), smaller than bucket_reso_steps {steps}: lower bucket_reso_steps or raise "
+                            "the resolution")
             continue
         controls.append(ControlImage(path, size, cover(size, target), target))
     return tuple(controls), problems

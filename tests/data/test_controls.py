@@ -143,6 +143,22 @@ def test_a_batch_shares_its_controls_count_and_sizes(tmp_path):
     assert len(batches[0]["pixels"]) == len(batches[0]["control_pixels"][0])
 
 
+def test_a_control_fed_smaller_than_the_bucket_steps_is_named_with_what_to_change(tmp_path):
+    """32 px pairs under bucket_reso_steps 64 (no buckets): the control would be fed at its target's 32x32, which the
+    steps cannot take; the message says so (no_resize_control is not set, so it is not blamed)."""
+    images, controls = tmp_path / "t", tmp_path / "c"
+    target(images, "a")
+    noise_image(controls / "a.png")
+    toml = tmp_path / "dataset.toml"
+    toml.write_text("[[datasets]]\nresolution = 32\nbucket_reso_steps = 64\nbatch_size = 1\n"
+                    f"  [[datasets.subsets]]\n{subset_of(images, controls)}", encoding="utf-8")
+    text, usable = dataset_report(config_of(tmp_path, toml))
+    assert not usable
+    assert (f"{controls / 'a.png'}: the control image would be fed at 32x32 (its target's bucket), smaller than "
+            "bucket_reso_steps 64: lower bucket_reso_steps or raise the resolution") in text
+    assert "no_resize_control" not in text
+
+
 # ---------------------------------------------------------------------------------------------- dataset check
 
 def test_dataset_check_names_missing_broken_and_unpaired_controls(tmp_path):
