@@ -6,9 +6,9 @@ from library.families.wan.options import WAN
 
 FRAMES = FramesRule(4, 16.0)  # 4n+1 frames (the VAE's 4x in time), musubi's 16 fps for Wan
 PACKAGE = "library.families.wan"
-FAMILY, FILES, TINY = f"{PACKAGE}.family", f"{PACKAGE}.files", f"{PACKAGE}.tiny"
+FOLDER, FILES, TINY = f"{PACKAGE}.folder", f"{PACKAGE}.files", f"{PACKAGE}.tiny"
 ENTRY = FamilyEntry(
-    "wan", "Wan", Ref(FAMILY, "is_wan_folder"), Ref(FAMILY, "load_wan_folder"), Ref(FILES, "is_wan_file"),
+    "wan", "Wan", Ref(FOLDER, "is_wan_folder"), Ref(FOLDER, "load_wan_folder"), Ref(FILES, "is_wan_file"),
     Ref(FILES, "load_wan_files"),
     options=(AE, *TIMESTEP_RANGE, *SIGMA_DENSITY, *TIMESTEP_SAMPLING, *WAN, BLOCKS_TO_SWAP),
     file_options=("t5", "ae"), network_modules=("networks.lora_wan",),

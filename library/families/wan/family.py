@@ -23,11 +23,9 @@ from torch import nn
 
 from library.config import UserError
 from library.families.family import Components, Tokenizer
-from library.families.loading import LoadRequest
 from library.families.settings import value_of
 from library.families.shared import checks as transformer_checks
 from library.families.shared import musubi_flow
-from library.families.shared.diffusers_folder import load_folder, pipeline_class, transformer_class
 from library.families.wan import lora as wan_lora
 from library.families.wan.entry import FRAMES
 from library.families.wan.experts import ExpertSwitch, WanObjective, WanSettings, boundary_of, high_noise_weights
@@ -309,74 +307,3 @@ def _call(denoiser: torch.nn.Module, hidden: torch.Tensor, timesteps: torch.Tens
           states: torch.Tensor) -> torch.Tensor:
     return denoiser(hidden_states=hidden, timestep=timesteps.to(hidden.dtype), encoder_hidden_states=states,
                     return_dict=False)[0]
-
-
-def is_wan_folder(path: Path) -> bool:
-    return transformer_class(path) == TRANSFORMER_CLASS
-
-
-def load_wan_folder(request: LoadRequest) -> Components:
-    """A diffusers Wan folder (Wan-AI/Wan2.1-T2V-*-Diffusers; Wan2.2-T2V-A14B-Diffusers with transformer/ the
-    high-noise expert and transformer_2/ the low-noise one), offline."""
-    import diffusers
-    from diffusers import AutoencoderKLWan, WanTransformer3DModel
-    from transformers import AutoTokenizer, UMT5EncoderModel
-
-    from library.families.shared.diffusers_folder import read_folder
-
-    pipeline = pipeline_class(request.path)
-    if pipeline not in (None, "WanPipeline", "WanImageToVideoPipeline"):
-        raise UserError(f"{request.path}: a {pipeline} folder; Wan's WanPipeline and WanImageToVideoPipeline folders "
-                        "are trained here")
-    scheduler_class = getattr(diffusers, _class_name(request.path / "scheduler" / "scheduler_config.json"),
-                              diffusers.UniPCMultistepScheduler)
-    classes = {"transformer": WanTransformer3DModel, "vae": AutoencoderKLWan, "text_encoder": UMT5EncoderModel,
-               "tokenizer": AutoTokenizer, "scheduler": scheduler_class}
-    second = (request.path / "transformer_2").is_dir()
-    high: list[Any] = []
-    if second:  # the low-noise expert trains in place; the high-noise one's weights are swapped in
-        high = [read_folder(request.path, "Wan", {"transformer": (WanTransformer3DModel, request.weight_dtype)}
-                            )["transformer"]]
-        classes["transformer"] = _low_noise_class(WanTransformer3DModel)
-
-    def family(transformer: Any, _: Sequence[Any]) -> Wan:
-        experts = ExpertSwitch.of(high[0], default_boundary=_boundary_ratio(request.path)) if second else None
-        if pipeline == "WanImageToVideoPipeline":
-            from library.families.wan.i2v import i2v_family
-
-            return i2v_family(request, transformer, experts)
-        if transformer.config.in_channels == TI2V_CHANNELS:
-            return Wan(version=TI2V)
-        return Wan(version="2.2", experts=experts) if second else Wan()
-
-    components = load_folder(request, "Wan", classes, family, vae_view=WanVae)
-    components.vae = components.family.attach_vae(components.vae)
-    return components
-
-
-def _low_noise_class(cls: Any) -> Any:
-    """`cls` reading transformer_2/ (the low-noise expert, which trains in place) where transformer/ is asked for."""
-
-    class LowNoise(cls):
-        @classmethod
-        def from_pretrained(cls_, path: Any, subfolder: str | None = None, **options: Any) -> Any:
-            return cls.from_pretrained(path, subfolder="transformer_2", **options)
-    return LowNoise
-
-
-def _class_name(config: Path) -> str:
-    import json
-
-    try:
-        return json.loads(config.read_text()).get("_class_name", "UniPCMultistepScheduler")
-    except (OSError, ValueError):
-        return "UniPCMultistepScheduler"
-
-
-def _boundary_ratio(path: Path) -> float | None:
-    import json
-
-    try:
-        return json.loads((path / "model_index.json").read_text()).get("boundary_ratio")
-    except (OSError, ValueError):
-        return None
