@@ -44,7 +44,7 @@ class Command:
         while i < len(words):
             word = words[i]
             if word == "-m" and words[0].startswith("python"):
-                return ("module", words[i + 1])
+                return None if words[i + 1] == "pip" else ("module", words[i + 1])  # pip: another program
             if word.endswith(".py"):
                 return ("script", word)
             i += 2 if word in LAUNCHER_VALUE_OPTIONS else 1
