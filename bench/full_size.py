@@ -52,6 +52,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from real_size import write_images  # noqa: E402  (the same benchmark images as the real-size bench)
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "full_size.json"
 PHASES = ("load", "quantize", "caching", "first_step", "steps")
@@ -200,21 +202,6 @@ def qwen_image_files(work: Path, config_dir: Path | None) -> dict[str, Path]:
         if not paths[name].exists():
             _write_random(paths[name], build, to_state, name, dtype, 10 * index, print)
     return paths
-
-
-def write_images(folder: Path, resolution: int, count: int) -> Path:
-    """`count` smooth random RGB images with captions in kohya's `<repeats>_<name>` layout."""
-    import numpy as np
-    from PIL import Image
-
-    images = folder / "1_bench"
-    images.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    for i in range(count):
-        coarse = rng.integers(0, 256, size=(8, 8, 3), dtype=np.uint8)
-        Image.fromarray(coarse).resize((resolution, resolution), Image.BICUBIC).save(images / f"{i}.png")
-        (images / f"{i}.txt").write_text(f"a photo of a random pattern number {i}")
-    return folder
 
 
 def half_the_blocks(run: Run, config_dir: Path | None) -> int:
