@@ -50,6 +50,16 @@ def video_vae():
     return VideoVae(vae.eval().requires_grad_(False))
 
 
+def write_mixed_data(data_dir: Path) -> Path:
+    """A 9-frame video a.mp4, a 5-frame folder b and an image c.png, each with a caption."""
+    write_video(data_dir / "a.mp4", 9)
+    write_frame_folder(data_dir / "b", 5)
+    noise_image(data_dir / "c.png")
+    for name in ("a", "b", "c"):
+        (data_dir / f"{name}.txt").write_text(f"{name} caption", encoding="utf-8")
+    return data_dir
+
+
 def build(tmp_path: Path):
     toml = tmp_path / "dataset.toml"
     toml.write_text(f'[general]\nresolution = [32, 32]\ncaption_extension = ".txt"\nbatch_size = 2\n\n'
@@ -60,12 +70,7 @@ def build(tmp_path: Path):
 
 
 def test_clips_cache_to_disk_by_content(tmp_path, video_vae):
-    data_dir = tmp_path / "data"
-    write_video(data_dir / "a.mp4", 9)
-    write_frame_folder(data_dir / "b", 5)
-    noise_image(data_dir / "c.png")
-    for name in ("a", "b", "c"):
-        (data_dir / f"{name}.txt").write_text(f"{name} caption", encoding="utf-8")
+    data_dir = write_mixed_data(tmp_path / "data")
 
     data = build(tmp_path)
     assert sorted((r.path.name, None if r.frames is None else len(r.frames)) for r in data.records) == [
@@ -126,12 +131,7 @@ def test_two_processes_share_the_disk_cache_by_file(tmp_path, video_vae, monkeyp
     """Each video's clips are encoded and written by one process, so no two processes write one file."""
     from library.data import cache as cache_module
 
-    data_dir = tmp_path / "data"
-    write_video(data_dir / "a.mp4", 9)
-    write_frame_folder(data_dir / "b", 5)
-    noise_image(data_dir / "c.png")
-    for name in ("a", "b", "c"):
-        (data_dir / f"{name}.txt").write_text(f"{name} caption", encoding="utf-8")
+    write_mixed_data(tmp_path / "data")
     rank, written, second = [0], [], []
     write_entries = cache_module.write_entries
 
