@@ -10,8 +10,8 @@ transformer), and so is every fifth handwritten digit (the LoRA's clips show tho
 1. tokenizer: T5-format Unigram over the caption words plus single characters ("up" and "sks" fall into letters);
 2. VAE (AutoencoderKLWan, Wan 2.1's shape: causal, 4x down in time, 8x in space, 16 channels; base width 8, one
    residual block a level), trained on 5-frame windows of the clips (the first frame and one 4-frame chunk: what a
-   9-frame clip repeats), L1 plus a small KL term; latents_mean / latents_std are then measured per channel on the
-   posterior means of the 9-frame clips, as Wan's VAE config carries them;
+   9-frame clip repeats), squared error plus a small KL term; latents_mean / latents_std are then measured per
+   channel on the posterior means of the 9-frame clips, as Wan's VAE config carries them;
 3. WanTransformer3DModel with a UMT5 encoder, trained together on Wan's flow-matching objective as the trainer
    trains it (x_t = (1 - s) x0 + s noise, target noise - x0, time input 1000 s, s drawn by musubi-tuner's "shift"
    sampling with shift 3, the scheduler's flow_shift), on the posterior means (the trainer's latents), the text as
@@ -21,10 +21,10 @@ transformer), and so is every fifth handwritten digit (the LoRA's clips show tho
 Then the folder (diffusers WanPipeline layout, safetensors) is loaded back with WanPipeline and judged by
 library/digits/motion.py; the model card (README.md in the folder) records the recipe, times and rates.
 
-Status: every stage runs and the folder loads in WanPipeline and trains with train_network.py, but with these
-defaults (150 VAE steps) the VAE does not yet learn the clips: its L1 loss ends near 0.17, worse than an
-all-white frame (0.155), and none of the held-out real clips survives its round trip (bench/README.md). A base
-built now would not render its motions, so models/digits-wan is not shipped yet.
+Status: every stage runs, the folder loads in WanPipeline and trains with train_network.py, but with these
+defaults (150 VAE steps, 383 s wall on the shared CPU) the VAE does not yet learn the clips well enough: none of the
+held-out real clips is judged right after its round trip (bench/README.md). A base built now would not render
+its motions, so models/digits-wan is not shipped yet; the VAE needs more steps (or width) than this budget gave.
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ class Recipe:
     vae_steps: int = 150
     vae_batch: int = 32
     vae_window: int = 5
-    vae_lr: float = 3e-3
+    vae_lr: float = 2e-3
     vae_kl_weight: float = 1e-6
     # transformer + text encoder
     steps: int = 800
@@ -158,9 +158,14 @@ def decode_unclamped(vae: Any, z: torch.Tensor) -> torch.Tensor:
 
 
 def train_vae(vae: Any, pixels: torch.Tensor, recipe: Recipe) -> None:
-    """L1 reconstruction (before the decoder's clamp) of the posterior means of `vae_window`-frame windows plus a
-    small KL term. The means, not samples: the trainer and the pipeline's users encode to the mean (musubi trains
-    on the mode), and at the posterior's initial unit spread a sample hides what the encoder says."""
+    """Squared error (before the decoder's clamp) of the reconstructions of the posterior means of
+    `vae_window`-frame windows plus a small KL term. The means, not samples: the trainer and the pipeline's users
+    encode to the mean (musubi trains on the mode), and at the posterior's initial unit spread a sample hides what
+    the encoder says. Squared error, not L1: L1's optimum is the median, and while the encoder says little the
+    median of a pixel is the white background, so an L1-trained VAE settles on blank frames. The decoder's last
+    bias starts at the background (white, +1) rather than 0: AdamW moves it about lr a step."""
+    with torch.no_grad():
+        vae.decoder.conv_out.bias.fill_(1.0)
     generator = torch.Generator().manual_seed(recipe.seed * 1000 + 11)
     optimizer = torch.optim.AdamW(vae.parameters(), recipe.vae_lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, recipe.vae_lr, total_steps=recipe.vae_steps,
@@ -173,9 +178,10 @@ def train_vae(vae: Any, pixels: torch.Tensor, recipe: Recipe) -> None:
         start = int(torch.randint(0, frames - recipe.vae_window + 1, (1,), generator=generator))
         x = pixels[index, :, start:start + recipe.vae_window]
         posterior = vae.encode(x).latent_dist
-        loss = (decode_unclamped(vae, posterior.mean) - x).abs().mean()
+        loss = torch.nn.functional.mse_loss(decode_unclamped(vae, posterior.mean), x)
         loss = loss + recipe.vae_kl_weight * posterior.kl().mean()
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), recipe.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         schedule.step()
@@ -332,8 +338,9 @@ software give the same weights. The values:
 {recipe_lines(recipe)}
 
 VAE: AdamW with a one-cycle learning rate on {recipe.vae_window}-frame windows (the first frame and one 4-frame
-chunk), L1 reconstruction of the posterior means (the trainer's latents), taken before the decoder's clamp to
-[-1, 1] (which gives no gradient where the output overshoots), + KL weight {recipe.vae_kl_weight:g}. Transformer
+chunk), squared error of the reconstructed posterior means (the trainer's latents), taken before the decoder's
+clamp to [-1, 1] (which gives no gradient where the output overshoots), + KL weight {recipe.vae_kl_weight:g}; the
+decoder's last bias starts at white. Transformer
 and UMT5: trained together on Wan's flow matching as the trainer trains it (x_t = (1 - s) x0 + s noise, target
 noise - x0, time input 1000 s, s = sigmoid(normal) shifted by {recipe.shift:g}: musubi-tuner's `shift` sampling
 with the scheduler's flow_shift), on the normalised posterior means, captions dropped to "" with probability
