@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.datastructures import FormData
 
 from library.core.atomic import write_atomically
 from library.monitoring.events import EVENTS_FILE, read_events
@@ -30,10 +31,10 @@ def run_dir(roots: security.Roots, path: str) -> Path | None:
     return real if real is not None and real.is_dir() else None
 
 
-async def posted_run_dir(request: Request, roots: security.Roots) -> Path | None:
-    """The run folder a form posts as `path`, or None when it is not one."""
+async def posted_run_dir(request: Request, roots: security.Roots) -> tuple[FormData, Path | None]:
+    """The posted form and the run folder it names as `path`, or None when that is not one."""
     form = await request.form()
-    return run_dir(roots, str(form.get("path", "")))
+    return form, run_dir(roots, str(form.get("path", "")))
 
 
 NOT_TAKEN_UP = ("queued on disk, but not in this UI's queue (another UI's, or queued after this one started): a UI "
@@ -124,7 +125,7 @@ async def view(request: Request, path: str, roots: RootsDep, manager: ManagerDep
 
 @router.post("/stop", response_class=HTMLResponse)
 async def stop(request: Request, roots: RootsDep, manager: ManagerDep) -> HTMLResponse:
-    directory = await posted_run_dir(request, roots)
+    _, directory = await posted_run_dir(request, roots)
     if directory is None:
         return HTMLResponse(NOT_A_RUN, status_code=404)
     return HTMLResponse(f'<span class="ok">{manager.stop(directory)}</span>', headers={"HX-Trigger": "runs-changed"})
@@ -132,8 +133,7 @@ async def stop(request: Request, roots: RootsDep, manager: ManagerDep) -> HTMLRe
 
 @router.post("/resume", response_class=HTMLResponse)
 async def resume(request: Request, roots: RootsDep, manager: ManagerDep) -> HTMLResponse:
-    form = await request.form()
-    directory = run_dir(roots, str(form.get("path", "")))
+    form, directory = await posted_run_dir(request, roots)
     if directory is None:
         return HTMLResponse(NOT_A_RUN, status_code=404)
     status = manager.status(directory)
@@ -151,8 +151,7 @@ async def resume(request: Request, roots: RootsDep, manager: ManagerDep) -> HTML
 @router.post("/request", response_class=HTMLResponse)
 async def request_now(request: Request, roots: RootsDep, manager: ManagerDep) -> HTMLResponse:
     """Sample now / Save now: the running trainer does it after its current step."""
-    form = await request.form()
-    directory = run_dir(roots, str(form.get("path", "")))
+    form, directory = await posted_run_dir(request, roots)
     what = str(form.get("what", ""))
     if directory is None or what not in REQUESTS:
         return HTMLResponse(NOT_A_RUN if directory is None else "ask for sample or save", status_code=404)
@@ -164,8 +163,7 @@ async def request_now(request: Request, roots: RootsDep, manager: ManagerDep) ->
 @router.post("/delete", response_class=HTMLResponse)
 async def delete(request: Request, roots: RootsDep, manager: ManagerDep) -> HTMLResponse:
     """Delete a run's files, after a question naming them; never those of a queued or running run."""
-    form = await request.form()
-    directory = run_dir(roots, str(form.get("path", "")))
+    form, directory = await posted_run_dir(request, roots)
     if directory is None:
         return HTMLResponse(NOT_A_RUN, status_code=404)
     deleted, message, files = await asyncio.to_thread(manager.delete, directory, form.get("confirm") == "yes")
