@@ -121,6 +121,22 @@ def listing(paths: Sequence[Any]) -> str:
     return shown + (f" ... and {len(paths) - _SHOWN} more" if len(paths) > _SHOWN else "")
 
 
+def _read_caption(path: Path, subset: SubsetSpec, given_caption: str | None, given_from: Path | None,
+                  problems: list[str], why_empty: str = "") -> CaptionRead:
+    """The caption of one image or video: `given_caption` (read from the file `given_from`) when there is one, else
+    its caption file. A caption file that cannot be read, or a missing one in a subset without class tokens, adds a
+    problem; `why_empty` goes after "no caption file (...)" in that message."""
+    caption = (CaptionRead(given_caption, given_from, None) if given_caption is not None
+               else read_caption(path, subset.caption_extension, all_lines=subset.enable_wildcard))
+    if caption.problem:
+        problems.append(caption.problem)
+    elif caption.text is None and subset.class_tokens is None:
+        problems.append(f"{path}: no caption file ({subset.caption_extension}"
+                        f"{', .txt' if subset.caption_extension != '.txt' else ''}){why_empty}; it would train with "
+                        "an empty caption")
+    return caption
+
+
 def _check_image(path: Path, subset: SubsetSpec, bucketer: Bucketer, given_caption: str | None = None,
                  controls: tuple[Path, ...] | None = None) -> tuple[dict[str, Any] | None, list[str], list[str]]:
     """(record fields or None, problems, notes) for one image file; runs in a worker thread. `given_caption`:
@@ -133,14 +149,8 @@ def _check_image(path: Path, subset: SubsetSpec, bucketer: Bucketer, given_capti
         facts = inspect_image(path)
     except ImageProblem as e:
         problems.append(f"{path}: {e}")
-    caption = (CaptionRead(given_caption, subset.metadata_file, None) if given_caption is not None
-               else read_caption(path, subset.caption_extension, all_lines=subset.enable_wildcard))
-    if caption.problem:
-        problems.append(caption.problem)
-    elif caption.text is None and subset.class_tokens is None:
-        problems.append(f"{path}: no caption file ({subset.caption_extension}"
-                        f"{', .txt' if subset.caption_extension != '.txt' else ''}) and the subset has no class "
-                        "tokens; it would train with an empty caption")
+    caption = _read_caption(path, subset, given_caption, subset.metadata_file, problems,
+                            " and the subset has no class tokens")
     control_sizes, control_problems = read_controls(controls or ())
     problems += control_problems if controls != () else [missing_control(path, subset)]
     if facts is None or problems:
@@ -320,14 +330,7 @@ def _check_video(path: Path, subset: SubsetSpec, bucketer: Bucketer, given_capti
         facts = probe_video(path)
     except VideoProblem as e:
         problems.append(f"{path}: {e}")
-    caption = (CaptionRead(given_caption, subset.video_jsonl_file, None) if given_caption is not None
-               else read_caption(path, subset.caption_extension, all_lines=subset.enable_wildcard))
-    if caption.problem:
-        problems.append(caption.problem)
-    elif caption.text is None and subset.class_tokens is None:
-        problems.append(f"{path}: no caption file ({subset.caption_extension}"
-                        f"{', .txt' if subset.caption_extension != '.txt' else ''}); it would train with an empty "
-                        "caption")
+    caption = _read_caption(path, subset, given_caption, subset.video_jsonl_file, problems)
     if facts is None or problems:
         return None, problems, notes
     rate = rate_problem(facts, extraction.source_fps)
