@@ -18,6 +18,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from library.families.shared.mode_posterior import ModePosterior
+
 REFERENCE_SCALE = 10  # the t offset between reference images (the pipeline's and musubi's scale)
 
 
@@ -68,18 +70,6 @@ def reference_tokens(references: Sequence[torch.Tensor]) -> tuple[torch.Tensor, 
     return tokens, ids
 
 
-class _Posterior:
-    """The posterior's mode, patched and normalised: musubi (and the pipeline for reference images) encode with the
-    mode. logvar is finite (the caches check it) but so low that exp(logvar / 2) is exactly 0 in float32, bf16 and
-    fp16, so a "sample" is the mode."""
-    LOGVAR = -1e4
-
-    def __init__(self, mean: torch.Tensor):
-        self.mean = mean
-        self.logvar = torch.full_like(mean, self.LOGVAR)
-        self.std = torch.zeros_like(mean)
-
-
 class Flux2Vae(nn.Module):
     """AutoencoderKLFlux2 seen as an image VAE whose 4-D latents are the transformer's channels: encode gives the
     mode patched 2x2 and normalised by the batch-norm running statistics, decode undoes both. `config` reads as the
@@ -98,7 +88,7 @@ class Flux2Vae(nn.Module):
 
     def encode(self, pixels: torch.Tensor) -> SimpleNamespace:
         mode = self.vae.encode(pixels).latent_dist.mode()
-        return SimpleNamespace(latent_dist=_Posterior(normalised(patchify(mode), self.config)))
+        return SimpleNamespace(latent_dist=ModePosterior(normalised(patchify(mode), self.config)))
 
     def decode(self, latents: torch.Tensor, return_dict: bool = False) -> tuple[torch.Tensor]:
         mean, std = statistics(self.config, latents)

@@ -27,6 +27,7 @@ from library.families.qwen_image import lora as qwen_image_lora
 from library.families.shared import checks as transformer_checks
 from library.families.shared import musubi_flow
 from library.families.shared.diffusers_folder import load_folder, transformer_class
+from library.families.shared.mode_posterior import ModePosterior
 
 logger = logging.getLogger(__name__)
 
@@ -55,17 +56,6 @@ def unpack(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return x.reshape(b, channels // 4, height, width)
 
 
-class _Posterior:
-    """The mode of the VAE's posterior, normalised: musubi trains on posterior.mode(). logvar is finite (the caches
-    check it) but so low that exp(logvar / 2) is exactly 0 in float32, bf16 and fp16, so a "sample" is the mode."""
-    LOGVAR = -1e4
-
-    def __init__(self, mean: torch.Tensor):
-        self.mean = mean
-        self.logvar = torch.full_like(mean, self.LOGVAR)
-        self.std = torch.zeros_like(mean)
-
-
 class QwenImageVae(nn.Module):
     """AutoencoderKLQwenImage seen as a 4-D image VAE whose latents are already in the transformer's range:
     encode gives (z - latents_mean) / latents_std per channel of the one frame (musubi's encode_pixels_to_latents),
@@ -87,7 +77,7 @@ class QwenImageVae(nn.Module):
     def encode(self, pixels: torch.Tensor) -> SimpleNamespace:
         mode = self.vae.encode(pixels.unsqueeze(2)).latent_dist.mode().squeeze(2)
         mean, std = self._stats(mode)
-        return SimpleNamespace(latent_dist=_Posterior((mode - mean) / std))
+        return SimpleNamespace(latent_dist=ModePosterior((mode - mean) / std))
 
     def decode(self, latents: torch.Tensor, return_dict: bool = False) -> tuple[torch.Tensor]:
         mean, std = self._stats(latents)

@@ -26,6 +26,7 @@ from library.families.family import Components, Tokenizer
 from library.families.settings import value_of
 from library.families.shared import checks as transformer_checks
 from library.families.shared import musubi_flow
+from library.families.shared.mode_posterior import ModePosterior
 from library.families.wan import lora as wan_lora
 from library.families.wan.entry import FRAMES
 from library.families.wan.experts import ExpertSwitch, WanObjective, WanSettings, boundary_of, high_noise_weights
@@ -37,17 +38,6 @@ MAX_TOKENS = 512  # musubi's text_len, WanPipeline's max_sequence_length
 DEFAULT_CFG = 5.0  # musubi's sample_guide_scale for Wan 2.1
 TRAINED_TASKS = ("t2v-1.3B", "t2v-14B", "t2i-14B", "t2v-A14B")
 TI2V, TI2V_CHANNELS = "2.2-ti2v-5B", 48  # Wan 2.2 TI2V 5B: its VAE's 48 channels, 16x down in space
-
-
-class _Posterior:
-    """The mode of the VAE's posterior, normalised: musubi trains on the mode. logvar is finite (the caches check
-    it) but so low that exp(logvar / 2) is exactly 0, so a "sample" is the mode."""
-    LOGVAR = -1e4
-
-    def __init__(self, mean: torch.Tensor):
-        self.mean = mean
-        self.logvar = torch.full_like(mean, self.LOGVAR)
-        self.std = torch.zeros_like(mean)
 
 
 class WanVae(nn.Module):
@@ -73,7 +63,7 @@ class WanVae(nn.Module):
         mode = self.vae.encode(pixels.unsqueeze(2) if image else pixels).latent_dist.mode()
         mean, std = self._stats(mode)
         latents = (mode - mean) / std
-        return SimpleNamespace(latent_dist=_Posterior(latents.squeeze(2) if image else latents))
+        return SimpleNamespace(latent_dist=ModePosterior(latents.squeeze(2) if image else latents))
 
     def decode(self, latents: torch.Tensor, return_dict: bool = False) -> tuple[torch.Tensor]:
         image = latents.ndim == 4
