@@ -27,7 +27,6 @@ from library.families.objective import Objective
 from library.families.registry import entry_for, file_options
 from library.families.settings import FamilySettings, settings_from
 from library.families.shared.vae_file import load_vae
-from library.training.memory_check import check_memory
 from library.memory.precision import BasePrecision, reading
 from library.monitoring.sampling import SamplePrompt, load_prompts
 from library.monitoring.tracking import StepMetrics, TimestepLoss, lr_names
@@ -47,6 +46,7 @@ from library.training.accelerator import gathered, realign_cpu_adam, restore_nvm
 from library.training.base_weights import merge_base_weights
 from library.training.caching import CachePlan, cache_inputs, plan_caching, release_encoders
 from library.training.hub import HUB_STATE_FOLDER, download_state, parse_hub_state
+from library.training.memory_check import check_memory
 from library.training.model import (
     SAVE_DTYPES,
     WEIGHT_DTYPES,

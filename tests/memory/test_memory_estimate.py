@@ -7,8 +7,8 @@ import torch
 
 from library.config import UserError, parse_config
 from library.memory import estimate as memory
-from library.training.memory_check import check_memory
 from library.memory.precision import BasePrecision
+from library.training.memory_check import check_memory
 
 
 @pytest.fixture(scope="module")

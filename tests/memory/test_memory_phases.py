@@ -12,8 +12,8 @@ from safetensors.torch import save_file
 
 from library.config import UserError, parse_config
 from library.memory import estimate as memory
-from library.training.memory_check import check_memory, swapped_share
 from library.memory.precision import BasePrecision
+from library.training.memory_check import check_memory, swapped_share
 
 
 def flux_config(folder, tmp_path, *extra):

@@ -257,8 +257,8 @@ def test_ia3s_network_dim_is_not_a_rank_in_the_memory_estimate(tiny_sd1_dir, tmp
 
     from library.config import UserError
     from library.memory import estimate as memory
-    from library.training.memory_check import check_memory
     from library.memory.precision import BasePrecision
+    from library.training.memory_check import check_memory
 
     def config(*network: str):
         return parse_config([f"--pretrained_model_name_or_path={tiny_sd1_dir}", f"--train_data_dir={tmp_path}",
