@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -248,9 +249,25 @@ def stages_text(stages: list[dict[str, Any]]) -> str:
 
 
 def times_text(stages: list[dict[str, Any]]) -> str:
+    """Each stage's times, with the machine's load average when the stage recorded it (stages 1 and 2 did not)."""
+    def load(times: dict[str, float]) -> str:
+        return f", load average {times['load']:.1f} at the start" if "load" in times else ""
+
     return "; ".join(f"stage {i}: training {stage['times']['denoiser']:.0f} s, {stage['times']['total']:.0f} s in all "
-                     f"with saving and judging ({stage['times']['cpu']:.0f} s of CPU time)"
+                     f"with saving and judging ({stage['times']['cpu']:.0f} s of CPU time{load(stage['times'])})"
                      for i, stage in enumerate(stages, 1))
+
+
+def strength_text(rates: dict[str, float], stages: list[dict[str, Any]]) -> str:
+    """What the base's rates say, from the figures themselves."""
+    history = "; ".join(f"{s['rates']['the same digit']:.0%} and {s['rates']['the next digit']:.0%}" for s in stages)
+    worst = min(rates[instruction] for instruction in edits.EDITS)
+    verdict = ("Both edits are learnt well" if worst >= 0.8 else
+               "Both edits are learnt, in part" if worst >= 0.4 else
+               "A weak base: both edits are learnt, but far from fully")
+    return (f"{verdict} (a random digit would be judged as asked in about 10 % of results). After each stage, "
+            f"`the same digit` and `the next digit`: {history}. The LoRA of `configs/digits_kontext_lora.toml` on this "
+            f"base is judged in bench/README.md.")
 
 
 def model_card(recipe: Recipe, metrics: dict[str, Any], stages: list[dict[str, Any]], counts: dict[str, int],
@@ -328,8 +345,8 @@ folder the one before wrote): the same seed and thread count on the same softwar
   exponential moving average of the weights (decay {recipe.ema_decay}) is what each stage saves. Software:
   {software_versions()}.
 
-Time with {recipe.threads} thread(s) on a 2-core CPU shared with other jobs (load average about 9: wall clock, so an
-upper bound): {times_text(stages)}.
+Time with {recipe.threads} thread(s) on a 2-core CPU shared with other jobs (wall clock, so an upper bound; stages 1
+and 2 ran at a load average of about 9): {times_text(stages)}.
 
 ## Metrics
 
@@ -343,13 +360,8 @@ when it is judged the digit the edit asks for:
 |---|---|---|
 {rows}
 
-A weak base: a random digit would be judged as asked in about 10 % of results, so both edits are learnt, but far
-from fully. The stages above are what the shared machine allowed in the time there was (about
-{sum(s['times']['cpu'] for s in stages) / 60:.0f} min of CPU time in all). After each stage, `the same digit` and
-`the next digit`: {"; ".join(f"{s['rates']['the same digit']:.0%} and {s['rates']['the next digit']:.0%}"
-                            for s in stages)}. With these rates the LoRA of
-`configs/digits_kontext_lora.toml` does not reach bench/quality.py's target for the held-out edit (see
-bench/README.md): more pretraining stages are the next step.
+{strength_text(rates, stages)} The stages took about {sum(s['times']['cpu'] for s in stages) / 60:.0f} min of CPU time
+in all.
 
 The held-out edit is not known to the model: `{edits.TRIGGER_INSTRUCTION}` gives d - 1 in
 {rates[edits.TRIGGER_INSTRUCTION]:.0%} of results and `{edits.HELD_OUT_INSTRUCTION}` in
@@ -360,7 +372,7 @@ The held-out edit is not known to the model: `{edits.TRIGGER_INSTRUCTION}` gives
 def main(argv: list[str] | None = None) -> int:
     args, recipe = recipe_from_args(Recipe, DEFAULT_OUT, __doc__, argv)
     started, cpu_started = time.perf_counter(), time.process_time()
-    times: dict[str, float] = {}
+    times: dict[str, float] = {"load": round(os.getloadavg()[0], 1)}  # the machine is shared: wall times vary with it
 
     start = Path(recipe.start) if Path(recipe.start).is_absolute() else REPO_ROOT / recipe.start
     stages = json.loads((start / STAGES).read_text(encoding="utf-8")) if is_edit_base(start) else []
