@@ -205,7 +205,7 @@ def test_resize_interpolation_picks_the_resize_filter(sample_data_dir, tmp_path,
     assert subset.resize_interpolation == "area"
     # a latent cache entry made with another filter is not reused
     record = type("Record", (), {"size": (64, 64), "resized": (40, 40), "bucket": (40, 40), "crop": (0, 0),
-                                 "subset": subset})()
+                                 "frames": None, "subset": subset})()  # an image: no clip frames
     plain = type(record)()
     plain.__dict__.update(vars(record), subset=dataclasses.replace(subset, resize_interpolation=None))
     assert variant_key(record, False, "d", "v", torch.float32) != variant_key(plain, False, "d", "v", torch.float32)
