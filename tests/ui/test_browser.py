@@ -140,6 +140,14 @@ def click(browser, element_id: str) -> None:
     element.click()
 
 
+def clicked(wait, selector: str) -> None:
+    """Click the element `selector` finds, found again until the click lands: the runs list replaces its rows on
+    each refresh, so an element found a moment before may be gone (the wait ignores the stale reference)."""
+    from selenium.webdriver.common.by import By
+
+    wait.until(lambda d: d.find_element(By.CSS_SELECTOR, selector).click() is None)
+
+
 def set_field(browser, name: str, value: str) -> None:
     field = by_id(browser, f"opt-{name}")
     browser.execute_script("arguments[0].closest('details').open = true; arguments[0].scrollIntoView()", field)
@@ -404,8 +412,7 @@ def test_a_run_is_deleted_after_a_question_and_a_running_one_is_asked_for_a_save
     listed = finished_run(place / "listed", output_name="listed")  # from the runs list, which refreshes itself
     browser.get(ui + "/#runs")
     row = f'tr.run[data-dir="{listed}"]'
-    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, f"{row} button.delete"))
-    browser.find_element(By.CSS_SELECTOR, f"{row} button.delete").click()
+    clicked(wait, f"{row} button.delete")
     wait.until(lambda d: d.find_elements(By.ID, "delete-question"))
     time.sleep(3.5)  # a refresh of the list would take the question away
     by_id(browser, "delete-confirm").click()
@@ -512,8 +519,7 @@ def test_a_newcomer_uploads_a_dataset_starts_from_an_example_trains_and_download
         wait.until(lambda d: "queued a run" in by_id(d, "form-message").text)
 
         browser.get(ui + "/#runs")  # the list links the run by its name
-        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, f'tr.run[data-dir="{run}"] a.run-name'))
-        browser.find_element(By.CSS_SELECTOR, f'tr.run[data-dir="{run}"] a.run-name').click()
+        clicked(wait, f'tr.run[data-dir="{run}"] a.run-name')
         wait.until(lambda d: by_id(d, "run-name").text == "digits_lora")
         wait.until(lambda d: int(by_id(d, "run-step").text) >= 2 and by_id(d, "sample-button").is_enabled())
         by_id(browser, "sample-button").click()
