@@ -228,7 +228,7 @@ def test_an_image_dataset_beside_a_video_dataset(tmp_path):
 
 # ------------------------------------------------------------------------------------------------- checks
 
-def bad_videos(folder: Path) -> dict[str, str]:
+def bad_videos(folder: Path) -> dict[str, str | tuple[str, ...]]:
     """Broken and short videos, each with its caption, and the words the check must say about each."""
     write_clip(folder, "good.mp4", 9)
     for name, frames in (("truncated.mp4", 9), ("truncated.webm", 9), ("truncated.gif", 9)):
@@ -244,7 +244,9 @@ def bad_videos(folder: Path) -> dict[str, str]:
     write_clip(folder, "still.gif", 1)
     write_frame_folder(folder / "gap", 9, skip=(4,))
     (folder / "gap.txt").write_text("a folder", encoding="utf-8")
-    return {"truncated.mp4": "cannot read video (corrupt, or cut short)",
+    # Cut at 90 %, an mp4 loses its index at the end (unreadable) or, where the encoder wrote it otherwise, its last
+    # frames: either message names it as cut short.
+    return {"truncated.mp4": ("cannot read video (corrupt, or cut short)", "truncated or corrupt video"),
             "cut.mp4": "truncated or corrupt video: decoding stopped after",
             "truncated.webm": "truncated video", "truncated.gif": "truncated GIF",
             "empty.mp4": "an empty file (0 bytes)", "corrupt.webm": "cannot read video",
@@ -262,7 +264,9 @@ def test_the_check_names_each_broken_or_short_video(tmp_path):
     problems = text.split("problems (")[1].splitlines()[1:-1]
     assert len(problems) == len(expected), text
     for name, words in expected.items():
-        assert any(line.startswith(f"  - {folder / name}: ") and words in line for line in problems), (name, text)
+        said = (words,) if isinstance(words, str) else words
+        assert any(line.startswith(f"  - {folder / name}: ") and any(w in line for w in said) for line in problems), \
+            (name, text)
     assert "1 videos and images (9 left out) -> 1 clips" in text
 
 
