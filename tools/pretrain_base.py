@@ -170,6 +170,28 @@ def lr_factor(step: int, recipe: Recipe) -> float:
     return warm * (recipe.final_lr_ratio + (1 - recipe.final_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def optimizer_step(loss: torch.Tensor, params: list[torch.Tensor], optimizer: Any, schedule: Any,
+                   ema: list[torch.Tensor], step: int, recipe: Any) -> None:
+    """One step of a pretraining loop: backward, gradient clipping at recipe.max_grad_norm, the optimizer and its
+    schedule, then the exponential moving average. The average warms up (decay (1 + step) / (10 + step) until that
+    reaches recipe.ema_decay), or the untrained initial weights would weigh in for thousands of steps."""
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, recipe.max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    schedule.step()
+    decay = min(recipe.ema_decay, (1 + step) / (10 + step))
+    with torch.no_grad():
+        torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - decay)
+
+
+def use_average(params: list[torch.Tensor], ema: list[torch.Tensor]) -> None:
+    """The trained weights replaced by their moving average (what is saved)."""
+    with torch.no_grad():
+        for param, average in zip(params, ema, strict=True):
+            param.copy_(average)
+
+
 def train_denoiser(unet: Any, text_encoder: Any, tokenizer: Any, scheduler: Any, means: torch.Tensor,
                    stds: torch.Tensor, labels: torch.Tensor, scaling_factor: float, recipe: Recipe) -> None:
     """SD's epsilon objective on the latents; text encoder and UNet trained together; EMA weights kept."""
@@ -201,20 +223,9 @@ def train_denoiser(unet: Any, text_encoder: Any, tokenizer: Any, scheduler: Any,
         noisy = alpha.sqrt() * latents + (1 - alpha).sqrt() * noise
         prediction = unet(noisy, timesteps, text_encoder(tokens, return_dict=False)[0], return_dict=False)[0]
         loss = torch.nn.functional.mse_loss(prediction, noise)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, recipe.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        schedule.step()
-        # The average warms up (decay (1 + step) / (10 + step) until that reaches ema_decay), or the untrained
-        # initial weights would weigh in for thousands of steps.
-        decay = min(recipe.ema_decay, (1 + step) / (10 + step))
-        with torch.no_grad():
-            torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - decay)
+        optimizer_step(loss, params, optimizer, schedule, ema, step, recipe)
         _log_every(step, recipe.steps, loss.item(), started, "unet")
-    with torch.no_grad():
-        for param, average in zip(params, ema, strict=True):
-            param.copy_(average)
+    use_average(params, ema)
     unet.eval().requires_grad_(False)
     text_encoder.eval().requires_grad_(False)
 

@@ -59,10 +59,12 @@ from tools.pretrain_base import (  # noqa: E402
     encode,
     folder_bytes,
     lr_factor,
+    optimizer_step,
     parameter_counts,
     recipe_from_args,
     recipe_lines,
     software_versions,
+    use_average,
 )
 
 logger = logging.getLogger("pretrain_edit_base")
@@ -205,18 +207,9 @@ def train_transformer(parts: dict[str, Any], means: torch.Tensor, stds: torch.Te
                                  encoder_hidden_states=states, pooled_projections=pooled, timestep=sigmas,
                                  guidance=guidance, img_ids=ids, txt_ids=txt_ids, return_dict=False)[0]
         loss = torch.nn.functional.mse_loss(prediction[:, :tokens], pack_latents(noise - x0))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, recipe.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        schedule.step()
-        decay = min(recipe.ema_decay, (1 + step) / (10 + step))
-        with torch.no_grad():
-            torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - decay)
+        optimizer_step(loss, params, optimizer, schedule, ema, step, recipe)
         _log_every(step, recipe.steps, loss.item(), started, "transformer")
-    with torch.no_grad():
-        for param, average in zip(params, ema, strict=True):
-            param.copy_(average)
+    use_average(params, ema)
     for module in (transformer, clip, t5):
         module.eval().requires_grad_(False)
 

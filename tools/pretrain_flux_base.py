@@ -48,12 +48,14 @@ from tools.pretrain_base import (  # noqa: E402
     folder_bytes,
     lr_factor,
     metrics_section,
+    optimizer_step,
     parameter_counts,
     recipe_from_args,
     recipe_lines,
     software_versions,
     train_vae,
     training_set,
+    use_average,
     write_card,
 )
 
@@ -178,18 +180,9 @@ def train_denoiser(parts: dict[str, Any], means: torch.Tensor, stds: torch.Tenso
                                  pooled_projections=pooled, timestep=sigmas, guidance=guidance, img_ids=img_ids,
                                  txt_ids=txt_ids, return_dict=False)[0]
         loss = torch.nn.functional.mse_loss(prediction, pack_latents(noise - x0))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, recipe.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        schedule.step()
-        decay = min(recipe.ema_decay, (1 + step) / (10 + step))
-        with torch.no_grad():
-            torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - decay)
+        optimizer_step(loss, params, optimizer, schedule, ema, step, recipe)
         _log_every(step, recipe.steps, loss.item(), started, "transformer")
-    with torch.no_grad():
-        for param, average in zip(params, ema, strict=True):
-            param.copy_(average)
+    use_average(params, ema)
     for module in (transformer, clip, t5):
         module.eval().requires_grad_(False)
 

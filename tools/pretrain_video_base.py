@@ -51,10 +51,12 @@ from library.families.shared.tiny_parts import build_t5_tokenizer, write_pipelin
 from library.families.wan.files import SCHEDULER_CONFIG  # noqa: E402
 from tools.pretrain_base import (  # noqa: E402
     folder_bytes,
+    optimizer_step,
     parameter_counts,
     recipe_from_args,
     recipe_lines,
     software_versions,
+    use_average,
 )
 
 logger = logging.getLogger("pretrain_video_base")
@@ -233,18 +235,9 @@ def train_denoiser(parts: dict[str, Any], latents: torch.Tensor, captions: list[
         prediction = transformer(hidden_states=noisy, timestep=sigmas * 1000, encoder_hidden_states=text,
                                  return_dict=False)[0]
         loss = torch.nn.functional.mse_loss(prediction, noise - x0)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, recipe.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        schedule.step()
-        decay = min(recipe.ema_decay, (1 + step) / (10 + step))
-        with torch.no_grad():
-            torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - decay)
+        optimizer_step(loss, params, optimizer, schedule, ema, step, recipe)
         _log(step, recipe.steps, loss.item(), started, "transformer", 100)
-    with torch.no_grad():
-        for param, average in zip(params, ema, strict=True):
-            param.copy_(average)
+    use_average(params, ema)
     transformer.eval().requires_grad_(False)
     encoder.eval().requires_grad_(False)
 

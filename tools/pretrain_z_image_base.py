@@ -51,11 +51,13 @@ from tools.pretrain_base import (  # noqa: E402
     folder_bytes,
     lr_factor,
     metrics_section,
+    optimizer_step,
     parameter_counts,
     recipe_from_args,
     recipe_lines,
     software_versions,
     training_set,
+    use_average,
     write_card,
 )
 from tools.pretrain_flux_base import DEFAULT_OUT as FLUX_BASE  # noqa: E402
@@ -181,18 +183,9 @@ def train_denoiser(parts: dict[str, Any], means: torch.Tensor, stds: torch.Tenso
         text = {name: value[captions] for name, value in text.items()}
         prediction = family.denoise(transformer, noisy, sigmas * 1000, text, {})
         loss = torch.nn.functional.mse_loss(prediction, noise - x0)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, recipe.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        schedule.step()
-        decay = min(recipe.ema_decay, (1 + step) / (10 + step))
-        with torch.no_grad():
-            torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - decay)
+        optimizer_step(loss, params, optimizer, schedule, ema, step, recipe)
         _log_every(step, recipe.steps, loss.item(), started, "transformer")
-    with torch.no_grad():
-        for param, average in zip(params, ema, strict=True):
-            param.copy_(average)
+    use_average(params, ema)
     for module in (transformer, qwen):
         module.eval().requires_grad_(False)
 
