@@ -7,7 +7,7 @@ import signal
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import torch
 from safetensors import SafetensorError
@@ -63,16 +63,21 @@ class Preemption:
                        signal.Signals(signum).name)
 
 
-def agree(accelerator, bad: bool, signum: int | None) -> tuple[bool, int | None]:
-    """What every process must act on together at this step: whether any one saw a non-finite value, and the
-    signal any one of them received. One collective for both, only with several processes (else a process that
-    stops alone leaves the others waiting for it forever)."""
+def agree(accelerator, bad: bool, signum: int | None,
+          requested: Sequence[bool] = ()) -> tuple[bool, int | None, tuple[bool, ...]]:
+    """What every process must act on together at this step: whether any one saw a non-finite value, the signal any
+    one of them received, and each request (library.training.requests) any one of them found. One collective for
+    all, only with several processes (else a process that stops, samples or saves alone leaves the others waiting
+    for it forever)."""
     if accelerator.num_processes == 1:
-        return bad, signum
+        return bad, signum, tuple(requested)
     signals = list(EXIT_STATUS)
-    flags = torch.tensor([float(bad)] + [float(signum == s) for s in signals], device=accelerator.device)
+    flags = torch.tensor([float(bad)] + [float(signum == s) for s in signals] + [float(r) for r in requested],
+                         device=accelerator.device)
     counts = accelerator.reduce(flags, reduction="sum").tolist()
-    return bool(counts[0]), next((int(s) for s, count in zip(signals, counts[1:], strict=True) if count), None)
+    told = counts[1:1 + len(signals)]
+    return (bool(counts[0]), next((int(s) for s, count in zip(signals, told, strict=True) if count), None),
+            tuple(count > 0 for count in counts[1 + len(signals):]))
 
 
 class OutsideSteps:

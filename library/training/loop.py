@@ -112,6 +112,7 @@ class Trainer:
         self.preemption = Preemption()
         self.hub = HubUploader(self.config) if self.config.huggingface_repo_id else None
         self.stop_signal: int | None = None  # agreed by every process before the optimizer step
+        self.requested = (False,) * len(requests.REQUESTS)  # sample_now / save_now, agreed with the signal
         # Per-batch losses and (per-sample loss, timesteps) of the optimizer step being accumulated.
         self.step_losses: list[torch.Tensor] = []
         self.step_samples: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -226,8 +227,10 @@ class Trainer:
         s, accelerator = self.s, self.accelerator
         losses = [*self.step_losses, loss.detach()]
         bad = non_finite(losses, s.trainable, check_gradients=accelerator.scaler is None)
-        # A signal is agreed on here too, with the same collective; the loop stops after this step completes.
-        bad, self.stop_signal = agree(accelerator, bad, self.preemption.signum)
+        # A signal and the requests are agreed on here too, with the same collective; the loop stops or takes them
+        # after this step completes.
+        bad, self.stop_signal, self.requested = agree(accelerator, bad, self.preemption.signum,
+                                                      requests.seen(s.output_dir))
         if bad:
             raise non_finite_error(self.state.global_step, torch.stack(losses).float().mean().item(),
                                    [group["lr"] for group in s.optimizer.param_groups], s.output_dir)
@@ -288,7 +291,7 @@ class Trainer:
         """A sample round or a LoRA file asked for while the step ran (library.training.requests), done now; its
         "request" event says what the trainer is doing until the "samples" or "save" event that ends it."""
         s, config, state = self.s, self.config, self.state
-        for name in requests.pending(self.accelerator, s.output_dir):
+        for name in requests.wanted(self.requested):
             self.trackers.event("request", step=state.global_step, request=name)
             if name == SAVE_NOW:
                 self.save_snapshot(step_name(config.output_name, state.global_step), config.save_state)

@@ -4,22 +4,22 @@ reader sees a request pending until then."""
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
+from typing import Sequence
 
 from library.core.run_files import SAMPLE_NOW, SAVE_NOW
 
 REQUESTS = (SAMPLE_NOW, SAVE_NOW)
 
 
-def pending(accelerator, output_dir: Path) -> list[str]:
-    """The requests waiting in `output_dir`, agreed by every process (one collective, only with several): a
-    process that saw one makes every process act on it, as sampling and saving need them all."""
-    seen = [(output_dir / name).exists() for name in REQUESTS]
-    if accelerator.num_processes > 1:
-        counts = accelerator.reduce(torch.tensor([float(s) for s in seen], device=accelerator.device), "sum")
-        seen = [count > 0 for count in counts.tolist()]
-    return [name for name, wanted in zip(REQUESTS, seen, strict=True) if wanted]
+def seen(output_dir: Path) -> list[bool]:
+    """Whether each of REQUESTS waits in `output_dir`, as this process sees it (library.training.faults.agree
+    makes every process act on what any one saw, as sampling and saving need them all)."""
+    return [(output_dir / name).exists() for name in REQUESTS]
+
+
+def wanted(agreed: Sequence[bool]) -> list[str]:
+    """The requests to take, from the flags every process agreed on."""
+    return [name for name, flag in zip(REQUESTS, agreed, strict=True) if flag]
 
 
 def done(accelerator, output_dir: Path, name: str) -> None:
