@@ -4,6 +4,7 @@ the high-noise expert is read with the same rules)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -11,6 +12,7 @@ from library.config import UserError
 from library.families.shared.separate_files import read_split
 
 COMFY_PREFIX = "model.diffusion_model."
+I2V_CHANNELS = 36  # the I2V transformers: 16 noisy + 4 mask + 16 first-frame latent channels
 
 
 def read_any(path: Path, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
@@ -31,7 +33,8 @@ def read_any(path: Path, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
 
 
 def transformer_state_dict(path: Path, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """The transformer file's weights in diffusers' names; an fp8 file with scales and an I2V file are refused."""
+    """The transformer file's weights in diffusers' names; an fp8 file with scales and a kind not read here
+    (transformer_kind) are refused."""
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 
     state = {k.removeprefix(COMFY_PREFIX): v for k, v in read_any(path, dtype).items()}
@@ -41,10 +44,31 @@ def transformer_state_dict(path: Path, dtype: torch.dtype | None) -> dict[str, t
                         "use the bf16 / fp16 file")
     if "blocks.0.self_attn.q.weight" in state:
         state = convert_wan_transformer_to_diffusers(state)
-    if "blocks.0.attn2.add_k_proj.weight" in state or "condition_embedder.image_embedder.norm1.weight" in state:
-        raise UserError(f"{path}: a Wan image-to-video transformer file; image-to-video trains from its diffusers "
-                        "folder (Wan2.1-I2V-14B-*-Diffusers, Wan2.2-I2V-A14B-Diffusers), not from separate files yet")
-    if state.get("patch_embedding.weight", torch.empty(0, 0)).shape[1:2] != (16,):
-        raise UserError(f"{path}: not a Wan 2.1 / 2.2 A14B text-to-video transformer (the I2V models have other input "
-                        "channels and are not trained here yet; TI2V 5B trains from its diffusers folder)")
+    problem = kind_problem(state, path)
+    if problem:
+        raise UserError(problem)
     return state
+
+
+def transformer_kind(keys: Any, in_channels: int | None) -> str | None:
+    """A Wan transformer's kind from its weight names (original or diffusers layout) and input channels: "t2v"
+    (16 channels), "i2v-14B" (Wan 2.1 I2V: 36 channels and the image embedder), "i2v-A14B" (Wan 2.2 I2V: 36, no
+    image embedder); None for the others (TI2V 5B, FLF2V, Fun-Control)."""
+    keys = {k.removeprefix(COMFY_PREFIX) for k in keys}
+    if any("emb_pos" in k or "image_embedder.pos_embed" in k for k in keys):
+        return None  # FLF2V's position embedding of the two images
+    image = "img_emb.proj.0.weight" in keys or "condition_embedder.image_embedder.norm1.weight" in keys
+    if in_channels == 16 and not image:
+        return "t2v"
+    if in_channels == I2V_CHANNELS:
+        return "i2v-14B" if image else "i2v-A14B"
+    return None
+
+
+def kind_problem(state: dict[str, torch.Tensor], path: Path) -> str | None:
+    channels = state.get("patch_embedding.weight", torch.empty(0, 0)).shape[1:2]
+    if transformer_kind(state, channels[0] if channels else None) is None:
+        return (f"{path}: not a Wan 2.1 / 2.2 A14B transformer this trainer reads from a file (text-to-video: 16 input "
+                f"channels; image-to-video: {I2V_CHANNELS}); TI2V 5B trains from its diffusers folder, FLF2V and "
+                "Fun-Control not here")
+    return None
