@@ -3,6 +3,8 @@ by layer as it is read: when a layer is quantized, only the layers of the tensor
 fp8 / float weights, never the whole transformer; the quantized layers are what quantizing after the load gives."""
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -48,7 +50,7 @@ def _live_high_precision(model):
 def test_each_linear_is_quantized_as_it_is_read(family, kind, tiny_flux_dir, tiny_qwen_image_dir, tmp_path,
                                                 monkeypatch):
     files, options = _files(family, tiny_flux_dir, tiny_qwen_image_dir, tmp_path)
-    models, live = [], []
+    models, live, alive, read = [], [], [], []
     real_assign, real_quantize = separate_files.assign_streamed, precision_module.quantize_layer
 
     def assigning(model, *args, **kwargs):
@@ -57,6 +59,8 @@ def test_each_linear_is_quantized_as_it_is_read(family, kind, tiny_flux_dir, tin
 
     def quantizing(layer, *args):
         live.append(len(_live_high_precision(models[-1])))
+        alive.append(sum(ref() is not None for ref in read))  # read weights of layers quantized before, still held
+        read.append(weakref.ref(layer.weight))
         return real_quantize(layer, *args)
 
     module = "library.families.flux.files" if family == "flux" else "library.families.qwen_image.files"
@@ -73,6 +77,8 @@ def test_each_linear_is_quantized_as_it_is_read(family, kind, tiny_flux_dir, tin
     # at each quantization only the layers of the group being read held a float weight: at most a fused
     # projection's parts (FLUX's linear1: q, k, v and the MLP), not the transformer's
     assert max(live) <= 4
+    # and the layers replaced before hold theirs no more (out of the model, but their weights must go too)
+    assert max(alive) <= 4
     assert not _live_high_precision(denoiser)
     stored = torch.uint8 if kind == "nf4" else torch.int8
     assert all(layer.weight.dtype == stored for layer in layers.values())

@@ -142,6 +142,8 @@ def assign_streamed(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.T
             if not pending[layer_name]:
                 del pending[layer_name]
                 replace_layer(model, layer_name, quantize_layer(module, *quantizing))
+                for part in module._parameters:  # `slots` still names the replaced layer: its read weights go now
+                    module._parameters[part] = None
         del tensor, old
     if misfits:
         raise UserError(f"{source}: the weights do not fit the config's shapes (a model of other widths needs "
