@@ -39,11 +39,13 @@ MAX_STEPS = 1000  # kohya clamps --s to 1..1000; outside that range it is report
 MAX_FRAMES = 1025  # --f: a bound on typing mistakes (Wan generates 81 frames; musubi sets none)
 
 # Keys of a TOML / JSON prompt entry (kohya's names; control_image and frame_count musubi's, control_image a path
-# or a list of them), and the .txt options that set them (--ci may be given more than once).
+# or a list of them), and the .txt options that set them (--ci may be given more than once; --i is musubi's first
+# frame of an image-to-video prompt, read as its one control image).
 PROMPT_KEYS = ("prompt", "negative_prompt", "width", "height", "seed", "sample_steps", "scale", "sample_sampler",
                "guidance_scale", "control_image", "frame_count")
 TXT_OPTIONS = {"n": "negative_prompt", "w": "width", "h": "height", "d": "seed", "s": "sample_steps", "l": "scale",
-               "ss": "sample_sampler", "g": "guidance_scale", "ci": "control_image", "f": "frame_count"}
+               "ss": "sample_sampler", "g": "guidance_scale", "ci": "control_image", "i": "control_image",
+               "f": "frame_count"}
 
 
 @dataclass(frozen=True)
