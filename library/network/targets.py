@@ -18,14 +18,15 @@ Overrides = dict[str, tuple[int, float]]  # module name -> (rank, alpha) where i
 
 def attach_network(model: nn.Module, part: str, rank: int, alpha: float, dropout: float,
                    net: NetworkArgs,
-                   denoiser_targets: tuple[list[str], Overrides] | None = None
-                   ) -> list[nn.Parameter]:
+                   denoiser_targets: tuple[list[str], Overrides] | None = None,
+                   adapter_name: str = "default") -> list[nn.Parameter]:
     """Attach the configured adapter to the UNet (`part="unet"`) or one text encoder (`"text_encoder"`) with
     kohya's targets; conv_dim adds the ResNet blocks and samplers of the UNet, block_dims and the block lr
     weights set (or drop, at 0) each UNet block's rank and alpha. With network_module = "lycoris.kohya" the
     LyCORIS preset chooses the layers and k x k convs take conv_dim / conv_alpha (default network_dim / alpha).
     A family whose denoiser is not a UNet passes its own `denoiser_targets` (module names, per-module (rank,
-    alpha))."""
+    alpha)). `adapter_name` names the peft adapter (a family may train several on its denoiser); afterwards only
+    that adapter requires grad."""
     if denoiser_targets is None and part == "unet" and net.flux_keys:
         raise UserError(f"network_args {', '.join(net.flux_keys)}: only for FLUX.1 (kohya's networks.lora_flux)")
     if denoiser_targets is not None and net.train_norm:
@@ -50,10 +51,11 @@ def attach_network(model: nn.Module, part: str, rank: int, alpha: float, dropout
         rank_dropout=(net.rank_dropout or 0.0) if lycoris_dropout else 0.0,
         module_dropout=(net.module_dropout or 0.0) if lycoris_dropout else 0.0, factor=net.factor,
         decompose_both=net.decompose_both, lycoris_shapes=net.lycoris, use_tucker=net.use_tucker,
-        norm_targets=norm_targets, lycoris_options=lycoris_options)
+        norm_targets=norm_targets, lycoris_options=lycoris_options, adapter_name=adapter_name)
     kohya_dropout = 0.0 if peft_dropout else dropout
     if not lycoris_dropout and (net.rank_dropout or net.module_dropout or kohya_dropout):
-        add_kohya_dropout(model, net.rank_dropout or 0.0, net.module_dropout or 0.0, dropout=kohya_dropout)
+        add_kohya_dropout(model, net.rank_dropout or 0.0, net.module_dropout or 0.0, adapter_name,
+                          dropout=kohya_dropout)
     return params
 
 
