@@ -3,7 +3,7 @@ regularisation (scale_weight_norms) and an EMA of the adapter weights."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -131,18 +131,21 @@ class AdapterEMA:
     """An exponential moving average of the adapter's trainable tensors, kept in fp32 beside them.
 
     After each optimizer step: ema = decay * ema + (1 - decay) * weight. Keyed by the kohya file keys
-    ("lora_unet_..._to_q.lora_down.weight"), so the state dir's copy is readable and survives a rebuilt model.
+    ("lora_unet_..._to_q.lora_down.weight"), so the state dir's copy is readable and survives a rebuilt model. With
+    several adapters (a family that trains one per expert), each adapter but "default" has its name and "/" before
+    its keys; every adapter's average moves after each optimizer step, also one whose weights that step kept.
     """
 
-    def __init__(self, modules: Mapping[str, nn.Module], decay: float, adapter_name: str = "default",
-                 rename: kohya_format.Rename | None = None):
+    def __init__(self, modules: Mapping[str, nn.Module], decay: float,
+                 adapter_names: str | Sequence[str] = "default", rename: kohya_format.Rename | None = None):
         if not 0 < decay < 1:
             raise ValueError(f"EMA decay must be in (0, 1), got {decay}")
         self.decay = decay
         self.params: dict[str, nn.Parameter] = {
-            f"{name}.{role}": param
-            for name, (_, layer) in kohya_format.kohya_layer_names(modules, adapter_name, rename).items()
-            for role, param in lora.layer_parameters(layer, adapter_name).items()}
+            f"{'' if adapter == 'default' else adapter + '/'}{name}.{role}": param
+            for adapter in ([adapter_names] if isinstance(adapter_names, str) else adapter_names)
+            for name, (_, layer) in kohya_format.kohya_layer_names(modules, adapter, rename).items()
+            for role, param in lora.layer_parameters(layer, adapter).items()}
         self.shadow: dict[str, torch.Tensor] = {}
         self.reset()
 
