@@ -113,6 +113,11 @@ def state_dir_name(snapshot_name: str) -> str:
     return f"{snapshot_name}-state"
 
 
+# A LoRA file of a save: `<name>.safetensors`, or one per adapter of a family that trains several
+# (`<name>_high_noise.safetensors`; library.training.model.adapter_files).
+LORA_FILE = r"(?:_[a-z][a-z0-9_]*)?\.safetensors"
+
+
 def _numbered(output_dir: Path, pattern: str) -> list[tuple[int, Path]]:
     """Paths in output_dir whose names fully match `pattern` (one number group), sorted by that number."""
     regex = re.compile(pattern)
@@ -128,7 +133,7 @@ def prune_steps(output_dir: Path, output_name: str, current_step: int, keep_step
     """kohya's save_last_n_steps(_state): drop step saves older than `keep_steps` steps before current_step."""
     if keep_steps is None:
         return
-    suffix = r"-state" if state else r"\.safetensors"
+    suffix = r"-state" if state else LORA_FILE
     for step, path in _numbered(output_dir, re.escape(output_name) + r"-step(\d{8})" + suffix):
         if step <= current_step - keep_steps:
             logger.info("removing %s (save_last_n_steps%s)", path, "_state" if state else "")
@@ -139,11 +144,14 @@ def prune_epochs(output_dir: Path, output_name: str, keep: int | None, state: bo
     """kohya's save_last_n_epochs(_state): keep the newest `keep` epoch saves."""
     if keep is None:
         return
-    suffix = r"-state" if state else r"\.safetensors"
+    suffix = r"-state" if state else LORA_FILE
     saves = _numbered(output_dir, re.escape(output_name) + r"-(\d{6})" + suffix)
-    for _, path in saves[:-keep] if keep < len(saves) else []:
-        logger.info("removing %s (save_last_n_epochs%s)", path, "_state" if state else "")
-        remove_path(path)
+    epochs = sorted({epoch for epoch, _ in saves})  # an epoch may have one file per adapter
+    dropped = set(epochs[:-keep] if keep < len(epochs) else [])
+    for epoch, path in saves:
+        if epoch in dropped:
+            logger.info("removing %s (save_last_n_epochs%s)", path, "_state" if state else "")
+            remove_path(path)
 
 
 # --- finding states -------------------------------------------------------------------------------------------
