@@ -207,6 +207,19 @@ def prepare_accelerator(config: Config) -> Accelerator:
     return accelerator
 
 
+def allow_unused_parameters(accelerator: Accelerator, why: str) -> None:
+    """Before prepare: DDP told that some trained parameters may get no gradient in a step (`why`: what trains
+    them). DDP then averages a gradient that some processes gave and leaves one that no process gave as None,
+    which the optimizer skips. DeepSpeed's ZeRO optimizer would step such parameters with a zero gradient (its
+    moments still move them), so it is refused."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        raise UserError(f"deepspeed: not offered for {why}: ZeRO steps every parameter, an unused one with a zero "
+                        "gradient that its moments still move; train without DeepSpeed (DDP)")
+    handler = accelerator.ddp_handler or DistributedDataParallelKwargs()
+    handler.find_unused_parameters = True
+    accelerator.ddp_handler = handler
+
+
 def allow_fp16_gradients(scaler: torch.amp.GradScaler) -> None:
     """full_fp16: the trained weights are fp16 themselves, whose gradients torch's GradScaler refuses to unscale
     (it expects fp32 master weights). Unscaling them in place is what full_fp16 asks for."""
