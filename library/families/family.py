@@ -12,7 +12,8 @@ Conditioning travels as two dicts of tensors: `text` (token ids from `tokenizer`
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
@@ -23,6 +24,18 @@ from library.families.objective import Objective
 from library.families.settings import FamilySettings
 
 Tokenizer = Callable[[str], dict[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """One adapter a run trains on the denoiser and the file it is saved to: peft's adapter name, what the file's
+    name adds before `.safetensors` (`<output_name><suffix>.safetensors`), and the metadata that file adds."""
+    name: str = "default"
+    suffix: str = ""
+    metadata: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+
+ONE_ADAPTER = (LoraAdapter(),)
 
 
 @dataclass
@@ -172,6 +185,12 @@ class Family(ABC):
         """The denoiser's LoRA module names and per-module (rank, alpha) where they differ from the run's, or
         None for kohya's UNet targets (library.network.targets)."""
         return None
+
+    def lora_adapters(self) -> tuple[LoraAdapter, ...]:
+        """The denoiser's adapters, each saved to its own file; the family's `denoise` makes the one a batch trains
+        active (Wan 2.2 A14B: one per expert, switched with the expert). One adapter, "default", unless the family
+        says otherwise; the first is always "default", and a run with several trains no text encoder."""
+        return ONE_ADAPTER
 
     def export_lora_keys(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Our kohya-style export (module paths) -> the key names of this family's kohya files."""

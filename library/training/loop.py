@@ -30,6 +30,7 @@ from library.training.faults import Interrupted, Preemption, agree, non_finite, 
 from library.training.hub import HubUploader
 from library.training.model import (
     DiffusionModel,
+    adapter_files,
     batch_conditioning,
     batch_latents,
     diffusion_loss,
@@ -47,12 +48,13 @@ _PREPARED_FOR_LIFE: list[torch.nn.Module] = []  # see run()
 @dataclass
 class RunResult:
     """What a finished run reports back to its caller (tests and benchmarks)."""
-    output_file: Path | None
+    output_file: Path | None  # the LoRA file; None where the run wrote one per adapter (output_files)
     global_step: int
     model: DiffusionModel | None = None  # the unwrapped trained model, for in-process callers
     losses: list[float] = field(default_factory=list)  # each optimizer step's loss, averaged over processes
     validation: dict[int, float] = field(default_factory=dict)  # the last validation loss per timestep
     step_times: list[float] = field(default_factory=list)  # wall seconds of each optimizer step
+    output_files: list[Path] = field(default_factory=list)  # the LoRA file, or one file per adapter
 
 
 def run(config: Config) -> RunResult:
@@ -309,11 +311,12 @@ class Trainer:
                 # A schedule-free optimizer's kept weights, not its training ones; or the EMA when asked.
                 saved_weights = s.ema.swapped() if s.ema and self.config.ema_for_saved_file else nullcontext()
                 with schedule_free_eval(s.optimizer), saved_weights, reported_save(path, s.output_dir):
-                    save_lora(self.config, s.unwrapped, s.spec, path, s.metadata(), s.save_dtype)
-                logger.info("saved %s", path)
-                self.trackers.event("save", step=self.state.global_step, path=path.name)
-                if self.hub is not None:
-                    self.hub.upload(path, wait=name == self.config.output_name)
+                    files = save_lora(self.config, s.unwrapped, s.spec, path, s.metadata(), s.save_dtype)
+                for file in files:  # one, or one per adapter of a family that trains several
+                    logger.info("saved %s", file)
+                    self.trackers.event("save", step=self.state.global_step, path=file.name)
+                    if self.hub is not None:
+                        self.hub.upload(file, wait=name == self.config.output_name)
         if with_state:
             self.state.metrics = s.metrics.state_dict()
             state_dir = s.output_dir / state_dir_name(name)
@@ -394,7 +397,10 @@ class Trainer:
             self.hub.wait()
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
-            result.output_file = s.output_dir / f"{self.config.output_name}.safetensors"
+            files = [file for _, file in adapter_files(s.unwrapped.family,
+                                                       s.output_dir / f"{self.config.output_name}.safetensors")]
+            result.output_files = files
+            result.output_file = files[0] if len(files) == 1 else None
             chart = loss_by_timestep_chart(s.metrics.timestep_loss.bins(), result.validation,
                                            s.objective.num_train_timesteps)
             chart_path = s.output_dir / f"{self.config.output_name}_loss_by_timestep.png"

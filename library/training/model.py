@@ -14,7 +14,7 @@ from library.config import Config, UserError
 from library.config.network_args import network_args_of
 from library.data.cache import check_finite_latents, sample_cached_latents
 from library.data.dataset import TrainingData
-from library.families.family import Components, Family
+from library.families.family import Components, Family, LoraAdapter
 from library.memory.offload import install_offloading
 from library.memory.precision import BasePrecision
 from library.monitoring.sampling import SamplePrompt
@@ -156,6 +156,10 @@ class NetworkSpec:
 def network_spec(config: Config, family: Family) -> NetworkSpec:
     if config.network_weights is None:
         return NetworkSpec(config.network_dim, config.network_alpha)
+    adapters = family.lora_adapters()
+    if len(adapters) > 1:  # the family's configured() names the way out; this guards one that does not
+        raise UserError(f"network_weights {config.network_weights}: this run trains {len(adapters)} LoRAs "
+                        f"({', '.join(adapter.name for adapter in adapters)}), which do not start from a file")
     try:
         state_dict = family.import_lora_keys(kohya_format.load_kohya_lora(config.network_weights)[0])
         if not config.dim_from_weights and kohya_format.has_no_rank(state_dict):
@@ -230,11 +234,7 @@ def build_model(config: Config, components: Components, device: torch.device,
                     ", ".join(net.unread))
     family = components.family
     if train_unet:
-        network_setup.attach_network(unet, "unet", spec.dim, spec.alpha, config.network_dropout, net,
-                                     family.denoiser_lora_targets(unet, spec.dim, spec.alpha, net))
-        groups += adapter_training.optimizer_groups([unet], config.unet_lr if config.unet_lr is not None
-                                                    else config.learning_rate, "unet", net.loraplus_ratio("unet"),
-                                                    network_setup.block_lr(unet, spec.dim, spec.alpha, net))
+        groups += attach_denoiser_adapters(config, family, unet, spec)
     if train_text_encoder:
         for text_encoder in family.lora_text_encoders(text_encoders):
             network_setup.attach_network(text_encoder, "text_encoder", spec.dim, spec.alpha, config.network_dropout,
@@ -270,6 +270,45 @@ def build_model(config: Config, components: Components, device: torch.device,
     if spec.initial_weights is not None:
         load_adapter(config, model, spec.initial_weights, strict=False, source=str(config.network_weights))
     return model, groups
+
+
+def attach_denoiser_adapters(config: Config, family: Family, unet: torch.nn.Module,
+                             spec: NetworkSpec) -> list[dict[str, Any]]:
+    """The family's adapters on the denoiser (one, or Wan 2.2's one per expert), each of the run's shape on the same
+    targets, and their optimizer groups: a further adapter's parameters join the first's groups (same names and
+    learning rates), so the schedule and the logged rates are those of one adapter."""
+    net = network_args_of(config)
+    adapters = family.lora_adapters()
+    if len(adapters) > 1 and config.scale_weight_norms:
+        raise UserError(f"scale_weight_norms: not offered for a run that trains {len(adapters)} LoRAs "
+                        f"({', '.join(adapter.name for adapter in adapters)}); remove it")
+    # Asked once: once wrapped by peft, the targets are no longer the plain layers a family looks for.
+    targets = family.denoiser_lora_targets(unet, spec.dim, spec.alpha, net)
+    lr = config.unet_lr if config.unet_lr is not None else config.learning_rate
+    groups: list[dict[str, Any]] = []
+    for adapter in adapters:
+        network_setup.attach_network(unet, "unet", spec.dim, spec.alpha, config.network_dropout, net, targets,
+                                     adapter.name)
+        more = adapter_training.optimizer_groups([unet], lr, "unet", net.loraplus_ratio("unet"),
+                                                 network_setup.block_lr(unet, spec.dim, spec.alpha, net),
+                                                 adapter.name)
+        if not groups:
+            groups = more
+            continue
+        for group, added in zip(groups, more, strict=True):
+            group["params"] = [*group["params"], *added["params"]]
+    if len(adapters) > 1:  # attaching an adapter leaves only that one trainable
+        for group in groups:
+            for param in group["params"]:
+                param.requires_grad_(True)
+    return groups
+
+
+def adapter_files(family: Family, path: Path) -> list[tuple[LoraAdapter, Path]]:
+    """Each of the family's adapters with its file: `path` for the one adapter, else `path` with the adapter's suffix
+    before `.safetensors` (`last.safetensors` -> `last_high_noise.safetensors`)."""
+    return [(adapter, path.with_name(f"{path.name.removesuffix(path.suffix)}{adapter.suffix}{path.suffix}"))
+            for adapter in family.lora_adapters()]
 
 
 def place_denoiser(config: Config, family: Family, denoiser: torch.nn.Module, device: torch.device) -> bool:
@@ -329,14 +368,15 @@ def lora_modules(model: DiffusionModel, config: Config) -> dict[str, torch.nn.Mo
 
 
 def load_adapter(config: Config, model: DiffusionModel, state_dict: dict[str, torch.Tensor], strict: bool,
-                 source: str) -> None:
-    """Kohya-format weights into the attached LoRA. Keys for a part that is not trained are left out."""
+                 source: str, adapter_name: str = "default") -> None:
+    """Kohya-format weights into the attached LoRA (`adapter_name`). Keys for a part that is not trained are left
+    out."""
     modules = lora_modules(model, config)
     state_dict = model.family.import_lora_keys(dict(state_dict))
     if not strict:
         state_dict = {k: v for k, v in state_dict.items() if k.startswith(tuple(f"{p}_" for p in modules))}
     try:
-        report = kohya_format.apply_kohya_state_dict(modules, state_dict, strict=strict,
+        report = kohya_format.apply_kohya_state_dict(modules, state_dict, adapter_name, strict=strict,
                                                      rename=model.family.kohya_module_path)
     except ValueError as e:
         raise UserError(f"{source}: {e}") from None
@@ -352,20 +392,34 @@ def load_adapter(config: Config, model: DiffusionModel, state_dict: dict[str, to
                        len(missing_modules))
 
 
+def load_lora_files(config: Config, model: DiffusionModel, path: Path) -> None:
+    """A state's adapter file(s), as save_lora wrote them at `path`, each into its adapter."""
+    for adapter, file in adapter_files(model.family, path):
+        load_adapter(config, model, kohya_format.load_kohya_lora(file)[0], strict=True, source=str(file),
+                     adapter_name=adapter.name)
+
+
 def save_lora(config: Config, model: DiffusionModel, spec: NetworkSpec, path: Path, metadata: dict[str, str],
-              dtype: torch.dtype | None) -> None:
+              dtype: torch.dtype | None) -> list[Path]:
+    """The LoRA file at `path`, or, for a family that trains several adapters, one file per adapter beside it
+    (adapter_files); returns the files written. None is written when any would hold NaN/inf."""
     net = network_args_of(config)
     # conv_alpha, block_alphas and whole-matrix LoKr layers have their own alpha; the check against spec.alpha fits
     # the rest.
     uniform = net.conv_dim is None and net.block_alphas is None and net.conv_block_dims is None
     alpha = spec.alpha if uniform and net.variant != "lokr" else None
-    state_dict = model.family.export_lora_keys(kohya_format.kohya_state_dict(
-        lora_modules(model, config), alpha, dtype, rename=model.family.kohya_module_path))
-    broken = [key for key, tensor in state_dict.items()
-              if tensor.is_floating_point() and not bool(tensor.isfinite().all())]
-    if broken:
-        # A file of NaN/inf weights breaks every image made with it; the training loop stops before this, so
-        # this is the last guard (e.g. an optimizer step that overflowed the weights themselves).
-        raise UserError(f"not writing {path}: {len(broken)} tensors hold NaN/inf (first {broken[0]}); lower "
-                        "learning_rate or set max_grad_norm, and resume from the last saved state")
-    kohya_format.save_lora_file(path, state_dict, {} if config.no_metadata else metadata)
+    files = []
+    for adapter, file in adapter_files(model.family, path):
+        state_dict = model.family.export_lora_keys(kohya_format.kohya_state_dict(
+            lora_modules(model, config), alpha, dtype, adapter.name, rename=model.family.kohya_module_path))
+        broken = [key for key, tensor in state_dict.items()
+                  if tensor.is_floating_point() and not bool(tensor.isfinite().all())]
+        if broken:
+            # A file of NaN/inf weights breaks every image made with it; the training loop stops before this, so
+            # this is the last guard (e.g. an optimizer step that overflowed the weights themselves).
+            raise UserError(f"not writing {file}: {len(broken)} tensors hold NaN/inf (first {broken[0]}); lower "
+                            "learning_rate or set max_grad_norm, and resume from the last saved state")
+        files.append((file, state_dict, {} if config.no_metadata else {**metadata, **adapter.metadata}))
+    for file, state_dict, file_metadata in files:
+        kohya_format.save_lora_file(file, state_dict, file_metadata)
+    return [file for file, _, _ in files]

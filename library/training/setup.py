@@ -30,7 +30,7 @@ from library.families.shared.vae_file import load_vae
 from library.memory.precision import BasePrecision, reading
 from library.monitoring.sampling import SamplePrompt, load_prompts
 from library.monitoring.tracking import StepMetrics, TimestepLoss, lr_names
-from library.network import kohya_format, lora
+from library.network import lora
 from library.network.metadata import (
     DatasetFacts,
     FamilyFlags,
@@ -42,7 +42,14 @@ from library.network.metadata import (
     model_file_hashes,
 )
 from library.training import adapters as adapter_training
-from library.training.accelerator import gathered, realign_cpu_adam, restore_nvme_optimizer_state, zero3, zero3_refusals
+from library.training.accelerator import (
+    allow_unused_parameters,
+    gathered,
+    realign_cpu_adam,
+    restore_nvme_optimizer_state,
+    zero3,
+    zero3_refusals,
+)
 from library.training.base_weights import merge_base_weights
 from library.training.caching import CachePlan, cache_inputs, plan_caching, release_encoders
 from library.training.hub import HUB_STATE_FOLDER, download_state, parse_hub_state
@@ -55,7 +62,7 @@ from library.training.model import (
     build_model,
     check_controls,
     compile_repeated_blocks,
-    load_adapter,
+    load_lora_files,
     lora_modules,
     network_spec,
     place_encoders,
@@ -180,6 +187,7 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     model, optimizer, dataloader, lr_scheduler = prepare(accelerator, plan, model, optimizer, dataloader,
                                                          lr_scheduler)
     ema = (adapter_training.AdapterEMA(lora_modules(unwrapped, config), config.ema_decay,
+                                       [adapter.name for adapter in unwrapped.family.lora_adapters()],
                                        rename=unwrapped.family.kohya_module_path)
            if config.ema_decay is not None else None)
     checkpointer = make_checkpointer(config, accelerator, unwrapped, spec, trainable, ema)
@@ -356,6 +364,10 @@ def schedule(config: Config, optimizer: torch.optim.Optimizer, plan: Plan, state
 def prepare(accelerator: Accelerator, plan: Plan, model: DiffusionModel, optimizer: torch.optim.Optimizer,
             dataloader: Any, lr_scheduler: Any) -> tuple[Any, Any, Any, Any]:
     """accelerate's prepare (DDP, DeepSpeed, compile), checked against the plan's batch count."""
+    adapters = model.family.lora_adapters()
+    if len(adapters) > 1:  # each batch trains one of them, and each process draws its own
+        allow_unused_parameters(accelerator, f"a run that trains {len(adapters)} LoRAs, one per batch "
+                                             f"({', '.join(adapter.name for adapter in adapters)})")
     model, optimizer, dataloader, lr_scheduler = accelerator.prepare(model, optimizer, dataloader, lr_scheduler)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         # DeepSpeed may swap in its own optimizer (CPU Adam for offload) and replaces its param groups when a state
@@ -373,8 +385,7 @@ def make_checkpointer(config: Config, accelerator: Accelerator, unwrapped: Diffu
     return Checkpointer(
         accelerator,
         write_adapter=lambda path: save_lora(config, unwrapped, spec, path, {}, None),
-        read_adapter=lambda path: load_adapter(config, unwrapped, kohya_format.load_kohya_lora(path)[0], strict=True,
-                                               source=str(path)),
+        read_adapter=lambda path: load_lora_files(config, unwrapped, path),
         write_ema=adapter_training.ema_writer(ema) if ema else None,
         read_ema=adapter_training.ema_reader(ema) if ema else None,
         gather=lambda modify: gathered(accelerator, trainable, modify))
@@ -473,7 +484,14 @@ def run_fingerprint(config: Config, spec: NetworkSpec, components: Components,
         "base_model_version": components.base_model_version,
         "unet_config": _digest(_architecture(components.denoiser.config)),
         "text_encoder_config": _digest(_architecture(components.text_encoder.config.to_dict())),
-    }
+    } | _adapters_of(components)
+
+
+def _adapters_of(components: Components) -> dict[str, Any]:
+    """The adapters of a family that trains several (a state of one cannot resume a run of the other); nothing for
+    one adapter, so that states saved before the key existed still resume."""
+    names = [adapter.name for adapter in components.family.lora_adapters()]
+    return {"lora_adapters": names} if len(names) > 1 else {}
 
 
 def _architecture(config: Any) -> dict[str, Any]:
