@@ -22,14 +22,23 @@ import torch
 from torch import nn
 
 from library.config import UserError
-from library.families.family import Components, Tokenizer
+from library.families.family import Components, LoraAdapter, Tokenizer
 from library.families.settings import value_of
 from library.families.shared import checks as transformer_checks
 from library.families.shared import musubi_flow
 from library.families.shared.mode_posterior import ModePosterior
 from library.families.wan import lora as wan_lora
 from library.families.wan.entry import FRAMES
-from library.families.wan.experts import ExpertSwitch, WanObjective, WanSettings, boundary_of, high_noise_weights
+from library.families.wan.experts import (
+    EXPERT_ADAPTERS,
+    ExpertSwitch,
+    WanObjective,
+    WanSettings,
+    boundary_of,
+    high_noise_weights,
+    separate_loras,
+    separate_weights_problem,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -136,10 +145,13 @@ class Wan(musubi_flow.MusubiFamily):
                                              ("bucket_reso_steps", settings.sizes.bucket_reso_steps))
                          if any(side % 32 for side in (value if isinstance(value, tuple) else (value,)))
                          and (name == "resolution" or settings.sizes.enable_bucket)]
-        for name in ("timestep_boundary", "offload_inactive_dit"):
-            if value_of(settings, name) and experts is None:
-                problems.append(f"{name}: only for Wan 2.2 A14B with both experts (dit_high_noise, or a diffusers "
-                                "folder with transformer_2)")
+        asked = [name for name in ("timestep_boundary", "offload_inactive_dit") if value_of(settings, name)]
+        asked += ["expert_loras"] if "expert_loras" in settings.user_set else []
+        for name in asked if experts is None else []:
+            problems.append(f"{name}: only for Wan 2.2 A14B with both experts (dit_high_noise, or a diffusers "
+                            "folder with transformer_2)")
+        if experts is not None and separate_loras(settings, experts) and settings.network_weights:
+            problems.append(separate_weights_problem(settings.network_weights))
         if experts is not None and settings.offload_inactive_dit and settings.blocks_to_swap:
             problems.append("offload_inactive_dit with blocks_to_swap: musubi-tuner refuses the two together; "
                             "use one")
@@ -152,13 +164,18 @@ class Wan(musubi_flow.MusubiFamily):
         if problems:
             raise UserError(problems)
         if experts is not None:
-            experts.configure(boundary_of(settings, experts.default_boundary), settings.offload_inactive_dit)
+            experts.configure(boundary_of(settings, experts.default_boundary), settings.offload_inactive_dit,
+                              separate_loras(settings, experts))
         two = experts is not None or task == "t2v-A14B"
         if experts is None and task == "t2v-A14B" and (settings.min_timestep, settings.max_timestep) == (0, 1000):
             logger.warning("task t2v-A14B with one expert: musubi-tuner recommends its timestep range, min_timestep 0 "
                            "/ max_timestep 875 for the low-noise expert, 875 / 1000 for the high-noise one")
         return dataclasses.replace(self, version="2.2" if two and self.version != TI2V else self.version,
                                    experts=experts)
+
+    def lora_adapters(self) -> tuple[LoraAdapter, ...]:
+        """One LoRA per expert (expert_loras = "separate" with both experts); else the one LoRA."""
+        return EXPERT_ADAPTERS if self.experts is not None and self.experts.separate else super().lora_adapters()
 
     def prepare_denoiser(self, denoiser: torch.nn.Module, resolutions: Sequence[tuple[int, int]]) -> None:
         """Reads dit_high_noise (the high-noise expert) against the loaded low-noise transformer."""

@@ -35,4 +35,11 @@ OFFLOAD_INACTIVE_DIT = Option("offload_inactive_dit", to_bool, False,
                               "Wan 2.2 A14B with both experts: keep the expert not in use in CPU memory "
                               "(musubi-tuner's --offload_inactive_dit; not with blocks_to_swap)", group="training")
 
-WAN = (TASK, T5, CLIP, DIT_HIGH_NOISE, TIMESTEP_BOUNDARY, OFFLOAD_INACTIVE_DIT)
+EXPERT_LORAS = Option("expert_loras", to_str, "separate",
+                      "Wan 2.2 A14B with both experts: \"separate\" trains one LoRA per expert, saved as "
+                      "<output_name>_high_noise.safetensors and <output_name>_low_noise.safetensors (ComfyUI loads "
+                      "each on its expert, diffusers' WanPipeline the high-noise one into transformer and the "
+                      "low-noise one into transformer_2); \"shared\" trains one LoRA on both, as musubi-tuner does "
+                      "(one file)", group="network", choices=("separate", "shared"))
+
+WAN = (TASK, T5, CLIP, DIT_HIGH_NOISE, TIMESTEP_BOUNDARY, OFFLOAD_INACTIVE_DIT, EXPERT_LORAS)
