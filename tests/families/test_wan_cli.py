@@ -55,7 +55,8 @@ def reference(models, data, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def experts(models, data, tmp_path_factory) -> Path:
     return run("wan22_lora.toml", models["wan22"], tmp_path_factory.mktemp("wan22_reference"), "--train_data_dir",
-               str(data), "--save_every_n_steps", "2", "--save_state", "--timestep_boundary", "500")
+               str(data), "--save_every_n_steps", "2", "--save_state", "--timestep_boundary", "500",
+               "--expert_loras", "shared")
 
 
 def test_images_train_as_one_frame_clips_into_musubis_file(reference):
@@ -91,7 +92,7 @@ def test_both_experts_resume_bit_exactly(models, experts, data, tmp_path):
     """The resumed run starts on the low-noise expert; each step's batch picks its expert again from its
     timesteps, so the swaps, and the file, are the same."""
     assert_resumes_bit_exactly("wan22_lora.toml", models["wan22"], experts, data, tmp_path / "resumed",
-                               "--timestep_boundary", "500")
+                               "--timestep_boundary", "500", "--expert_loras", "shared")
 
 
 def test_a_video_dataset_trains_on_4n_plus_1_frame_clips(models, tmp_path, reference):
