@@ -22,7 +22,9 @@ def main() -> None:
     storage = parameter_storage(result.model)
     if storage["shard"] == 0:  # under ZeRO-3 this process holds shards: the trainer's own file is the whole LoRA
         modules = model.lora_modules(result.model, config)
-        save_file(kohya_format.kohya_state_dict(modules), str(out / f"rank{rank}.safetensors"))
+        for adapter in result.model.family.lora_adapters():  # one file, or one per adapter (Wan 2.2's experts)
+            save_file(kohya_format.kohya_state_dict(modules, adapter_name=adapter.name),
+                      str(out / f"rank{rank}{adapter.suffix}.safetensors"))
     (out / f"rank{rank}.json").write_text(json.dumps({"losses": result.losses, "steps": result.global_step,
                                                       "validation": result.validation,
                                                       "parameters": storage}))
