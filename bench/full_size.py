@@ -246,24 +246,26 @@ def write_config(path: Path, run: Run, files: dict[str, Path], data: Path, resol
 
 
 # --- the estimate ------------------------------------------------------------------------------------------------
-def estimates(run: Run, files: dict[str, Path], rank: int) -> dict[str, float]:
-    """The trainer's memory estimate per phase, GiB, with library.training.memory_check's settings for this run (which
-    leave blocks_to_swap out)."""
+def estimates(config: Path) -> dict[str, float]:
+    """The trainer's memory estimate per phase, GiB, as its memory check plans the run from `config` (by phase on
+    the host: every part read at once, the text encoders' outputs cached and the encoders freed, the denoiser
+    placed, training): the reading for load and caching (the denoiser is read with the encoders), the placing for
+    quantize, training for the steps."""
     import torch
 
+    import library.families.registry  # noqa: F401  (the families' options, before the config is parsed)
+    from library.config import parse_config
     from library.memory import estimate as memory
+    from library.memory.precision import BasePrecision
+    from library.training.memory_check import memory_plan
 
-    separate = {"text": [str(files[k]) for k in ("clip_l", "t5xxl", "text_encoder") if k in files],
-                "vae": [str(files["ae"])]}
-    counts: dict[str, memory.Counts] = {}
-    for path, part in memory.model_files(files["pretrained_model_name_or_path"], separate) or []:
-        for name, found in memory.count_file(path, part).items():
-            counts[name] = counts.get(name, memory.Counts()) + found
-    settings = memory.Settings(run.precision, "fp8", torch.float32, torch.float32, rank, True, reads_low=True)
-    load, training = memory.load_and_training(counts, settings)
-    at_load = round(load.total / GIB, 3)
-    return {"load": at_load, "quantize": at_load, "caching": at_load, "first_step": round(training.total / GIB, 3),
-            "steps": round(training.total / GIB, 3)}
+    parsed = parse_config(["--config", str(config)])[0]
+    precision = BasePrecision.from_config(parsed, torch.float32)
+    plan = memory_plan(parsed, torch.device("cpu"), precision, torch.float32, by_phase=True).planned()
+    gib = {name: round(estimate.total / GIB, 3) for name, estimate in plan.items()}
+    reading = gib.get("reading every part", gib[memory.TEXT_PHASE])
+    return {"load": reading, "quantize": gib[memory.PLACING_PHASE], "caching": reading,
+            "first_step": gib[memory.TRAINING_PHASE], "steps": gib[memory.TRAINING_PHASE]}
 
 
 # --- one run -----------------------------------------------------------------------------------------------------
@@ -328,11 +330,32 @@ def run_one(name: str, run: Run, args: argparse.Namespace, work: Path, tiny: dic
             "phase_order": order, "seconds": seconds,
             "launch_to_first_step_s": round(marks["first_step"]["time"] - launched, 2),
             "peak_rss_gib": peaks, "peak_reset_per_phase": json.loads(record_path.read_text())["reset"],
-            "estimate_gib": estimates(run, files, 16),
+            "estimate_gib": {},
             "load_average": round(average, 2), "available_gib_before": free, "cpu_model": cpu_model(),
             "threads": args.threads, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(launched)),
             "command": f"python bench/full_size.py --runs {name}" + (" --tiny" if tiny else ""),
-            "config": str(config), "log": str(log)}
+            "config": str(config), "log": str(log)} | estimated(config, peaks)
+
+
+def estimated(config: Path, peaks: dict[str, float]) -> dict[str, dict[str, float]]:
+    """The estimate per phase and its error against the measured peak, in % of the peak."""
+    gib = estimates(config)
+    return {"estimate_gib": gib,
+            "estimate_error_pct": {phase: round(100 * (gib[phase] - peaks[phase]) / peaks[phase], 1)
+                                   for phase in gib if peaks.get(phase)}}
+
+
+def reestimate(out: Path) -> None:
+    """The estimate (as the trainer's check makes it now) and its error, again, for every record in `out` whose
+    config is still at hand: after the estimate changed, without measuring again."""
+    records = json.loads(out.read_text())
+    for record in records:
+        config = Path(record["config"])
+        if config.exists():
+            record.update(estimated(config, record["peak_rss_gib"]))
+    tmp = out.with_name(out.name + ".partial")
+    tmp.write_text(json.dumps(records, indent=1) + "\n")
+    tmp.replace(out)
 
 
 def append(out: Path, record: dict) -> None:
@@ -358,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help=f"the JSON list appended to (default {RESULTS}; "
                         "with --tiny, full_size.json in --work)")
     parser.add_argument("--force", action="store_true", help=f"run even when the load average is over {MAX_LOAD}")
+    parser.add_argument("--reestimate", action="store_true", help="only set the estimate (as the trainer makes it "
+                        "now) and its error beside every record of --out whose config is still in --work")
     parser.add_argument("--tiny", action="store_true", help="the tiny FLUX and Qwen-Image instead of the full-size "
                         "files: the whole pipeline in seconds")
     args = parser.parse_args(argv)
@@ -367,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown run(s) {', '.join(unknown)}; choose from {', '.join(RUNS)}")
     if args.steps < 2:
         parser.error("--steps must be at least 2 (s/step is measured on the steps after the first)")
+    if args.reestimate:
+        reestimate(args.out or RESULTS)
+        return 0
     with tempfile.TemporaryDirectory(prefix="full-size-") as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -382,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: load average {average:.2f}, {available_gib()} GiB available", flush=True)
             record = run_one(name, RUNS[name], args, work, tiny)
             append(out, record)
-            print(json.dumps({k: record[k] for k in ("run", "s_per_step", "peak_rss_gib", "estimate_gib")}),
+            print(json.dumps({k: record[k] for k in ("run", "s_per_step", "peak_rss_gib", "estimate_gib",
+                                                     "estimate_error_pct")}),
                   flush=True)
     return 0
 

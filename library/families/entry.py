@@ -79,6 +79,9 @@ class FamilyEntry:
     # A video family's clip lengths, the same object as its Family's frames_rule, here so that the data can be
     # checked and cut before the model is loaded (--dataset_check, and a run's data before its model). None: images.
     frames_rule: FramesRule | None = None
+    # Its single-file loader quantizes an int8 / nf4 denoiser layer by layer as it reads it (shared.separate_files.
+    # assign_streamed): the load never holds the whole denoiser unquantized, as the memory estimate counts it.
+    quantizes_while_reading: bool = False
 
     @property
     def configs(self) -> tuple[str, ...]:

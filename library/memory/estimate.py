@@ -40,10 +40,12 @@ class Counts:
     other: int = 0
     lora_per_rank: int = 0
     stored_fp8: int = 0  # of the matrices, those the file stores in fp8 (read as they are)
+    largest: int = 0  # the largest matrix (what a load that quantizes layer by layer holds unquantized at once)
 
     def __add__(self, other: Counts) -> Counts:
         return Counts(self.matrices + other.matrices, self.other + other.other,
-                      self.lora_per_rank + other.lora_per_rank, self.stored_fp8 + other.stored_fp8)
+                      self.lora_per_rank + other.lora_per_rank, self.stored_fp8 + other.stored_fp8,
+                      max(self.largest, other.largest))
 
 
 def count_file(path: Path, part: str) -> dict[str, Counts]:
@@ -65,7 +67,7 @@ def count_tensor(shape: Iterable[int], fp8: bool = False) -> Counts:
     for side in shape:
         numel *= side
     if len(shape) >= 2 and numel >= 4096:
-        return Counts(numel, 0, shape[0] + numel // shape[0], numel if fp8 else 0)
+        return Counts(numel, 0, shape[0] + numel // shape[0], numel if fp8 else 0, numel)
     return Counts(0, numel, 0)
 
 
@@ -121,6 +123,8 @@ class Settings:
     gradient_checkpointing: bool
     swapped_fraction: float = 0.0  # blocks_to_swap's share of the denoiser's blocks, held in host memory
     reads_low: bool = True  # safetensors files read tensor by tensor (False: a diffusers folder, read whole)
+    # the denoiser's file is quantized layer by layer as it is read (int8 / nf4; FamilyEntry.quantizes_while_reading)
+    quantized_as_read: bool = False
 
 
 TEXT_PHASE, PLACING_PHASE, TRAINING_PHASE, SAMPLING_PHASE = ("text encoding", "placing the denoiser", "training",
@@ -168,22 +172,18 @@ def load_and_training(counts: dict[str, Counts], settings: Settings) -> tuple[Es
     """The peak of the load (every component as read: fp8 for fp8, the file's fp8 or else the compute dtype
     before int8 / nf4 quantize it, the compute dtype for a diffusers folder) and of training (the base as
     stored, LoRA, optimizer, activations), by part."""
-    compute = torch.finfo(settings.compute_dtype).bits / 8
     denoiser, text, vae = (counts.get(name, Counts()) for name in ("denoiser", "text", "vae"))
 
     def held(part: Counts, kind: str | None) -> float:
         return held_bytes(part, kind, settings)
 
-    def read(part: Counts, kind: str | None) -> float:
-        if kind == "fp8" and settings.reads_low:
-            return held(part, "fp8")
-        low = part.stored_fp8 if kind and settings.reads_low else 0
-        return low + (part.matrices - low) * compute + part.other * compute
+    def read(part: Counts, kind: str | None, denoiser: bool = False) -> float:
+        return read_bytes(part, kind, settings, denoiser)
 
     vae_bytes = (vae.matrices + vae.other) * torch.finfo(settings.vae_dtype).bits / 8
     stored = held(denoiser, settings.denoiser) * (1 - settings.swapped_fraction)
     lora, activations = lora_bytes(denoiser, settings), activation_bytes(denoiser, settings)
-    loading = {"denoiser as read": read(denoiser, settings.denoiser),
+    loading = {"denoiser as read": read(denoiser, settings.denoiser, denoiser=True),
                "text encoders (until their outputs are cached)": read(text, settings.text_encoders),
                "VAE": vae_bytes}
     training = {"denoiser as stored": stored, "text encoders (until their outputs are cached)": held(
@@ -212,7 +212,7 @@ def phases(counts: dict[str, Counts], settings: Settings, sampling: bool = False
     text_placed = read_bytes(text, settings.text_encoders, settings) if host else text_held
     planned = {TEXT_PHASE: Estimate({"text encoders": text_placed, "VAE": vae_bytes}),
                PLACING_PHASE: Estimate({"denoiser as read": max(stored, read_bytes(denoiser, settings.denoiser,
-                                                                                   settings) * kept),
+                                                                                   settings, True) * kept),
                                         "VAE": vae_bytes}),
                TRAINING_PHASE: Estimate({"denoiser as stored": stored, "VAE": vae_bytes, "LoRA and optimizer": lora,
                                          "activations (rough)": activation_bytes(denoiser, settings)})}
@@ -225,12 +225,15 @@ def phases(counts: dict[str, Counts], settings: Settings, sampling: bool = False
     return planned
 
 
-def read_bytes(part: Counts, kind: str | None, settings: Settings) -> float:
+def read_bytes(part: Counts, kind: str | None, settings: Settings, denoiser: bool = False) -> float:
     """A component as read, before a low precision stores it: fp8 read as fp8 from files read tensor by tensor,
-    a file's fp8 tensors as they are, the rest in the compute dtype."""
+    a file's fp8 tensors as they are, the rest in the compute dtype; a denoiser quantized layer by layer as it is
+    read (`quantized_as_read`) as stored, with its largest matrix in the compute dtype."""
     compute = torch.finfo(settings.compute_dtype).bits / 8
     if kind == "fp8" and settings.reads_low:
         return held_bytes(part, "fp8", settings)
+    if denoiser and kind in ("int8", "nf4") and settings.quantized_as_read:
+        return held_bytes(part, kind, settings) + part.largest * compute
     low = part.stored_fp8 if kind and settings.reads_low else 0
     return low + (part.matrices - low) * compute + part.other * compute
 

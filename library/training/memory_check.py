@@ -4,17 +4,70 @@ planned by phase: its largest phase must fit."""
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from library.config import Config, UserError
 from library.config.network_args import network_args_of
+from library.families.registry import entry_for
 from library.memory import estimate as memory
 from library.memory.precision import BasePrecision
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What a run's memory check weighs: the model files' counts, the run's settings, and how it goes."""
+    counts: dict[str, memory.Counts]
+    settings: memory.Settings
+    by_phase: bool
+    sampling: bool
+    cuda: bool
+    read_apart: bool  # the loader reads the model's parts one at a time (a transformer family's diffusers folder)
+    swapped: float | None  # blocks_to_swap's share of the denoiser, where it counts and could be told
+
+    def planned(self, settings: memory.Settings | None = None) -> dict[str, memory.Estimate]:
+        """Each phase's estimate (one, named "", for a run not by phase), under the run's settings or `settings`."""
+        settings = settings or self.settings
+        if not self.by_phase:
+            return {"": memory.estimate(self.counts, settings)}
+        plan = memory.phases(self.counts, settings, self.sampling, host=not self.cuda)
+        if not self.cuda and not self.read_apart:  # the host reads every part at once before the phases
+            plan = {"reading every part": memory.load_and_training(self.counts, settings)[0], **plan}
+        return plan
+
+
+def memory_plan(config: Config, device: torch.device, precision: BasePrecision, vae_dtype: torch.dtype,
+                by_phase: bool = False, sampling: bool = False) -> MemoryPlan | None:
+    """The plan check_memory weighs, from the model files' headers; None where they cannot be read by header
+    (pickles, .bin) or are broken (the loader names what is wrong)."""
+    files = memory.model_files(config.pretrained_model_name_or_path,
+                               {"text": [config.clip_l, config.t5xxl, config.text_encoder], "vae": [config.ae]})
+    if files is None:
+        return None
+    counts: dict[str, memory.Counts] = {}
+    try:
+        for path, part in files:
+            for name, found in memory.count_file(path, part).items():
+                counts[name] = counts.get(name, memory.Counts()) + found
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    # IA3 trains one scale per channel whatever network_dim says (the GUI's iA3 presets write 64 or 1024)
+    rank = 1 if network_args_of(config).algo == "ia3" else config.network_dim
+    cuda = device.type == "cuda"
+    reads_low = any((config.clip_l, config.t5xxl, config.ae))  # as read_base reads
+    settings = memory.Settings(precision.denoiser, precision.text_encoders, precision.compute_dtype, vae_dtype,
+                               rank, config.gradient_checkpointing or config.cpu_offload_checkpointing,
+                               reads_low=reads_low, quantized_as_read=reads_low and entry_for(
+                                   config.pretrained_model_name_or_path).quantizes_while_reading)
+    swapped = swapped_share(config) if cuda and config.blocks_to_swap else None
+    if swapped:
+        settings = replace(settings, swapped_fraction=swapped)
+    return MemoryPlan(counts, settings, by_phase, sampling, cuda, reads_apart(config.pretrained_model_name_or_path),
+                      swapped)
 
 
 def check_memory(config: Config, device: torch.device, num_processes: int, precision: BasePrecision,
@@ -26,36 +79,10 @@ def check_memory(config: Config, device: torch.device, num_processes: int, preci
     denoiser is read (then each phase is checked on its own, `sampling` saying whether sample prompts bring the
     encoders back). blocks_to_swap on CUDA counts where the denoiser's blocks can be told without reading it (a
     diffusers folder read by part). `available` stands in for the measured memory in tests."""
-    files = memory.model_files(config.pretrained_model_name_or_path,
-                               {"text": [config.clip_l, config.t5xxl, config.text_encoder], "vae": [config.ae]})
-    if files is None:
+    run = memory_plan(config, device, precision, vae_dtype, by_phase, sampling)
+    if run is None:
         return
-    counts: dict[str, memory.Counts] = {}
-    try:
-        for path, part in files:
-            for name, found in memory.count_file(path, part).items():
-                counts[name] = counts.get(name, memory.Counts()) + found
-    except (OSError, ValueError, KeyError, TypeError):
-        return  # the loader names what is wrong with the file
-    # IA3 trains one scale per channel whatever network_dim says (the GUI's iA3 presets write 64 or 1024)
-    rank = 1 if network_args_of(config).algo == "ia3" else config.network_dim
-    cuda = device.type == "cuda"
-    settings = memory.Settings(precision.denoiser, precision.text_encoders, precision.compute_dtype, vae_dtype,
-                               rank, config.gradient_checkpointing or config.cpu_offload_checkpointing,
-                               reads_low=any((config.clip_l, config.t5xxl, config.ae)))  # as build_session reads
-    swapped = swapped_share(config) if cuda and config.blocks_to_swap else None
-    if swapped:
-        settings = replace(settings, swapped_fraction=swapped)
-    read_apart = reads_apart(config.pretrained_model_name_or_path)
-
-    def planned(changed: memory.Settings) -> dict[str, memory.Estimate]:
-        if not by_phase:
-            return {"": memory.estimate(counts, changed)}
-        plan = memory.phases(counts, changed, sampling, host=not cuda)
-        if not cuda and not read_apart:  # the host reads every part at once before the phases
-            plan = {"reading every part": memory.load_and_training(counts, changed)[0], **plan}
-        return plan
-
+    cuda, settings, swapped, planned = run.cuda, run.settings, run.swapped, run.planned
     plan = planned(settings)
     need = memory.peak(plan)
     sharing = 1 if cuda else num_processes
@@ -74,7 +101,8 @@ def check_memory(config: Config, device: torch.device, num_processes: int, preci
                     available / memory.GIB, swap_note)
     if need.total <= available:
         return
-    fits = memory.alternatives(counts, settings, available, cuda, lambda changed: memory.peak(planned(changed)).total)
+    fits = memory.alternatives(run.counts, settings, available, cuda,
+                               lambda changed: memory.peak(planned(changed)).total)
     phase = next(name for name, estimate in plan.items() if estimate is need)
     raise UserError([f"this run needs about {need.total / memory.GIB:.1f} GiB {where}"
                      f"{f' while {phase}' if phase else ''} ({need.describe()}) and "

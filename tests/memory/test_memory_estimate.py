@@ -2,6 +2,8 @@
 that cannot fit (a simulated limit) refused before loading, naming the options that would fit."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -34,6 +36,33 @@ def test_lower_precisions_estimate_less(files):
               for kind in (None, "fp8", "nf4")]
     assert totals[0] > totals[1] > totals[2]
     assert totals[0] - totals[1] == counts["denoiser"].matrices  # 2 bytes a matrix weight in bf16, 1 in fp8
+
+
+def test_a_base_quantized_as_its_file_is_read_is_counted_as_stored_plus_its_largest_layer(files, tiny_flux_dir,
+                                                                                         tmp_path):
+    counts = {"denoiser": memory.count_file(files["transformer"], "denoiser")["denoiser"]}
+    largest = max(p.numel() for p in memory_tensors(files["transformer"]) if p.ndim >= 2)
+    assert counts["denoiser"].largest == largest
+    settings = memory.Settings("nf4", "fp8", torch.float32, torch.float32, 4, True, reads_low=True)
+    whole = memory.read_bytes(counts["denoiser"], "nf4", settings, denoiser=True)
+    streamed = memory.read_bytes(counts["denoiser"], "nf4", dataclasses.replace(settings, quantized_as_read=True),
+                                 denoiser=True)
+    assert streamed == memory.held_bytes(counts["denoiser"], "nf4", settings) + 4 * largest < whole
+    # the trainer's check knows FLUX.1's file loader quantizes as it reads
+    from library.training.memory_check import memory_plan
+
+    paths = [f"--{name}={files[name]}" for name in ("clip_l", "t5xxl", "ae")]
+    config = parse_config([f"--pretrained_model_name_or_path={files['transformer']}", *paths,
+                           f"--model_config={tiny_flux_dir}", f"--train_data_dir={tmp_path}",
+                           f"--output_dir={tmp_path}", '--base_model_precision=nf4', "--mixed_precision=no"])[0]
+    precision = BasePrecision.from_config(config, torch.float32)
+    assert memory_plan(config, torch.device("cpu"), precision, torch.float32).settings.quantized_as_read
+
+
+def memory_tensors(path):
+    from safetensors.torch import load_file
+
+    return list(load_file(path).values())
 
 
 def test_a_run_that_cannot_fit_stops_before_loading_naming_what_fits(files, tiny_flux_dir, tmp_path):
