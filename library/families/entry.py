@@ -73,6 +73,9 @@ class FamilyEntry:
     network_modules: tuple[str, ...]  # kohya / musubi-tuner network_module names that train this family
     options: tuple[Option, ...] = ()  # the options only some families read (library.families.shared.options)
     file_options: tuple[str, ...] = ()  # those of `options` that name the separate files its single file takes
+    # those of `options` that name a separate file only some of its single files take (Wan 2.1 I2V's clip): passed to
+    # its loader, which names a missing or needless one; not a file every single file is loaded with
+    optional_file_options: tuple[str, ...] = ()
     more_configs: tuple[str, ...] = ()  # example configs under configs/ besides <name>_lora.toml
     reads_unrecognised: bool = False
     main_config: str = ""  # its example config under configs/, when not named <name>_lora.toml

@@ -123,11 +123,12 @@ def empty_model(cls: Any, path: Path, subfolder: str, dtype: torch.dtype | None)
 
 def _check_file_options(entry: FamilyEntry, request: LoadRequest) -> None:
     """A separate file the family's files are not loaded with is a mistake, not something to ignore."""
-    takes = entry.file_options if request.path.is_file() else ()
+    takes = (*entry.file_options, *entry.optional_file_options) if request.path.is_file() else ()
     extra = [name for name in file_options() if request.file(name) and name not in takes]
     if not extra:
         return
-    readers = [f"{e.title} ({', '.join(o for o in e.file_options)})" for e in ENTRIES if e.file_options]
+    readers = [f"{e.title} ({', '.join((*e.file_options, *e.optional_file_options))})" for e in ENTRIES
+               if e.file_options]
     what = f"a {entry.title} file" if request.path.is_file() else "a folder, which brings its own parts"
     raise UserError(f"{', '.join(extra)}: not read for {request.path} ({what}); separate files go with a "
                     f"transformer file: {'; '.join(readers)}")

@@ -53,7 +53,8 @@ def network_modules() -> dict[str, tuple[str, ...]]:
 
 def file_options() -> tuple[str, ...]:
     """The options that name a separate file some family's single file is loaded with, in entry order."""
-    return tuple(dict.fromkeys(name for entry in ENTRIES for name in entry.file_options))
+    return tuple(dict.fromkeys(name for entry in ENTRIES
+                               for name in (*entry.file_options, *entry.optional_file_options)))
 
 
 for _entry in ENTRIES:  # the schema gets each family's options and network modules once, here
