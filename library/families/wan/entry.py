@@ -11,10 +11,11 @@ ENTRY = FamilyEntry(
     "wan", "Wan", Ref(FOLDER, "is_wan_folder"), Ref(FOLDER, "load_wan_folder"), Ref(FILES, "is_wan_file"),
     Ref(FILES, "load_wan_files"),
     options=(AE, *TIMESTEP_RANGE, *SIGMA_DENSITY, *TIMESTEP_SAMPLING, *WAN, BLOCKS_TO_SWAP),
-    file_options=("t5", "ae"), network_modules=("networks.lora_wan",),
+    file_options=("t5", "ae"), optional_file_options=("clip",), network_modules=("networks.lora_wan",),
     tiny=(TinyModel("wan21", Ref(TINY, "save_tiny_wan21"), Ref(TINY, "save_tiny_wan_files")),
           TinyModel("wan22_a14b", Ref(TINY, "save_tiny_wan22_a14b"), Ref(TINY, "save_tiny_wan_files")),
           TinyModel("wan22_ti2v_5b", Ref(TINY, "save_tiny_wan22_ti2v_5b")),
-          TinyModel("wan21_i2v", Ref(TINY, "save_tiny_wan21_i2v")),
-          TinyModel("wan22_i2v_a14b", Ref(TINY, "save_tiny_wan22_i2v_a14b"))),
-    more_configs=("wan22_lora.toml", "wan_i2v_lora.toml"), frames_rule=FRAMES)
+          TinyModel("wan21_i2v", Ref(TINY, "save_tiny_wan21_i2v"), Ref(TINY, "save_tiny_wan_files")),
+          TinyModel("wan22_i2v_a14b", Ref(TINY, "save_tiny_wan22_i2v_a14b"), Ref(TINY, "save_tiny_wan_files"))),
+    more_configs=("wan22_lora.toml", "wan_i2v_lora.toml", "wan_i2v_ti2v_5b_lora.toml"),
+    frames_rule=FRAMES)

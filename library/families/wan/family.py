@@ -16,7 +16,7 @@ import logging
 import re
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -47,6 +47,7 @@ MAX_TOKENS = 512  # musubi's text_len, WanPipeline's max_sequence_length
 DEFAULT_CFG = 5.0  # musubi's sample_guide_scale for Wan 2.1
 TRAINED_TASKS = ("t2v-1.3B", "t2v-14B", "t2i-14B", "t2v-A14B")
 TI2V, TI2V_CHANNELS = "2.2-ti2v-5B", 48  # Wan 2.2 TI2V 5B: its VAE's 48 channels, 16x down in space
+TI2V_TASK = "ti2v-5B"  # Wan's own task name (generate.py), which musubi-tuner lists among its sizes only
 
 
 class WanVae(nn.Module):
@@ -91,8 +92,9 @@ def clean_prompt(text: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class Wan(musubi_flow.MusubiFamily):
     """Wan T2V. `experts` is the 2.2 A14B expert switch (None for one transformer); `version` "2.1", "2.2" (A14B) or
-    TI2V (TI2V 5B, trained on text-to-video: its transformer gets every token's timestep alike, which is what
-    WanPipeline's expand_timesteps gives without an image)."""
+    TI2V (TI2V 5B: its text-to-video training gives every token the item's timestep, which is what WanPipeline's
+    expand_timesteps gives without an image; library.families.wan.ti2v adds its image-to-video training).
+    `offers_i2v`: the model trains on a first frame (the I2V models always, TI2V 5B with musubi's i2v)."""
     version: str = "2.1"
     experts: ExpertSwitch | None = None
     name = "wan"
@@ -103,14 +105,14 @@ class Wan(musubi_flow.MusubiFamily):
     default_sampling_scale = DEFAULT_CFG
     settings_type = WanSettings
     frames_rule = FRAMES
+    offers_i2v: ClassVar[bool] = False
     refused_options = (
         ("clip_skip", "Wan reads UMT5's last hidden states, as musubi-tuner and WanPipeline do"),
         ("max_token_length", f"prompts are {MAX_TOKENS} UMT5 tokens, musubi's fixed length"),
         ("t5xxl_max_token_length", f"Wan's UMT5 reads {MAX_TOKENS} tokens"),
         ("apply_t5_attn_mask", "Wan's UMT5 padding is always masked and zeroed, as in musubi-tuner"),
         ("clip_l", "Wan has no CLIP-L"), ("t5xxl", "Wan's text encoder is UMT5: t5"),
-        ("clip", "musubi-tuner's CLIP file is not read here; Wan 2.1 I2V trains from its diffusers folder, whose "
-                 "image_encoder/ is used"),
+        ("clip", "musubi-tuner's CLIP vision file is for Wan 2.1 I2V (i2v-14B); the model is text-to-video"),
         ("vae", "Wan's VAE comes with the model (its vae/ folder, or ae for the separate files)"),
         ("network_train_text_encoder_only", "musubi-tuner trains Wan's transformer only"))
 
@@ -120,15 +122,18 @@ class Wan(musubi_flow.MusubiFamily):
         fills with the high-noise expert's file."""
         problems = []
         task = settings.task
-        if task is not None and task not in TRAINED_TASKS:
+        if task == TI2V_TASK and self.version != TI2V:
+            problems.append(f"task {task}: the model is not Wan 2.2 TI2V 5B (whose transformer has 48 input "
+                            "channels)")
+        elif task is not None and task not in (*TRAINED_TASKS, TI2V_TASK):
             if task in ("i2v-14B", "i2v-A14B"):
-                problems.append(f"task {task}: the model is a text-to-video one; image-to-video trains from a "
-                                "WanImageToVideoPipeline folder (Wan2.1-I2V-14B-*-Diffusers, "
-                                "Wan2.2-I2V-A14B-Diffusers)")
+                problems.append(f"task {task}: the model is a text-to-video one; image-to-video needs its I2V "
+                                "transformer file (with clip for i2v-14B) or its WanImageToVideoPipeline folder "
+                                "(Wan2.1-I2V-14B-*-Diffusers, Wan2.2-I2V-A14B-Diffusers)")
             else:
                 kind = "FLF2V" if "flf2v" in task else "Fun-Control"
                 problems.append(f"task {task}: {kind} is not trained here yet; the T2V tasks are "
-                                f"({', '.join(TRAINED_TASKS)}), and i2v-14B / i2v-A14B from their diffusers folders")
+                                f"({', '.join(TRAINED_TASKS)}), i2v-14B, i2v-A14B and ti2v-5B")
         experts = self.experts
         if settings.dit_high_noise:
             if experts is not None:
@@ -136,10 +141,13 @@ class Wan(musubi_flow.MusubiFamily):
                                 "high-noise one); remove it")
             else:
                 experts = ExpertSwitch(None, pending=Path(settings.dit_high_noise))
+        if settings.user_set.get("i2v") and not self.offers_i2v:
+            problems.append("i2v: the model is a text-to-video Wan; image-to-video trains an I2V model (i2v-14B, "
+                            "i2v-A14B) or TI2V 5B")
         if self.version == TI2V:
-            if task is not None:
-                problems.append(f"task {task}: the model is Wan 2.2 TI2V 5B (48 latent channels), which musubi-tuner "
-                                "has no task for; remove task")
+            if task not in (None, TI2V_TASK):
+                problems.append(f"task {task}: the model is Wan 2.2 TI2V 5B (48 latent channels): {TI2V_TASK}, as Wan "
+                                "names it, or no task")
             problems += [f"{name} {value}: Wan 2.2 TI2V 5B needs multiples of 32 (its VAE is 16x down)"
                          for name, value in (("resolution", settings.sizes.resolution),
                                              ("bucket_reso_steps", settings.sizes.bucket_reso_steps))

@@ -4,7 +4,10 @@ Wan layout with or without `model.diffusion_model.`, or diffusers' names), `dit_
 high-noise expert, `t5` the UMT5-XXL file (ComfyUI's text_encoders/umt5_xxl_*.safetensors with transformers' names,
 or the official models_t5_umt5-xxl-enc-bf16.pth in Wan's own layout) and `ae` the VAE (ComfyUI's
 vae/wan_2.1_vae.safetensors or the official Wan2.1_VAE.pth; musubi's --vae). `.pth` files are read with
-torch.load(weights_only=True), which runs no pickled code.
+torch.load(weights_only=True), which runs no pickled code. The image-to-video transformers are read the
+same way: Wan 2.1 I2V (its image embedder; with `clip`, musubi-tuner's CLIP vision file, library.families.wan.clip)
+and Wan 2.2 I2V A14B (no CLIP); which model a file is comes from its tensor names and input channels, and the
+files' problems (a missing or needless `clip`, a file of the wrong layout) are told before any weight is read.
 
 The widths are read from the files' shapes (Wan's heads are 128 wide), or from `model_config`, a diffusers Wan folder
 describing them (its weights are not read); the UMT5 tokenizer (256k sentencepiece tokens, not shipped here) comes
@@ -25,8 +28,17 @@ from library.families.family import Components
 from library.families.loading import LoadRequest
 from library.families.shared.diffusers_folder import transformer_components
 from library.families.shared.separate_files import assign, marked_keys, reading
+from library.families.wan.clip import CLIP_FILES, clip_file_problems, load_clip_vision
 from library.families.wan.family import Wan, WanVae
-from library.families.wan.weights import COMFY_PREFIX, read_any, transformer_state_dict
+from library.families.wan.i2v import file_family
+from library.families.wan.weights import (
+    COMFY_PREFIX,
+    kind_problem,
+    read_any,
+    tensor_shapes,
+    transformer_kind,
+    transformer_state_dict,
+)
 
 ORIGINAL_MARKERS = ("patch_embedding.weight", "blocks.0.self_attn.q.weight", "blocks.0.cross_attn.q.weight")
 DIFFUSERS_MARKERS = ("patch_embedding.weight", "blocks.0.attn1.to_q.weight", "condition_embedder.time_proj.weight")
@@ -42,16 +54,20 @@ def is_wan_file(path: Path) -> bool:
 
 
 def transformer_config(state: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """WanTransformer3DModel's config read from a text-to-video transformer's shapes."""
+    """WanTransformer3DModel's config read from a transformer's shapes (with Wan 2.1 I2V's image embedder)."""
     patch = state["patch_embedding.weight"]
     dim = patch.shape[0]
     layers = len({int(m.group(1)) for k in state if (m := re.match(r"blocks\.(\d+)\.", k))})
-    return {"patch_size": tuple(patch.shape[2:]), "num_attention_heads": dim // HEAD_DIM,
-            "attention_head_dim": HEAD_DIM, "in_channels": patch.shape[1],
-            "out_channels": state["proj_out.weight"].shape[0] // int(torch.tensor(patch.shape[2:]).prod()),
-            "text_dim": state["condition_embedder.text_embedder.linear_1.weight"].shape[1],
-            "freq_dim": state["condition_embedder.time_embedder.linear_1.weight"].shape[1],
-            "ffn_dim": state["blocks.0.ffn.net.0.proj.weight"].shape[0], "num_layers": layers}
+    config = {"patch_size": tuple(patch.shape[2:]), "num_attention_heads": dim // HEAD_DIM,
+              "attention_head_dim": HEAD_DIM, "in_channels": patch.shape[1],
+              "out_channels": state["proj_out.weight"].shape[0] // int(torch.tensor(patch.shape[2:]).prod()),
+              "text_dim": state["condition_embedder.text_embedder.linear_1.weight"].shape[1],
+              "freq_dim": state["condition_embedder.time_embedder.linear_1.weight"].shape[1],
+              "ffn_dim": state["blocks.0.ffn.net.0.proj.weight"].shape[0], "num_layers": layers}
+    image = state.get("condition_embedder.image_embedder.norm1.weight")
+    if image is not None:
+        config.update(image_dim=image.shape[0], added_kv_proj_dim=state["blocks.0.attn2.add_k_proj.weight"].shape[1])
+    return config
 
 
 # Wan's own T5 names (models_t5_umt5-xxl-enc-bf16.pth) -> transformers' UMT5EncoderModel names.
@@ -99,25 +115,63 @@ def vae_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return convert_wan_vae_to_diffusers(state)
 
 
+def file_problems(request: LoadRequest) -> tuple[str | None, list[str]]:
+    """The transformer file's kind (weights.transformer_kind) and what is wrong with the run's files for it, told
+    from the files' tensor names and shapes before any weight is read."""
+    path = request.path
+    try:
+        shapes = {k.removeprefix(COMFY_PREFIX): v for k, v in tensor_shapes(path).items()}
+    except Exception as e:  # noqa: BLE001 - header / pickle errors of every kind: the file is unusable
+        reason = str(e).splitlines()[0] if str(e) else repr(e)
+        raise UserError(f"{path}: cannot be read as a Wan transformer file ({reason})") from None
+    patch = shapes.get("patch_embedding.weight", ())
+    channels = patch[1] if len(patch) > 1 else None
+    kind = transformer_kind(shapes, channels)
+    problems = [problem] if (problem := kind_problem(shapes, channels, path)) else []
+    missing = [name for name in ("t5", "ae") if not request.file(name)]
+    if missing:
+        problems.append(f"{path} is a Wan transformer file: it needs {' and '.join(missing)} (the UMT5 text encoder "
+                        "and the VAE files: ComfyUI's text_encoders/ and vae/, or the official .pth files)")
+    if request.model_config is None:
+        problems.append(f"{path} is a Wan transformer file: it needs model_config, a diffusers Wan folder (e.g. "
+                        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers, its weights not needed) for UMT5's tokenizer")
+    clip = request.file("clip")
+    if kind == "i2v-14B" and not clip:
+        problems.append(f"{path} is a Wan 2.1 I2V transformer (task i2v-14B): it needs clip, musubi-tuner's CLIP "
+                        f"vision file ({CLIP_FILES})")
+    elif clip and kind in ("t2v", "i2v-A14B"):
+        model = "Wan 2.2 I2V A14B" if kind == "i2v-A14B" else "a text-to-video Wan"
+        problems.append(f"clip {clip}: {path} is {model} transformer, which reads no CLIP vision features (only Wan "
+                        "2.1 I2V, task i2v-14B, does); remove clip")
+    elif clip:
+        problems += clip_file_problems(Path(clip))
+    return kind, problems
+
+
 def load_wan_files(request: LoadRequest) -> Components:
+    """Wan from the transformer file and its separate files: text-to-video, or image-to-video (Wan 2.1 I2V with
+    musubi's clip file, Wan 2.2 I2V A14B), as the transformer file tells."""
     from accelerate import init_empty_weights
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import AutoTokenizer, UMT5EncoderModel
 
     path, weight_dtype = request.path, request.weight_dtype
-    t5, ae = request.required_files(("t5", "ae"), "Wan", "the UMT5 text encoder and the VAE files: ComfyUI's "
-                                    "text_encoders/ and vae/, or the official .pth files")
-    if request.model_config is None:
-        raise UserError(f"{path} is a Wan transformer file: it needs model_config, a diffusers Wan folder (e.g. "
-                        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers, its weights not needed) for UMT5's tokenizer")
-    config_dir = Path(request.model_config)
+    kind, problems = file_problems(request)
+    if problems:
+        raise UserError(problems)
+    t5, ae, clip = str(request.file("t5")), str(request.file("ae")), request.file("clip")
+    config_dir = Path(str(request.model_config))
     local = {"local_files_only": True}
     family = "Wan"
     with reading(path, "the Wan files"):
         state = transformer_state_dict(path, weight_dtype)
+        config = transformer_config(state)
         subfolder = "transformer_2" if (config_dir / "transformer_2").is_dir() else "transformer"
-        config = (WanTransformer3DModel.load_config(config_dir, subfolder=subfolder, **local)
-                  if (config_dir / subfolder).is_dir() else transformer_config(state))
+        if (config_dir / subfolder).is_dir():  # the folder's config where it describes the same kind of model
+            described = WanTransformer3DModel.load_config(config_dir, subfolder=subfolder, **local)
+            if described.get("in_channels") == config["in_channels"] and \
+                    (described.get("image_dim") is None) == ("image_dim" not in config):
+                config = described
         with init_empty_weights():
             transformer = WanTransformer3DModel.from_config(config)
         assign(transformer, state, str(path), family=family)
@@ -138,5 +192,11 @@ def load_wan_files(request: LoadRequest) -> Components:
         tokenizer = AutoTokenizer.from_pretrained(config_dir, subfolder="tokenizer", **local)
         scheduler = (UniPCMultistepScheduler.from_pretrained(config_dir, subfolder="scheduler", **local)
                      if (config_dir / "scheduler").is_dir() else UniPCMultistepScheduler(**SCHEDULER_CONFIG))
-    return transformer_components(transformer, vae, [encoder], [tokenizer], scheduler, Wan(), vae_view=WanVae)
-
+    if kind == "t2v":
+        wan: Wan = Wan()
+    else:
+        vision = load_clip_vision(Path(clip), weight_dtype, config_dir) if clip else (None, None)
+        wan = file_family(*vision, clip_file=clip)
+    components = transformer_components(transformer, vae, [encoder], [tokenizer], scheduler, wan, vae_view=WanVae)
+    components.vae = wan.attach_vae(components.vae)
+    return components

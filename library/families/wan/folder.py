@@ -11,8 +11,9 @@ from library.families.family import Components
 from library.families.loading import LoadRequest
 from library.families.shared.diffusers_folder import load_folder, pipeline_class, transformer_class
 from library.families.wan.experts import ExpertSwitch
-from library.families.wan.family import TI2V, TI2V_CHANNELS, TRANSFORMER_CLASS, Wan, WanVae
+from library.families.wan.family import TI2V_CHANNELS, TRANSFORMER_CLASS, Wan, WanVae
 from library.families.wan.i2v import i2v_family
+from library.families.wan.ti2v import WanTI2V
 
 
 def is_wan_folder(path: Path) -> bool:
@@ -45,10 +46,10 @@ def load_wan_folder(request: LoadRequest) -> Components:
 
     def family(transformer: Any, _: Sequence[Any]) -> Wan:
         experts = ExpertSwitch.of(high[0], default_boundary=_boundary_ratio(request.path)) if second else None
+        if transformer.config.in_channels == TI2V_CHANNELS:  # TI2V 5B, in a WanPipeline or I2V pipeline folder
+            return WanTI2V()
         if pipeline == "WanImageToVideoPipeline":
             return i2v_family(request, transformer, experts)
-        if transformer.config.in_channels == TI2V_CHANNELS:
-            return Wan(version=TI2V)
         return Wan(version="2.2", experts=experts) if second else Wan()
 
     components = load_folder(request, "Wan", classes, family, vae_view=WanVae)

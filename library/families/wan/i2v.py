@@ -7,7 +7,9 @@ is its own first frame). The transformer (in_channels 36) reads the noisy latent
 latent frame made from the first pixel frame, which the VAE's 4x in time puts alone in latent frame 0; 0 after), then
 the VAE's normalised latents of the first frame followed by F - 1 black frames (0 in [-1, 1]): musubi's `y` and the
 pipeline's `condition`. Wan 2.1 I2V also reads the image encoder's penultimate hidden states of the first frame
-(CLIPVisionModel, `hidden_states[-2]`, its CLIPImageProcessor's input: the pipeline's encode_image).
+(CLIPVisionModel, `hidden_states[-2]`, its CLIPImageProcessor's input: the pipeline's encode_image). The
+image encoder is the folder's image_encoder/, or, for a transformer file, musubi's clip file converted to the same
+CLIPVisionModel (library.families.wan.clip).
 
 The VAE view (FirstFrameVae) encodes each clip's first-frame condition (and CLIP features) whenever the latents are
 encoded before training, as musubi's latent cache holds them beside the latents (in memory here, keyed by the
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -26,9 +29,12 @@ from library.config import UserError
 from library.families.loading import LoadRequest
 from library.families.wan.experts import ExpertSwitch, WanSettings
 from library.families.wan.family import Wan, WanVae, _call
+from library.families.wan.weights import I2V_CHANNELS
 
-I2V_CHANNELS = 36  # 16 noisy + 4 mask + 16 first-frame latents
 TEMPORAL = 4  # the VAE's frames per latent frame
+I2V_BOUNDARY = 0.9  # musubi's timestep_boundary default for i2v-A14B (0.875 for T2V)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,9 +47,10 @@ class ImageParts:
     """What the image conditioning encodes with: the run's VAE (WanVae) and, for Wan 2.1, the image encoder and its
     processor (None for Wan 2.2). Shared by the family's configured copies."""
 
-    def __init__(self, clip: bool = False, encoder: Any = None, processor: Any = None):
+    def __init__(self, clip: bool = False, encoder: Any = None, processor: Any = None, clip_file: str | None = None):
         self.vae: Any = None
-        self.clip = clip  # Wan 2.1 I2V: an image encoder (read with the VAE's part of the folder)
+        self.clip = clip  # Wan 2.1 I2V: an image encoder (the folder's image_encoder/, or musubi's clip file)
+        self.clip_file = clip_file  # the clip file the encoder was read from (None: from the folder)
         self.encoder, self.processor = encoder, processor
         self.recording = True  # until training starts: each latent encoded comes with its condition
         self.conditions: dict[str, dict[str, torch.Tensor]] = {}  # by latent_key of the item's latents
@@ -132,6 +139,7 @@ class WanI2V(Wan):
     parts: ImageParts = dataclasses.field(default_factory=ImageParts)
     display_name = "Wan I2V"
     settings_type = WanI2VSettings
+    offers_i2v = True
     control_images = 1  # a sample prompt's first frame (--ci); a dataset's is each clip's own first frame
     refused_options = tuple((name, reason) for name, reason in Wan.refused_options if name != "clip")
 
@@ -142,19 +150,31 @@ class WanI2V(Wan):
         if task is not None and task != expected:
             model = "2.1 I2V 14B" if self.parts.clip else "2.2 I2V A14B"
             problems.append(f"task {task}: the model is Wan {model} ({expected}); remove task or give {expected}")
-        if settings.clip:
-            problems.append("clip: musubi-tuner's CLIP file is not read here yet; the Wan I2V diffusers folder's "
-                            "image_encoder/ is used (remove clip)" if self.parts.clip else
-                            "clip: Wan 2.2 I2V A14B has no image encoder; remove clip")
+        if settings.clip and not self.parts.clip:
+            problems.append("clip: Wan 2.2 I2V A14B has no image encoder; remove clip")
+        elif settings.clip and self.parts.clip_file is None:
+            problems.append("clip: the Wan I2V diffusers folder brings its image encoder (image_encoder/); musubi's "
+                            "clip file goes with a transformer file (remove clip)")
+        if settings.user_set.get("i2v") is False:
+            problems.append("i2v false: Wan I2V models always train on each clip's first frame; remove i2v")
         if settings.cache_latents_to_disk:
             problems.append("cache_latents_to_disk: Wan I2V keeps each clip's first-frame condition with its latents "
                             "in memory only; use cache_latents")
+        boundary = settings.timestep_boundary
+        if boundary is None and settings.dit_high_noise and self.experts is None:
+            boundary = I2V_BOUNDARY  # both experts from their files: musubi's boundary for i2v-A14B
         try:
-            configured = Wan.configured(self, dataclasses.replace(settings, task=None, clip=None))
+            configured = Wan.configured(self, dataclasses.replace(settings, task=None, clip=None,
+                                                                  timestep_boundary=boundary))
         except UserError as e:
             problems += e.problems
         if problems:
             raise UserError(problems)
+        if configured.experts is None and not self.parts.clip \
+                and (settings.min_timestep, settings.max_timestep) == (0, 1000):
+            logger.warning("Wan 2.2 I2V A14B with one expert: musubi-tuner recommends its timestep range, "
+                           "min_timestep 0 / max_timestep 900 for the low-noise expert, 900 / 1000 for the high-noise "
+                           "one")
         version = "2.1" if self.parts.clip else "2.2"
         return dataclasses.replace(configured, version=version)
 
@@ -211,7 +231,7 @@ class WanI2V(Wan):
         class FirstFramePipeline(WanImageToVideoPipeline):
             def __call__(self, *args: Any, image: Any = None, **kwargs: Any) -> Any:
                 if image is None:
-                    raise UserError("a Wan I2V sample prompt needs its first frame: give it as --ci IMAGE")
+                    raise UserError("a Wan I2V sample prompt needs its first frame: give it as --i IMAGE (or --ci)")
                 return super().__call__(*args, image=image, **kwargs)
 
         if self.experts is not None:
@@ -251,8 +271,8 @@ def i2v_family(request: LoadRequest, transformer: Any, experts: ExpertSwitch | N
     channels = transformer.config.in_channels
     if channels != I2V_CHANNELS:
         raise UserError(f"{request.path}: a Wan image-to-video transformer with {channels} input channels; Wan 2.1 "
-                        f"I2V 14B and 2.2 I2V A14B ({I2V_CHANNELS}) are trained here (TI2V 5B trains text-to-video "
-                        "from its WanPipeline folder)")
+                        f"I2V 14B and 2.2 I2V A14B ({I2V_CHANNELS}) are trained here (TI2V 5B has 48; FLF2V and "
+                        "Fun-Control are not trained here)")
     clip = transformer.config.image_dim is not None
     if clip and not (request.path / "image_encoder").is_dir():
         raise UserError(f"{request.path}: a Wan 2.1 I2V folder without image_encoder/ (its CLIP vision model)")
@@ -266,3 +286,12 @@ def i2v_family(request: LoadRequest, transformer: Any, experts: ExpertSwitch | N
                                                              local_files_only=True)
     return WanI2V(version="2.1" if clip else "2.2", experts=experts, parts=parts)
 
+
+
+def file_family(encoder: Any, processor: Any, clip_file: str | None = None) -> WanI2V:
+    """The family of an image-to-video transformer file: Wan 2.1 I2V with the image encoder read from musubi's clip
+    file (`encoder`, `processor`), or Wan 2.2 I2V A14B (None: no image encoder; one expert, or both with
+    dit_high_noise)."""
+    clip = encoder is not None
+    return WanI2V(version="2.1" if clip else "2.2",
+                  parts=ImageParts(clip, encoder, processor, clip_file=clip_file if clip else None))

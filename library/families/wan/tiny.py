@@ -6,7 +6,8 @@ width 8, UMT5EncoderModel with a small T5 tokenizer, and Wan 2.1's diffusers sch
 `wan22_a14b` holds two such transformers, transformer/ the high-noise expert and transformer_2/ the low-noise one,
 with the pipeline's boundary_ratio 0.875 (Wan2.2-T2V-A14B-Diffusers' layout); `wan22_ti2v_5b` has TI2V 5B's
 48-channel VAE (16x down) and a 48-channel transformer (a folder only: no --files); `wan21_i2v` and
-`wan22_i2v_a14b` are WanImageToVideoPipeline folders (build_tiny_wan_i2v; folders only).
+`wan22_i2v_a14b` are WanImageToVideoPipeline folders (build_tiny_wan_i2v) whose --files are the I2V transformer
+files and, for `wan21_i2v`, its image encoder as musubi's clip file (official layout) and ComfyUI's clip_vision_h.
 
     python -m library.families.tiny OUTPUT_DIR --family wan21|wan22_a14b|wan22_ti2v_5b|wan21_i2v|wan22_i2v_a14b
         [--files] [--seed N]
@@ -21,9 +22,10 @@ from typing import Any
 import torch
 
 from library.families.shared import tiny_parts
+from library.families.wan import clip as wan_clip
 from library.families.wan.experts import DEFAULT_BOUNDARY
 from library.families.wan.files import SCHEDULER_CONFIG
-from library.families.wan.weights import COMFY_PREFIX
+from library.families.wan.weights import COMFY_PREFIX, I2V_CHANNELS
 
 WIDTH = 32  # text width and the transformer's inner dim
 
@@ -134,8 +136,12 @@ def save_tiny_wan22_ti2v_5b(path: str | os.PathLike[str], seed: int = 0, overwri
 
 
 # diffusers' names -> the original Wan layout's (the inverse of diffusers' convert_wan_transformer_to_diffusers for
-# the text-to-video weights), applied in order
+# the text-to-video and image-to-video weights), applied in order
 _TO_ORIGINAL = (
+    (r"^condition_embedder\.image_embedder\.norm1\.", "img_emb.proj.0."),  # Wan 2.1 I2V's image embedder
+    (r"^condition_embedder\.image_embedder\.ff\.net\.0\.proj\.", "img_emb.proj.1."),
+    (r"^condition_embedder\.image_embedder\.ff\.net\.2\.", "img_emb.proj.3."),
+    (r"^condition_embedder\.image_embedder\.norm2\.", "img_emb.proj.4."),
     (r"^condition_embedder\.time_embedder\.linear_1\.", "time_embedding.0."),
     (r"^condition_embedder\.time_embedder\.linear_2\.", "time_embedding.2."),
     (r"^condition_embedder\.text_embedder\.linear_1\.", "text_embedding.0."),
@@ -143,7 +149,8 @@ _TO_ORIGINAL = (
     (r"^condition_embedder\.time_proj\.", "time_projection.1."), (r"^scale_shift_table$", "head.modulation"),
     (r"^proj_out\.", "head.head."), (r"\.scale_shift_table$", ".modulation"), (r"\.attn1\.", ".self_attn."),
     (r"\.attn2\.", ".cross_attn."), (r"\.to_out\.0\.", ".o."), (r"\.to_([qkv])\.", r".\1."),
-    (r"\.ffn\.net\.0\.proj\.", ".ffn.0."), (r"\.ffn\.net\.2\.", ".ffn.2."), (r"\.norm2\.", ".norm3."))
+    (r"\.ffn\.net\.0\.proj\.", ".ffn.0."), (r"\.ffn\.net\.2\.", ".ffn.2."), (r"\.norm2\.", ".norm3."),
+    (r"\.add_k_proj\.", ".k_img."), (r"\.add_v_proj\.", ".v_img."), (r"\.norm_added_k\.", ".norm_k_img."))
 
 
 def original_state_dict(transformer: Any) -> dict[str, torch.Tensor]:
@@ -183,27 +190,51 @@ def official_t5_state_dict(encoder: Any) -> dict[str, torch.Tensor]:
 def save_tiny_wan_files(folder: str | os.PathLike[str], target: str | os.PathLike[str]) -> dict[str, Path]:
     """The tiny Wan folder's weights as users keep them: the (low-noise) transformer in the original layout behind
     `model.diffusion_model.` (diffusion_models/), for A14B the high-noise one too (`dit_high_noise`), UMT5 with
-    transformers' names (text_encoders/, ComfyUI's file) and the VAE (vae/, diffusers' names). Returns their paths
-    by option name (`pretrained_model_name_or_path` as "transformer")."""
+    transformers' names (text_encoders/, ComfyUI's file) and the VAE (vae/, diffusers' names); for Wan 2.1 I2V its
+    image encoder as musubi's `clip` file in the official layout (clip_vision/*.pth, with a seeded projection head)
+    and as ComfyUI's clip_vision_h (`clip_vision_h`, transformers' names). Returns their paths by option name
+    (`pretrained_model_name_or_path` as "transformer")."""
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import UMT5EncoderModel
 
-    folder = Path(folder)
+    folder, target = Path(folder), Path(target)
     two = (folder / "transformer_2").is_dir()
     classes = {"transformer": WanTransformer3DModel, "vae": AutoencoderKLWan, "text_encoder": UMT5EncoderModel}
     if two:
         classes["transformer_2"] = WanTransformer3DModel
     parts = tiny_parts.read_parts(folder, classes)
     low = parts["transformer_2"] if two else parts["transformer"]
+    i2v = low.config.in_channels == I2V_CHANNELS
+    kind = "i2v" if i2v else "t2v"
     encoder = {k: v for k, v in parts["text_encoder"].state_dict().items() if k != "encoder.embed_tokens.weight"}
     files = {
         "transformer": ({COMFY_PREFIX + k: v for k, v in original_state_dict(low).items()},
-                        "diffusion_models/wan_tiny_low_noise.safetensors" if two else
-                        "diffusion_models/wan2.1_t2v_tiny.safetensors"),
+                        f"diffusion_models/wan_tiny_{'i2v_' if i2v else ''}low_noise.safetensors" if two else
+                        f"diffusion_models/wan2.1_{kind}_tiny.safetensors"),
         "t5": (encoder, "text_encoders/umt5_xxl_tiny.safetensors"),
         "ae": (parts["vae"].state_dict(), "vae/wan_2.1_vae_tiny.safetensors"),
     }
     if two:
         files["dit_high_noise"] = (original_state_dict(parts["transformer"]),
-                                   "diffusion_models/wan_tiny_high_noise.safetensors")
-    return tiny_parts.save_files(Path(target), files)
+                                   f"diffusion_models/wan_tiny_{'i2v_' if i2v else ''}high_noise.safetensors")
+    paths = tiny_parts.save_files(target, files)
+    if (folder / "image_encoder").is_dir():
+        paths.update(_save_clip_files(folder, target))
+    return paths
+
+
+def _save_clip_files(folder: Path, target: Path) -> dict[str, Path]:
+    """The folder's image encoder (CLIPVisionModel) with a projection head drawn from a fixed seed, written as the
+    official models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth lays it out and as ComfyUI's clip_vision_h."""
+    from transformers import CLIPVisionModel
+
+    model = CLIPVisionModel.from_pretrained(folder, subfolder="image_encoder", local_files_only=True)
+    tower = {k.removeprefix("vision_model."): v for k, v in model.state_dict().items()}
+    width = model.config.hidden_size
+    tower[wan_clip.PROJECTION] = torch.randn(width, width, generator=torch.Generator().manual_seed(0)) / width ** 0.5
+    official = target / "clip_vision" / "models_clip_open-clip-xlm-roberta-tiny.pth"
+    official.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({k: v.detach().clone().contiguous() for k, v in wan_clip.wan_state_dict(tower).items()}, official)
+    comfy = {("" if k == wan_clip.PROJECTION else "vision_model.") + k: v for k, v in tower.items()}
+    paths = tiny_parts.save_files(target, {"clip_vision_h": (comfy, "clip_vision/clip_vision_h_tiny.safetensors")})
+    return {"clip": official, **paths}

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from library.config import UserError
-from library.families.shared.separate_files import read_split
+from library.families.shared.separate_files import read_split, shards
 
 COMFY_PREFIX = "model.diffusion_model."
 I2V_CHANNELS = 36  # the I2V transformers: 16 noisy + 4 mask + 16 first-frame latent channels
@@ -44,7 +44,8 @@ def transformer_state_dict(path: Path, dtype: torch.dtype | None) -> dict[str, t
                         "use the bf16 / fp16 file")
     if "blocks.0.self_attn.q.weight" in state:
         state = convert_wan_transformer_to_diffusers(state)
-    problem = kind_problem(state, path)
+    channels = state.get("patch_embedding.weight", torch.empty(0, 0)).shape[1:2]
+    problem = kind_problem(state, channels[0] if channels else None, path)
     if problem:
         raise UserError(problem)
     return state
@@ -65,10 +66,26 @@ def transformer_kind(keys: Any, in_channels: int | None) -> str | None:
     return None
 
 
-def kind_problem(state: dict[str, torch.Tensor], path: Path) -> str | None:
-    channels = state.get("patch_embedding.weight", torch.empty(0, 0)).shape[1:2]
-    if transformer_kind(state, channels[0] if channels else None) is None:
+def kind_problem(keys: Any, in_channels: int | None, path: Path) -> str | None:
+    """Why the transformer file at `path` (its weight names and input channels) is not read here, or None."""
+    if transformer_kind(keys, in_channels) is None:
         return (f"{path}: not a Wan 2.1 / 2.2 A14B transformer this trainer reads from a file (text-to-video: 16 input "
                 f"channels; image-to-video: {I2V_CHANNELS}); TI2V 5B trains from its diffusers folder, FLF2V and "
                 "Fun-Control not here")
     return None
+
+
+def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape by name, without reading a tensor: the headers of a .safetensors file (every part of a
+    split one), or a .pth / .pt memory-mapped with weights_only (no pickled code runs). OSError / ValueError / a
+    pickle error when it cannot be read."""
+    from library.core.safetensors_header import read_safetensors_header
+
+    if path.suffix.lower() not in (".pth", ".pt", ".bin"):
+        return {name: tuple(entry["shape"]) for part in shards(path)
+                for name, entry in read_safetensors_header(part)[1].items()}
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    state = state.get("state_dict", state) if isinstance(state, dict) else state
+    if not isinstance(state, dict):
+        raise ValueError("holds no state dict")
+    return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
