@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -287,8 +288,10 @@ def attach_denoiser_adapters(config: Config, family: Family, unet: torch.nn.Modu
     lr = config.unet_lr if config.unet_lr is not None else config.learning_rate
     groups: list[dict[str, Any]] = []
     for adapter in adapters:
-        network_setup.attach_network(unet, "unet", spec.dim, spec.alpha, config.network_dropout, net, targets,
-                                     adapter.name)
+        with warnings.catch_warnings():  # peft warns that a second adapter is being added, which is what is asked
+            warnings.filterwarnings("ignore", "Already found a `peft_config` attribute", UserWarning)
+            network_setup.attach_network(unet, "unet", spec.dim, spec.alpha, config.network_dropout, net, targets,
+                                         adapter.name)
         more = adapter_training.optimizer_groups([unet], lr, "unet", net.loraplus_ratio("unet"),
                                                  network_setup.block_lr(unet, spec.dim, spec.alpha, net),
                                                  adapter.name)
@@ -297,7 +300,12 @@ def attach_denoiser_adapters(config: Config, family: Family, unet: torch.nn.Modu
             continue
         for group, added in zip(groups, more, strict=True):
             group["params"] = [*group["params"], *added["params"]]
-    if len(adapters) > 1:  # attaching an adapter leaves only that one trainable
+    if len(adapters) > 1:
+        # peft leaves the adapter attached last active and the only one trainable: the first is active until the
+        # family switches, and all of them train.
+        from peft.functional import set_adapter
+
+        set_adapter(unet, adapters[0].name)
         for group in groups:
             for param in group["params"]:
                 param.requires_grad_(True)
