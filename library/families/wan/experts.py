@@ -137,8 +137,7 @@ class ExpertSwitch:
     def activate(self, transformer: torch.nn.Module, high: bool) -> None:
         """Make `transformer`'s base weights the high-noise (or low-noise) expert's; a shared LoRA stays, one LoRA
         per expert switches with them."""
-        if self.separate:
-            use_adapter(transformer, HIGH_ADAPTER if high else LOW_ADAPTER)
+        if self.separate and use_adapter(transformer, HIGH_ADAPTER if high else LOW_ADAPTER):
             self.follow_timesteps(transformer)
         if self._inactive is None or high == self.high_active:
             return
@@ -164,18 +163,20 @@ class ExpertSwitch:
         transformer.register_forward_pre_hook(pick_expert, with_kwargs=True)
 
 
-def use_adapter(transformer: torch.nn.Module, name: str) -> None:
-    """peft's active adapter of `transformer` made `name` (peft's set_adapter), once both experts' adapters are
-    attached. Both stay trainable: set_adapter freezes the other, but the optimizer and DDP keep one set of trained
-    parameters for the run (the other simply gets no gradient in this batch)."""
+def use_adapter(transformer: torch.nn.Module, name: str) -> bool:
+    """peft's active adapter of `transformer` made `name` (peft's set_adapter), where both experts' adapters are
+    attached; whether they are. Both stay trainable: set_adapter freezes the other, but the optimizer and DDP keep
+    one set of trained parameters for the run (the other simply gets no gradient in this batch)."""
     from peft.functional import set_adapter, set_requires_grad
     from peft.tuners.lora import LoraLayer
 
     layer = next((module for module in transformer.modules() if isinstance(module, LoraLayer)), None)
-    if layer is None or HIGH_ADAPTER not in layer.lora_A or layer.active_adapters == [name]:
-        return
-    set_adapter(transformer, name)
-    set_requires_grad(transformer, [LOW_ADAPTER, HIGH_ADAPTER], True)
+    if layer is None or HIGH_ADAPTER not in layer.lora_A:
+        return False
+    if layer.active_adapters != [name]:
+        set_adapter(transformer, name)
+        set_requires_grad(transformer, [LOW_ADAPTER, HIGH_ADAPTER], True)
+    return True
 
 
 def separate_loras(settings: WanSettings, experts: ExpertSwitch) -> bool:
