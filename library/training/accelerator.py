@@ -211,10 +211,17 @@ def allow_unused_parameters(accelerator: Accelerator, why: str) -> None:
     """Before prepare: DDP told that some trained parameters may get no gradient in a step (`why`: what trains
     them). DDP then averages a gradient that some processes gave and leaves one that no process gave as None,
     which the optimizer skips. DeepSpeed's ZeRO optimizer would step such parameters with a zero gradient (its
-    moments still move them), so it is refused."""
+    moments still move them), so it is refused; so is gradient accumulation over several processes, where DDP
+    finds the unused parameters of a step's last batch only: a gradient a process accumulated in an earlier batch
+    would not be averaged when no process used that adapter in the last one."""
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         raise UserError(f"deepspeed: not offered for {why}: ZeRO steps every parameter, an unused one with a zero "
                         "gradient that its moments still move; train without DeepSpeed (DDP)")
+    if accelerator.num_processes > 1 and accelerator.gradient_accumulation_steps > 1:
+        raise UserError(f"gradient_accumulation_steps {accelerator.gradient_accumulation_steps} with "
+                        f"{accelerator.num_processes} processes: not offered for {why} (DDP would not average a "
+                        "gradient accumulated before a step's last batch); use a larger train_batch_size or one "
+                        "process")
     handler = accelerator.ddp_handler or DistributedDataParallelKwargs()
     handler.find_unused_parameters = True
     accelerator.ddp_handler = handler
