@@ -26,11 +26,6 @@ from library.families.wan.experts import WanObjective, WanSettings
 from library.families.wan.family import TI2V, TI2V_TASK, Wan
 
 
-@dataclasses.dataclass(frozen=True)
-class WanTI2VSettings(WanSettings):
-    i2v: bool
-
-
 def conditioned(latents: torch.Tensor) -> bool:
     """Whether these latents have a first frame to keep as the condition and frames after it to train."""
     return latents.ndim == 5 and latents.shape[2] > 1
@@ -70,19 +65,19 @@ class WanTI2V(Wan):
     """Wan 2.2 TI2V 5B; `i2v` (the run's) trains it on each clip's first frame."""
     version: str = TI2V
     i2v: bool = False
-    settings_type = WanTI2VSettings
     offers_i2v = True
     control_images = 1  # a sample prompt's first frame (--i / --ci); optional for TI2V 5B
 
-    def configured(self, settings: WanTI2VSettings) -> WanTI2V:
+    def configured(self, settings: WanSettings) -> WanTI2V:
+        """The run's i2v (read as the option the user set, default off) on top of Wan's checks."""
         task = None if settings.task == TI2V_TASK else settings.task
         configured = Wan.configured(self, dataclasses.replace(settings, task=task))
-        return dataclasses.replace(configured, i2v=settings.i2v)
+        return dataclasses.replace(configured, i2v=bool(settings.user_set.get("i2v", False)))
 
     def control_problems(self, counts: Mapping[int, int]) -> list[str]:
         with_controls = sum(items for count, items in counts.items() if count)
-        return [f"the dataset has control images ({with_controls} items), but Wan 2.2 TI2V 5B with i2v is "
-                "conditioned on each clip's own first frame: they would be ignored; remove control_directory / "
+        return [f"the dataset has control images ({with_controls} items), but Wan 2.2 TI2V 5B takes none (with i2v "
+                "its condition is each clip's own first frame): they would be ignored; remove control_directory / "
                 "control_path"] if with_controls else []
 
     def objective(self, components: Any, settings: WanSettings, device: torch.device) -> WanObjective:

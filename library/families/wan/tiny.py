@@ -192,7 +192,7 @@ def save_tiny_wan_files(folder: str | os.PathLike[str], target: str | os.PathLik
     `model.diffusion_model.` (diffusion_models/), for A14B the high-noise one too (`dit_high_noise`), UMT5 with
     transformers' names (text_encoders/, ComfyUI's file) and the VAE (vae/, diffusers' names); for Wan 2.1 I2V its
     image encoder as musubi's `clip` file in the official layout (clip_vision/*.pth, with a seeded projection head)
-    and as ComfyUI's clip_vision_h (`clip_vision_h`, transformers' names). Returns their paths by option name
+    and, beside it, as ComfyUI's clip_vision_h (transformers' names). Returns their paths by option name
     (`pretrained_model_name_or_path` as "transformer")."""
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import UMT5EncoderModel
@@ -219,11 +219,11 @@ def save_tiny_wan_files(folder: str | os.PathLike[str], target: str | os.PathLik
                                    f"diffusion_models/wan_tiny_{'i2v_' if i2v else ''}high_noise.safetensors")
     paths = tiny_parts.save_files(target, files)
     if (folder / "image_encoder").is_dir():
-        paths.update(_save_clip_files(folder, target))
+        paths["clip"] = save_clip_files(folder, target)["clip"]  # ComfyUI's clip_vision_h is written beside it
     return paths
 
 
-def _save_clip_files(folder: Path, target: Path) -> dict[str, Path]:
+def save_clip_files(folder: Path, target: Path) -> dict[str, Path]:
     """The folder's image encoder (CLIPVisionModel) with a projection head drawn from a fixed seed, written as the
     official models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth lays it out and as ComfyUI's clip_vision_h."""
     from transformers import CLIPVisionModel
