@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
 from library.config import UserError
 from library.families.wan import clip as wan_clip
@@ -92,14 +93,12 @@ def test_the_official_tower_converts_to_clipvisionmodel_with_the_same_embeddings
 
 
 def test_comfyuis_clip_vision_h_layout_reads_as_the_same_model(tmp_path):
-    from safetensors.torch import save_file
-
     state = official_tower()
     official = tmp_path / "official.pth"
     torch.save(state, official)
     tower = wan_clip.vision_state_dict(state)
     comfy = tmp_path / "clip_vision_h.safetensors"
-    save_file({("" if k == wan_clip.PROJECTION else "vision_model.") + k: v.contiguous() for k, v in tower.items()},
+    save_file({("" if k == wan_clip.PROJECTION else "vision_model.") + k: v.clone() for k, v in tower.items()},
               str(comfy))
     assert wan_clip.layout(wan_clip.tensor_shapes(comfy)) == "transformers"
     one, _ = wan_clip.load_clip_vision(official, torch.float32, None)
@@ -109,8 +108,6 @@ def test_comfyuis_clip_vision_h_layout_reads_as_the_same_model(tmp_path):
 
 
 def test_a_file_of_another_layout_or_width_is_named(tmp_path):
-    from safetensors.torch import save_file
-
     other = tmp_path / "umt5.safetensors"
     save_file({"shared.weight": torch.zeros(4, 4)}, str(other))
     assert "not a CLIP vision file" in wan_clip.clip_file_problems(other)[0]
@@ -118,7 +115,7 @@ def test_a_file_of_another_layout_or_width_is_named(tmp_path):
     pickled = tmp_path / "pickled.pth"
     torch.save({"weights": object()}, pickled)
     assert "cannot be read" in wan_clip.clip_file_problems(pickled)[0]
-    narrow = {k: v for k, v in official_tower().items()}
+    narrow = official_tower()
     narrow["visual.patch_embedding.weight"] = torch.zeros(48, 3, PATCH, PATCH)
     with pytest.raises(UserError, match="ViT-H"):
         wan_clip.vision_config(wan_clip.vision_state_dict(narrow), None, "narrow.pth")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from library.config import UserError
 from tests.helpers import REPO, musubi_lora
@@ -105,8 +105,6 @@ def test_each_problem_of_the_files_is_named_before_a_weight_is_read(models, file
     state = {k: v for k, v in state.items() if "img_emb" not in k and "_img" not in k}
     state["model.diffusion_model.patch_embedding.weight"] = state["model.diffusion_model.patch_embedding.weight"][
         :, :16].contiguous()
-    from safetensors.torch import save_file
-
     save_file(state, str(t2v))
     with pytest.raises(UserError, match="text-to-video Wan transformer, which reads no CLIP"):
         load({**two, "transformer": t2v}, models["2.1"], clip=str(two["clip"]))

@@ -165,7 +165,7 @@ def load_clip_vision(path: Path, dtype: torch.dtype, model_config: Path | None) 
         described = json.loads(described_file.read_text()) if described_file and described_file.is_file() else None
         config = vision_config(tower, described, str(path))
         with init_empty_weights():
-            encoder = CLIPVisionModel(config)
+            encoder = CLIPVisionModel._from_config(config)  # as from_pretrained sets it up (attention)
         expected = encoder.state_dict()
         prefix = "vision_model." if all(k.startswith("vision_model.") for k in expected) else ""
         assign(encoder, {prefix + k: v for k, v in tower.items() if k != PROJECTION}, str(path), family="Wan I2V")
