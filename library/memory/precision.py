@@ -107,7 +107,7 @@ class BasePrecision:
         """Before the adapter is attached: store the base low (see the module's docstring)."""
         for module, kind in self._parts(denoiser, text_encoders):
             if kind == "fp8":
-                for layer in managed_layers(module, fp8=True).values():
+                for layer in (*managed_layers(module, fp8=True).values(), *kept_layers(module).values()):
                     layer.to(dtype=FP8)
                     layer.compute_dtype = self.compute_dtype  # peft reads it: the adapter starts in this dtype
             else:
@@ -121,6 +121,10 @@ class BasePrecision:
                 for layer in managed_layers(module, fp8=True).values():
                     if layer.weight.dtype == FP8:
                         cast_around_forward(layer, self.compute_dtype)
+                for name, layer in kept_layers(module).items():
+                    if layer.weight.dtype == FP8:
+                        cast_around_forward(layer, self.compute_dtype, around=module.get_submodule(
+                            name.rpartition(".")[0]))
         if self.lowered:
             logger.info("frozen base stored as %s, computed in %s; the LoRA stays float32", self.describe(),
                         str(self.compute_dtype).removeprefix("torch."))
@@ -133,19 +137,39 @@ class BasePrecision:
         return parts
 
 
-def skip_patterns(module: torch.nn.Module) -> tuple[str, ...]:
+def skip_patterns(module: torch.nn.Module, kept: bool = True) -> tuple[str, ...]:
     """SKIP_PATTERNS, the layers whose weight another module shares (T5's `shared` embedding is also its
-    encoder's embed_tokens, which a cast of one layer would leave in fp8 for the other), and the model's
-    `_keep_in_fp32_modules`."""
+    encoder's embed_tokens, which a cast of one layer would leave in fp8 for the other), and (`kept`) the model's
+    `_keep_in_fp32_modules` (kept_layers)."""
     owners: dict[int, list[str]] = {}
     for name, layer in module.named_modules(remove_duplicate=False):
         for param in layer.parameters(recurse=False):
             owners.setdefault(id(param), []).append(name)
     tied = sorted({name for names in owners.values() if len(names) > 1 for name in names})
-    # Layers the model keeps in fp32 cast their input to their weight's dtype (T5's feed-forward `wo`).
-    kept = getattr(module, "_keep_in_fp32_modules", None) or []
-    return (SKIP_PATTERNS + tuple(f"^{re.escape(name)}$" for name in tied)
-            + tuple(f"(^|\\.){re.escape(name)}$" for name in kept))
+    return SKIP_PATTERNS + tuple(f"^{re.escape(name)}$" for name in tied) + (_kept_patterns(module) if kept else ())
+
+
+def _kept_patterns(module: torch.nn.Module) -> tuple[str, ...]:
+    return tuple(f"(^|\\.){re.escape(name)}$" for name in getattr(module, "_keep_in_fp32_modules", None) or [])
+
+
+def kept_layers(module: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    """The linear layers a transformers model keeps out of a low precision (`_keep_in_fp32_modules`: T5's and UMT5's
+    feed-forward `wo`, whose parent casts its input to the layer's weight dtype), by name. Under fp8 they are stored
+    fp8 too and cast to the compute dtype around their parent's forward, so the parent sees the dtype it saw when
+    they were held in it (the same values, to the bit); T5-XXL's billion `wo` weights held in float32 were 3 GiB
+    more than in fp8."""
+    kept = _kept_patterns(module)
+    if not kept:
+        return {}
+    others = skip_patterns(module, kept=False)
+    found = {}
+    for name, layer in module.named_modules():
+        name = name.removesuffix(".base_layer")  # the layer once peft wraps it: named by the wrapper's name
+        if isinstance(layer, torch.nn.Linear) and "." in name and any(re.search(p, name) for p in kept) \
+                and not any(re.search(p, name) for p in others):
+            found[name] = layer
+    return found
 
 
 def managed_layers(module: torch.nn.Module, fp8: bool) -> dict[str, torch.nn.Module]:
@@ -170,31 +194,31 @@ def managed_layers(module: torch.nn.Module, fp8: bool) -> dict[str, torch.nn.Mod
     return found
 
 
-def cast_around_forward(layer: torch.nn.Module, dtype: torch.dtype) -> None:
-    """The layer computes with compute-dtype copies of its fp8 parameters, made for each forward and dropped after
-    it. diffusers' apply_layerwise_casting casts the parameters in place and back after the forward instead, so a
-    convolution's backward, which reads the weight it saved, found fp8 there ("expected scalar type BFloat16");
-    here what backward saved is the copy, whatever the layer."""
+def cast_around_forward(layer: torch.nn.Module, dtype: torch.dtype, around: torch.nn.Module | None = None) -> None:
+    """The layer computes with compute-dtype copies of its fp8 parameters, made for each forward (of the layer, or
+    of the module `around` it) and dropped after it. diffusers' apply_layerwise_casting casts the parameters in
+    place and back after the forward instead, so a convolution's backward, which reads the weight it saved, found
+    fp8 there ("expected scalar type BFloat16"); here what backward saved is the copy, whatever the layer."""
     stored: dict[str, torch.nn.Parameter] = {}
 
     def before(module: torch.nn.Module, args: Any) -> None:
-        for name, param in module._parameters.items():
+        for name, param in layer._parameters.items():
             if param is not None and param.dtype in FP8_DTYPES:
                 stored[name] = param
-                module._parameters[name] = torch.nn.Parameter(param.to(dtype), requires_grad=False)
+                layer._parameters[name] = torch.nn.Parameter(param.to(dtype), requires_grad=False)
 
     def after(module: torch.nn.Module, args: Any, output: Any) -> None:
-        module._parameters.update(stored)
+        layer._parameters.update(stored)
         stored.clear()
 
-    layer.register_forward_pre_hook(before)
-    layer.register_forward_hook(after)
+    (around or layer).register_forward_pre_hook(before)
+    (around or layer).register_forward_hook(after)
 
 
 def _raise_leftovers(module: torch.nn.Module, dtype: torch.dtype) -> None:
     """Tensors read as fp8 that no fp8 layer manages (embeddings, skipped layers) go back to the compute dtype."""
-    managed = {id(p) for layer in managed_layers(module, fp8=True).values() for p in layer.parameters()
-               if getattr(layer, "compute_dtype", None) is not None}
+    managed = {id(p) for layer in (*managed_layers(module, fp8=True).values(), *kept_layers(module).values())
+               for p in layer.parameters() if getattr(layer, "compute_dtype", None) is not None}
     for param in module.parameters():
         if param.dtype in FP8_DTYPES and id(param) not in managed:
             param.data = param.data.to(dtype)

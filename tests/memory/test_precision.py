@@ -147,3 +147,37 @@ def test_quantizing_drops_each_original_layer_once_replaced(kind, monkeypatch):
     monkeypatch.setattr(bnb.nn, name, counting)
     BasePrecision(kind, None, torch.bfloat16).prepare(model, [])
     assert alive == [4, 3, 2, 1]
+
+
+@pytest.mark.parametrize("compute", [torch.float32, BF16])
+def test_a_layer_the_model_keeps_out_of_fp8_is_stored_fp8_and_computes_as_when_it_was_held(compute):
+    """T5's `wo` (transformers' _keep_in_fp32_modules; its parent casts the input to the layer's weight dtype) is
+    stored in fp8 like the other layers, cast around its parent's forward: the encoder's output is the one it gave
+    with `wo` held in the compute dtype, to the bit."""
+    from transformers import T5Config, T5EncoderModel
+
+    from library.memory.precision import FP8, kept_layers
+
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                      feed_forward_proj="gated-gelu", is_encoder_decoder=False)
+    model = T5EncoderModel(config).to(compute).eval()
+    reference = T5EncoderModel(config).to(compute).eval()
+    reference.load_state_dict(model.state_dict())
+    precision = BasePrecision(None, "fp8", compute)
+    precision.prepare(torch.nn.Module(), [model])
+    precision.finish(torch.nn.Module(), [model])
+    kept = kept_layers(model)
+    assert sorted(kept) == [f"encoder.block.{i}.layer.1.DenseReluDense.wo" for i in range(2)]
+    assert all(layer.weight.dtype == FP8 for layer in kept.values())
+    # as before: every other layer fp8 around its own forward, `wo` read low and held in the compute dtype
+    for layer in managed_layers(reference, fp8=True).values():
+        layer.to(dtype=FP8)
+    for layer in kept_layers(reference).values():
+        layer.weight.data = layer.weight.data.to(FP8).to(compute)
+    precision.finish(torch.nn.Module(), [reference])  # hooks the fp8 layers only
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        got, expected = model(ids).last_hidden_state, reference(ids).last_hidden_state
+    assert got.dtype == compute
+    assert torch.equal(got, expected)
