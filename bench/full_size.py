@@ -12,10 +12,12 @@ images at 256 px with captions; a TOML config (batch 1, LoRA rank 16, gradient c
 text-encoder outputs, FLUX's T5 prompt length 64, `mixed_precision = "no"`: the base computes in float32), and runs
 `python train_network.py --config CONFIG` in a child process that marks the end of each phase:
 
-- load: from the launch to the end of `load_components` (reading the files; an NF4 transformer is quantized
-  layer by layer as it is read);
+- load: from the launch to the end of the first `load_components` (reading the files; in a run by phase the text
+  encoders and the VAE only, else the transformer too, an NF4 one quantized layer by layer as it is read);
 - quantize: to the end of `build_model` (the rest of the base's quantization or fp8 cast, and the LoRA);
-- caching: to the end of `cache_inputs` (latents and text-encoder outputs);
+- caching: to the end of the caching of latents and text-encoder outputs, the encoders freed (`encode_first` in a
+  run by phase, else `prepare_inputs`);
+- load_denoiser (a run by phase): to the end of the second `load_components`, which reads the transformer alone;
 - first_step: to the end of the first optimizer step;
 - steps: to the end of the run.
 
@@ -24,8 +26,8 @@ caches before `build_model`, so caching comes before quantize there), each from 
 At each mark the child reads the kernel's high-water mark (VmHWM, the peak RSS since the previous mark) and
 restarts it (`/proc/self/clear_refs`), so each phase's peak is its own; s/step comes from the run's events.jsonl
 (the steps after the first). The memory estimate (library/memory/estimate.py, from the files' headers as the
-trainer's check makes it) is set beside each phase: its load peak for load, quantize and caching, its training peak
-for the steps.
+trainer's check makes it) is set beside each phase, with its error against the phase's peak less what the process
+held before reading any model (the check weighs its estimate against the memory available then).
 
 One record per run is appended to --out (a JSON list): model, base precision, compute dtype, resolution,
 blocks_to_swap, s_per_step, seconds and peak_rss_gib per phase and overall, estimate_gib per phase, the load
@@ -56,7 +58,7 @@ from real_size import write_images  # noqa: E402  (the same benchmark images as 
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "full_size.json"
-PHASES = ("load", "quantize", "caching", "first_step", "steps")
+PHASES = ("load", "quantize", "caching", "first_step", "steps")  # and load_denoiser in a run by phase
 MAX_LOAD = 2.5
 GIB = 1024 ** 3
 
@@ -101,9 +103,25 @@ def marking(function, phase):
         mark(phase)
         return result
     return marked
-setup.load_components = marking(setup.load_components, "load")
+original_load = setup.load_components
+def load_components(*args, **kwargs):
+    if "start" not in record["marks"]:
+        mark("start")  # what the process holds before any model is read (its libraries): the check's baseline
+    result = original_load(*args, **kwargs)
+    mark("load" if "load" not in record["marks"] else "load_denoiser")  # a run by phase reads the denoiser apart
+    return result
+setup.load_components = load_components
 setup.build_model = marking(setup.build_model, "quantize")
-setup.cache_inputs = marking(setup.cache_inputs, "caching")
+def caching(function):  # a run by phase fills its caches in encode_first, another in prepare_inputs
+    def marked(*args, **kwargs):
+        result = function(*args, **kwargs)
+        if "caching" not in record["marks"] and (function is not original_encode_first or result[1]):
+            mark("caching")  # with the encoders freed: their memory is the caching phase's, not the next one's
+        return result
+    return marked
+original_encode_first = setup.encode_first
+setup.encode_first = caching(setup.encode_first)
+setup.prepare_inputs = caching(setup.prepare_inputs)
 original_log_step = loop.Trainer.log_step
 def log_step(self, *args, **kwargs):
     original_log_step(self, *args, **kwargs)
@@ -248,23 +266,25 @@ def write_config(path: Path, run: Run, files: dict[str, Path], data: Path, resol
 # --- the estimate ------------------------------------------------------------------------------------------------
 def estimates(config: Path) -> dict[str, float]:
     """The trainer's memory estimate per phase, GiB, as its memory check plans the run from `config` (by phase on
-    the host: every part read at once, the text encoders' outputs cached and the encoders freed, the denoiser
-    placed, training): the reading for load and caching (the denoiser is read with the encoders), the placing for
-    quantize, training for the steps."""
+    the host: the text encoders read and filling the caches, beside the denoiser where the loader reads every part
+    at once; the denoiser read and placed; training): the reading (or the text encoding) for load, the text
+    encoding for caching, the placing for load_denoiser and quantize, training for the steps."""
     import torch
 
     import library.families.registry  # noqa: F401  (the families' options, before the config is parsed)
     from library.config import parse_config
+    from library.data.dataset import build_training_data
     from library.memory import estimate as memory
     from library.memory.precision import BasePrecision
-    from library.training.memory_check import memory_plan
+    from library.training.memory_check import batch_tokens, memory_plan
 
     parsed = parse_config(["--config", str(config)])[0]
     precision = BasePrecision.from_config(parsed, torch.float32)
-    plan = memory_plan(parsed, torch.device("cpu"), precision, torch.float32, by_phase=True).planned()
+    tokens = batch_tokens(build_training_data(parsed, None, 0, 1), None)  # images
+    plan = memory_plan(parsed, torch.device("cpu"), precision, torch.float32, by_phase=True, tokens=tokens).planned()
     gib = {name: round(estimate.total / GIB, 3) for name, estimate in plan.items()}
-    reading = gib.get("reading every part", gib[memory.TEXT_PHASE])
-    return {"load": reading, "quantize": gib[memory.PLACING_PHASE], "caching": reading,
+    return {"load": gib.get("reading every part", gib[memory.TEXT_PHASE]), "quantize": gib[memory.PLACING_PHASE],
+            "caching": gib[memory.TEXT_PHASE], "load_denoiser": gib[memory.PLACING_PHASE],
             "first_step": gib[memory.TRAINING_PHASE], "steps": gib[memory.TRAINING_PHASE]}
 
 
@@ -309,19 +329,21 @@ def run_one(name: str, run: Run, args: argparse.Namespace, work: Path, tiny: dic
         code = subprocess.run(command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT,
                               timeout=args.timeout).returncode
     marks = json.loads(record_path.read_text())["marks"] if record_path.exists() else {}
-    if code != 0 or set(marks) != set(PHASES):
+    if code != 0 or not set(PHASES) <= set(marks):
         tail = "\n".join(log.read_text().splitlines()[-15:])
         raise SystemExit(f"{name}: train_network.py exited with {code} (phases marked: {', '.join(marks)}); "
                          f"log {log}:\n{tail}")
     # The phases in the order they ran (a run by phase fills the caches before build_model); each mark's peak is
     # the one since the mark before it.
-    order = sorted(PHASES, key=lambda phase: marks[phase]["time"])
+    order = sorted((phase for phase in (*PHASES, "load_denoiser") if phase in marks),
+                   key=lambda phase: marks[phase]["time"])
     seconds, peaks, previous = {}, {}, launched
     for phase in order:
         seconds[phase] = round(marks[phase]["time"] - previous, 2)
         peaks[phase] = round(marks[phase]["peak_bytes"] / GIB, 2)
         previous = marks[phase]["time"]
     peaks["overall"] = max(peaks.values())
+    baseline = round(marks["start"]["rss_bytes"] / GIB, 2) if "start" in marks else None
     return {"run": name, "model": {"flux": "FLUX.1-dev", "qwen_image": "Qwen-Image"}[run.model]
             + (" (tiny)" if tiny else ""),
             "base_precision": run.precision, "compute_dtype": "float32", "resolution": resolution,
@@ -329,20 +351,23 @@ def run_one(name: str, run: Run, args: argparse.Namespace, work: Path, tiny: dic
             "steps": args.steps, "s_per_step": s_per_step(output / "events.jsonl"),
             "phase_order": order, "seconds": seconds,
             "launch_to_first_step_s": round(marks["first_step"]["time"] - launched, 2),
-            "peak_rss_gib": peaks, "peak_reset_per_phase": json.loads(record_path.read_text())["reset"],
+            "peak_rss_gib": peaks, "baseline_rss_gib": baseline,
+            "peak_reset_per_phase": json.loads(record_path.read_text())["reset"],
             "estimate_gib": {},
             "load_average": round(average, 2), "available_gib_before": free, "cpu_model": cpu_model(),
             "threads": args.threads, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(launched)),
             "command": f"python bench/full_size.py --runs {name}" + (" --tiny" if tiny else ""),
-            "config": str(config), "log": str(log)} | estimated(config, peaks)
+            "config": str(config), "log": str(log)} | estimated(config, peaks, baseline)
 
 
-def estimated(config: Path, peaks: dict[str, float]) -> dict[str, dict[str, float]]:
-    """The estimate per phase and its error against the measured peak, in % of the peak."""
+def estimated(config: Path, peaks: dict[str, float], baseline: float | None) -> dict[str, dict[str, float]]:
+    """The estimate per phase and its error against the measured peak less the baseline (what the process held
+    before reading any model: the check weighs its estimate against the memory available then), in % of that."""
     gib = estimates(config)
+    base = baseline or 0.0
     return {"estimate_gib": gib,
-            "estimate_error_pct": {phase: round(100 * (gib[phase] - peaks[phase]) / peaks[phase], 1)
-                                   for phase in gib if peaks.get(phase)}}
+            "estimate_error_pct": {phase: round(100 * (gib[phase] - (peaks[phase] - base)) / (peaks[phase] - base),
+                                                1) for phase in gib if peaks.get(phase)}}
 
 
 def reestimate(out: Path) -> None:
@@ -352,7 +377,7 @@ def reestimate(out: Path) -> None:
     for record in records:
         config = Path(record["config"])
         if config.exists():
-            record.update(estimated(config, record["peak_rss_gib"]))
+            record.update(estimated(config, record["peak_rss_gib"], record.get("baseline_rss_gib")))
     tmp = out.with_name(out.name + ".partial")
     tmp.write_text(json.dumps(records, indent=1) + "\n")
     tmp.replace(out)

@@ -15,9 +15,10 @@ denoiser is placed on it.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -41,22 +42,53 @@ class Counts:
     lora_per_rank: int = 0
     stored_fp8: int = 0  # of the matrices, those the file stores in fp8 (read as they are)
     largest: int = 0  # the largest matrix (what a load that quantizes layer by layer holds unquantized at once)
+    # The blocks (keys under `<name>.<index>.`): how many, the matrices of the largest, and the width most of their
+    # matrices share (a transformer's hidden size), for the activations
+    blocks: int = 0
+    largest_block: int = 0
+    width: int = 0
 
     def __add__(self, other: Counts) -> Counts:
         return Counts(self.matrices + other.matrices, self.other + other.other,
                       self.lora_per_rank + other.lora_per_rank, self.stored_fp8 + other.stored_fp8,
-                      max(self.largest, other.largest))
+                      max(self.largest, other.largest), self.blocks + other.blocks,
+                      max(self.largest_block, other.largest_block), max(self.width, other.width))
+
+
+_BLOCK = re.compile(r"^(.*?\.\d+)\.")
+# Fused projections that the loaders split into several layers, each with its own LoRA (BFL's and SAI's layouts:
+# q, k, v; FLUX's single-block linear1: q, k, v and the MLP's input): a LoRA per piece has pieces x in + out
+# parameters a rank, not in + out.
+_SPLIT = ((re.compile(r"\.qkv\.weight$"), 3), (re.compile(r"single_blocks\.\d+\.linear1\.weight$"), 4))
 
 
 def count_file(path: Path, part: str) -> dict[str, Counts]:
     """component ("denoiser", "text", "vae") -> Counts of a safetensors file; keys under another component's
     prefix count there."""
+    header = read_safetensors_header(path)[1]
+    return count_tensors(((key, entry["shape"], entry["dtype"]) for key, entry in header.items()
+                          if entry["dtype"] in _BYTES), part)
+
+
+def count_tensors(tensors: Iterable[tuple[str, Sequence[int], str]], part: str) -> dict[str, Counts]:
+    """count_file's Counts of (key, shape, safetensors dtype) triples (a header's, or a model's on the meta device)."""
     out: dict[str, Counts] = {}
-    for key, entry in read_safetensors_header(path)[1].items():
-        if entry["dtype"] not in _BYTES:
-            continue
+    blocks: dict[str, Counter[str]] = {}  # owner -> block -> its matrices
+    widths: dict[str, Counter[int]] = {}
+    for key, shape, dtype in tensors:
         owner = next((name for name, prefixes in _PREFIXES.items() if key.startswith(prefixes)), part)
-        out[owner] = out.get(owner, Counts()) + count_tensor(entry["shape"], entry["dtype"].startswith("F8"))
+        found = count_tensor(shape, dtype.startswith("F8"))
+        pieces = next((count for pattern, count in _SPLIT if pattern.search(key)), 1)
+        if found.matrices and pieces > 1:
+            found = replace(found, lora_per_rank=found.lora_per_rank + (pieces - 1) * found.matrices // shape[0])
+        out[owner] = out.get(owner, Counts()) + found
+        block = _BLOCK.match(key)
+        if block and found.matrices:
+            blocks.setdefault(owner, Counter())[block[1]] += found.matrices
+            widths.setdefault(owner, Counter()).update(shape[:2])
+    for owner, sizes in blocks.items():
+        out[owner] = replace(out[owner], blocks=len(sizes), largest_block=max(sizes.values()),
+                             width=widths[owner].most_common(1)[0][0])
     return out
 
 
@@ -125,6 +157,10 @@ class Settings:
     reads_low: bool = True  # safetensors files read tensor by tensor (False: a diffusers folder, read whole)
     # the denoiser's file is quantized layer by layer as it is read (int8 / nf4; FamilyEntry.quantizes_while_reading)
     quantized_as_read: bool = False
+    # the largest batch's latent tokens (batch x patches x latent frames, library.training.memory_check.batch_tokens);
+    # 0: not known, taken as one 1024 x 1024 image
+    tokens: int = 0
+    offload_checkpoints: bool = False  # cpu_offload_checkpointing on CUDA: the blocks' inputs wait in host memory
 
 
 TEXT_PHASE, PLACING_PHASE, TRAINING_PHASE, SAMPLING_PHASE = ("text encoding", "placing the denoiser", "training",
@@ -156,11 +192,35 @@ def lora_bytes(denoiser: Counts, settings: Settings) -> float:
     return min(denoiser.lora_per_rank * settings.rank, denoiser.matrices) * 16
 
 
+PIXELS_PER_TOKEN = 16  # an 8x VAE and 2x2 patches: FLUX.1, SD3, Qwen-Image, Wan 2.1 (a UNet's top level: 4x the
+# tokens at a quarter of the width, the same product)
+DEFAULT_TOKENS = (1024 // PIXELS_PER_TOKEN) ** 2
+BLOCK_WORKING_SET = 32  # values per token and width that one block's forward keeps for its backward (attention,
+# the MLP's widened hidden states, norms and modulation)
+RUNTIME = 2.5 * GIB  # work buffers and allocator slack, autograd's graph, the data loader, the optimizer's step
+# (fitted to the FLUX.1-dev runs of bench/full_size.py, bench/README.md)
+
+
 def activation_bytes(denoiser: Counts, settings: Settings) -> float:
-    """A rough allowance: the checkpointed block inputs and one block's working set, or every block's
-    activations."""
+    """What training holds beside the weights: the activations the backward reads and the compute-dtype copies of a
+    low-precision base's weights that it needs. From the denoiser's blocks (their count and width, read from the
+    file's keys) and the largest batch's tokens (frames x patches for video). With gradient checkpointing each
+    block keeps its input (in host memory with cpu_offload_checkpointing) and one block at a time its working set,
+    and an fp8 base the block being recomputed its weights in the compute dtype (the cast copy is what the backward
+    reads; bitsandbytes' int8 / NF4 keep only their packed weights and dequantize a layer at a time); without it
+    every block keeps its working set, and an fp8 base every weight's compute-dtype copy. A model whose blocks
+    cannot be told (counted without its keys) gets the former rough allowance, a share of its matrices."""
     compute = torch.finfo(settings.compute_dtype).bits / 8
-    return (0.15 if settings.gradient_checkpointing else 1.0) * denoiser.matrices * compute + 0.5 * GIB
+    if not denoiser.blocks:
+        return (0.15 if settings.gradient_checkpointing else 1.0) * denoiser.matrices * compute + 0.5 * GIB
+    stream = (settings.tokens or DEFAULT_TOKENS) * denoiser.width * compute  # one block's input
+    if settings.gradient_checkpointing:
+        kept = stream * ((0 if settings.offload_checkpoints else denoiser.blocks) + BLOCK_WORKING_SET)
+        copies = denoiser.largest_block if settings.denoiser == "fp8" else 0
+    else:
+        kept = stream * denoiser.blocks * BLOCK_WORKING_SET
+        copies = denoiser.matrices if settings.denoiser == "fp8" else 0
+    return kept + copies * compute + RUNTIME
 
 
 def estimate(counts: dict[str, Counts], settings: Settings) -> Estimate:
@@ -188,7 +248,7 @@ def load_and_training(counts: dict[str, Counts], settings: Settings) -> tuple[Es
                "VAE": vae_bytes}
     training = {"denoiser as stored": stored, "text encoders (until their outputs are cached)": held(
         text, settings.text_encoders), "VAE": vae_bytes, "LoRA and optimizer": lora,
-        "activations (rough)": activations}
+        "activations": activations}
     return Estimate(loading), Estimate(training)
 
 
@@ -208,14 +268,15 @@ def phases(counts: dict[str, Counts], settings: Settings, sampling: bool = False
     stored = held_bytes(denoiser, settings.denoiser, settings) * kept
     text_held = held_bytes(text, settings.text_encoders, settings)
     lora = lora_bytes(denoiser, settings)
-    # On a GPU the text encoders are stored low before they are placed; the host holds them as read first.
-    text_placed = read_bytes(text, settings.text_encoders, settings) if host else text_held
+    # On a GPU the text encoders are stored low before they are placed; the host holds them as read first, then
+    # as stored.
+    text_placed = max(read_bytes(text, settings.text_encoders, settings), text_held) if host else text_held
     planned = {TEXT_PHASE: Estimate({"text encoders": text_placed, "VAE": vae_bytes}),
                PLACING_PHASE: Estimate({"denoiser as read": max(stored, read_bytes(denoiser, settings.denoiser,
                                                                                    settings, True) * kept),
                                         "VAE": vae_bytes}),
                TRAINING_PHASE: Estimate({"denoiser as stored": stored, "VAE": vae_bytes, "LoRA and optimizer": lora,
-                                         "activations (rough)": activation_bytes(denoiser, settings)})}
+                                         "activations": activation_bytes(denoiser, settings)})}
     if sampling and host:
         for name in (PLACING_PHASE, TRAINING_PHASE):
             planned[name] = Estimate({**planned[name].parts, "text encoders (kept for sampling)": text_held})

@@ -11,6 +11,8 @@ import torch
 
 from library.config import Config, UserError
 from library.config.network_args import network_args_of
+from library.data.dataset import TrainingData
+from library.data.scan import ImageRecord
 from library.families.registry import entry_for
 from library.memory import estimate as memory
 from library.memory.precision import BasePrecision
@@ -35,13 +37,17 @@ class MemoryPlan:
         if not self.by_phase:
             return {"": memory.estimate(self.counts, settings)}
         plan = memory.phases(self.counts, settings, self.sampling, host=not self.cuda)
-        if not self.cuda and not self.read_apart:  # the host reads every part at once before the phases
-            plan = {"reading every part": memory.load_and_training(self.counts, settings)[0], **plan}
+        if not self.cuda and not self.read_apart:
+            # the host reads every part at once, and holds the denoiser as read while the encoders fill the caches
+            reading = memory.load_and_training(self.counts, settings)[0]
+            encoding = plan[memory.TEXT_PHASE]
+            plan = {"reading every part": reading, **plan, memory.TEXT_PHASE: memory.Estimate(
+                {**encoding.parts, "denoiser as read": reading.parts["denoiser as read"]})}
         return plan
 
 
 def memory_plan(config: Config, device: torch.device, precision: BasePrecision, vae_dtype: torch.dtype,
-                by_phase: bool = False, sampling: bool = False) -> MemoryPlan | None:
+                by_phase: bool = False, sampling: bool = False, tokens: int = 0) -> MemoryPlan | None:
     """The plan check_memory weighs, from the model files' headers; None where they cannot be read by header
     (pickles, .bin) or are broken (the loader names what is wrong)."""
     files = memory.model_files(config.pretrained_model_name_or_path,
@@ -62,7 +68,8 @@ def memory_plan(config: Config, device: torch.device, precision: BasePrecision, 
     settings = memory.Settings(precision.denoiser, precision.text_encoders, precision.compute_dtype, vae_dtype,
                                rank, config.gradient_checkpointing or config.cpu_offload_checkpointing,
                                reads_low=reads_low, quantized_as_read=reads_low and entry_for(
-                                   config.pretrained_model_name_or_path).quantizes_while_reading)
+                                   config.pretrained_model_name_or_path).quantizes_while_reading, tokens=tokens,
+                               offload_checkpoints=cuda and config.cpu_offload_checkpointing)
     swapped = swapped_share(config) if cuda and config.blocks_to_swap else None
     if swapped:
         settings = replace(settings, swapped_fraction=swapped)
@@ -72,14 +79,15 @@ def memory_plan(config: Config, device: torch.device, precision: BasePrecision, 
 
 def check_memory(config: Config, device: torch.device, num_processes: int, precision: BasePrecision,
                  vae_dtype: torch.dtype, available: float | None = None, by_phase: bool = False,
-                 sampling: bool = False) -> None:
+                 sampling: bool = False, tokens: int = 0) -> None:
     """Estimate what the run will hold from the model files' headers and stop before loading (UserError) where it
     exceeds the memory available (the CUDA device's, or the host's shared by this machine's `num_processes`), naming the
     options that would fit. `by_phase`: the run caches its frozen text encoders' outputs and frees them before the
     denoiser is read (then each phase is checked on its own, `sampling` saying whether sample prompts bring the
     encoders back). blocks_to_swap on CUDA counts where the denoiser's blocks can be told without reading it (a
-    diffusers folder read by part). `available` stands in for the measured memory in tests."""
-    run = memory_plan(config, device, precision, vae_dtype, by_phase, sampling)
+    diffusers folder read by part). `tokens`: the largest batch's (batch_tokens). `available` stands in for the
+    measured memory in tests."""
+    run = memory_plan(config, device, precision, vae_dtype, by_phase, sampling, tokens)
     if run is None:
         return
     cuda, settings, swapped, planned = run.cuda, run.settings, run.swapped, run.planned
@@ -110,6 +118,18 @@ def check_memory(config: Config, device: torch.device, num_processes: int, preci
                      "loading",
                      f"options that would fit: {'; '.join(fits)}" if fits else
                      "none of base_model_precision fp8 / int8 / nf4 or gradient_checkpointing alone would fit"])
+
+
+def batch_tokens(data: TrainingData, frames_step: int | None) -> int:
+    """The largest batch's latent tokens, as the activations grow with them: its batch size x its bucket's patches
+    (memory.PIXELS_PER_TOKEN a side) x a clip's latent frames (1 + (frames - 1) / the family's step)."""
+    def tokens(record: ImageRecord) -> int:
+        frames = 1 if record.frames is None else (len(record.frames) - 1) // (frames_step or 1) + 1
+        width, height = record.bucket
+        patches = -(-width // memory.PIXELS_PER_TOKEN) * -(-height // memory.PIXELS_PER_TOKEN)
+        return data.specs[record.dataset_index].batch_size * patches * frames
+
+    return max((tokens(record) for record in data.records), default=0)
 
 
 def reads_apart(model: str | None) -> bool:

@@ -53,7 +53,7 @@ from library.training.accelerator import (
 from library.training.base_weights import merge_base_weights
 from library.training.caching import CachePlan, cache_inputs, plan_caching, release_encoders
 from library.training.hub import HUB_STATE_FOLDER, download_state, parse_hub_state
-from library.training.memory_check import check_memory
+from library.training.memory_check import batch_tokens, check_memory
 from library.training.model import (
     SAVE_DTYPES,
     WEIGHT_DTYPES,
@@ -240,8 +240,10 @@ def load_base(config: Config, accelerator: Accelerator, data: TrainingData, weig
     run may go by phase and the model's loader reads by part (a transformer family's diffusers folder), the
     denoiser is left out here (on the meta device) and read by load_denoiser once the caches are filled."""
     precision = BasePrecision.from_config(config, weight_dtype)
+    frames_rule = entry_for(config.pretrained_model_name_or_path).frames_rule
     check_memory(config, accelerator.device, accelerator.num_processes, precision, vae_dtype,
-                 by_phase=predicted_by_phase(config, data), sampling=sampling)
+                 by_phase=predicted_by_phase(config, data), sampling=sampling,
+                 tokens=batch_tokens(data, frames_rule.step if frames_rule else None))
     later = may_run_by_phase(config) and reads_by_part(config.pretrained_model_name_or_path)
     components = read_base(config, precision, weight_dtype, vae_dtype, frozenset({"denoiser"} if later else ()))
     if config.vae is not None:  # kohya's separate VAE file

@@ -153,3 +153,45 @@ def test_flux2_dev_is_planned_by_phase_and_its_training_phase_fits_24_gib_with_f
     assert unswapped[memory.TRAINING_PHASE].total > budget  # fp8 alone is 30 GiB of transformer
     bf16 = memory.phases(counts, memory.Settings(None, None, torch.bfloat16, torch.bfloat16, 32, True))
     assert bf16[memory.TEXT_PHASE].total > budget  # Mistral in bf16 is 44 GiB
+
+
+def wan14b_counts():
+    """Wan 2.1 T2V 14B's transformer (diffusers' WanTransformer3DModel with the released shapes, on the meta device)
+    and UMT5-XXL, counted as a file of their keys would be."""
+    from accelerate import init_empty_weights
+    from diffusers import WanTransformer3DModel
+
+    with init_empty_weights():
+        transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128,
+                                            in_channels=16, out_channels=16, text_dim=4096, freq_dim=256,
+                                            ffn_dim=13824, num_layers=40, cross_attn_norm=True,
+                                            qk_norm="rms_norm_across_heads", eps=1e-6)
+    state = [(key, tuple(tensor.shape), "BF16") for key, tensor in transformer.state_dict().items()]
+    counts = memory.count_tensors(state, "denoiser")
+    counts["text"] = memory.Counts(matrices=5_670_000_000)  # UMT5-XXL's encoder
+    return counts, transformer
+
+
+def test_wan_14b_video_counts_frames_times_tokens_and_fits_24_gib_by_phase_with_fp8_or_nf4_and_block_swap():
+    from library.families.wan.family import Wan
+
+    counts, transformer = wan14b_counts()
+    denoiser = counts["denoiser"]
+    assert 14.0e9 < denoiser.matrices + denoiser.other < 14.5e9
+    assert (denoiser.blocks, denoiser.width) == (40, 5120)  # told from the keys
+    share = memory.swapped_share(transformer, Wan().block_swap_plan(transformer, 20))
+    assert 0.45 < share < 0.5
+    budget = 24 * memory.GIB
+
+    def training(base, frames, **more):
+        tokens = (480 // 16) * (832 // 16) * ((frames - 1) // 4 + 1)  # 480 x 832, Wan's 4x temporal VAE
+        settings = memory.Settings(base, "fp8", torch.bfloat16, torch.bfloat16, 32, True, swapped_fraction=share,
+                                   tokens=tokens, **more)
+        return memory.phases(counts, settings)[memory.TRAINING_PHASE].parts
+
+    short, long = training("fp8", 33), training("fp8", 81)
+    assert long["activations"] > 2 * short["activations"]  # 21 latent frames against 9
+    for base in ("fp8", "nf4"):
+        assert sum(training(base, 33).values()) <= budget
+        assert sum(training(base, 81).values()) > budget  # 81 frames keep 40 block inputs of 335 MB
+        assert sum(training(base, 81, offload_checkpoints=True).values()) <= budget  # unless they wait on the host
