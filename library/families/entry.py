@@ -85,6 +85,9 @@ class FamilyEntry:
     # Its single-file loader quantizes an int8 / nf4 denoiser layer by layer as it reads it (shared.separate_files.
     # assign_streamed): the load never holds the whole denoiser unquantized, as the memory estimate counts it.
     quantizes_while_reading: bool = False
+    # Its single-file loader honours LoadRequest.skip (the denoiser or the text encoders left on the meta device), so
+    # a run by phase reads the text encoders' files without the denoiser's, and then the denoiser's alone.
+    files_read_by_part: bool = False
 
     @property
     def configs(self) -> tuple[str, ...]:

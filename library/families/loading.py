@@ -96,13 +96,16 @@ _READ_BY_PART = ("flux", "flux2", "qwen_image", "chroma", "sd3", "z_image")
 
 def reads_by_part(model_path: str | Path | None) -> bool:
     """Whether the model's loader reads only the parts asked (LoadRequest.skip): a diffusers folder of a
-    transformer family whose folder loader honours it."""
-    if model_path is None or not Path(model_path).is_dir():
+    transformer family whose folder loader honours it, or a file of one whose file loader does
+    (FamilyEntry.files_read_by_part)."""
+    if model_path is None or not Path(model_path).exists():
         return False
+    path = Path(model_path)
     try:
-        return entry_for(Path(model_path)).name in _READ_BY_PART
+        entry = entry_for(path)
     except UserError:
         return False
+    return entry.name in _READ_BY_PART if path.is_dir() else entry.files_read_by_part
 
 
 def empty_model(cls: Any, path: Path, subfolder: str, dtype: torch.dtype | None) -> Any:

@@ -64,9 +64,31 @@ class Spy:
         monkeypatch.setattr(setup, "build_model", spy_build)
 
 
-def test_a_run_by_phase_equals_one_loaded_at_once(tiny_flux_dir, sample_data_dir, tmp_path, monkeypatch):
+def model_of(kind, tiny_flux_dir, tiny_qwen_image_dir, root):
+    """(model path, its separate files' options, the run) for a FLUX.1 folder, kohya's FLUX.1 files or ComfyUI's
+    Qwen-Image files (whose loaders read by part too)."""
+    if kind == "flux folder":
+        return tiny_flux_dir, [], RUN
+    if kind == "flux files":
+        from library.families.flux.tiny import save_tiny_flux_files
+
+        files = save_tiny_flux_files(tiny_flux_dir, root)
+        return files["transformer"], [f"--model_config={tiny_flux_dir}", *(
+            f"--{name}={files[name]}" for name in ("clip_l", "t5xxl", "ae"))], RUN
+    from library.families.qwen_image.tiny import save_tiny_qwen_image_files
+
+    files = save_tiny_qwen_image_files(tiny_qwen_image_dir, root)
+    return files["transformer"], [f"--model_config={tiny_qwen_image_dir}", *(
+        f"--{name}={files[name]}" for name in ("text_encoder", "ae"))], {
+        **RUN, "network_module": "networks.lora_qwen_image"}
+
+
+@pytest.mark.parametrize("kind", ["flux folder", "flux files", "qwen_image files"])
+def test_a_run_by_phase_equals_one_loaded_at_once(kind, tiny_flux_dir, tiny_qwen_image_dir, sample_data_dir,
+                                                  tmp_path, monkeypatch):
+    model, files, run = model_of(kind, tiny_flux_dir, tiny_qwen_image_dir, tmp_path / "files")
     spy = Spy(monkeypatch)
-    phased = train(tiny_flux_dir, sample_data_dir, tmp_path / "phased", run=RUN)
+    phased = train(model, sample_data_dir, tmp_path / "phased", *files, run=run)
     # The transformer is read alone after the text encoders filled the caches and were freed.
     assert spy.events == ["read", "cache", "read", "build"]
     assert spy.skips == [frozenset({"denoiser"}), frozenset({"text"})]
@@ -75,7 +97,7 @@ def test_a_run_by_phase_equals_one_loaded_at_once(tiny_flux_dir, sample_data_dir
 
     monkeypatch.setattr(setup, "may_run_by_phase", lambda config: False)
     spy = Spy(monkeypatch)
-    whole = train(tiny_flux_dir, sample_data_dir, tmp_path / "whole", run=RUN)
+    whole = train(model, sample_data_dir, tmp_path / "whole", *files, run=run)
     assert spy.events == ["read", "build", "cache"]  # the old order: all read and built, then cached
     assert spy.skips == [frozenset()] and spy.denoiser_meta_while_caching == [False]
     assert phased.losses == whole.losses and len(phased.losses) == 4

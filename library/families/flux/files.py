@@ -64,11 +64,12 @@ def load_flux_files(request: LoadRequest) -> Components:
         config["guidance_embeds"] = guidance  # dev or schnell is the file's, not the folder's
         with init_empty_weights():
             transformer = FluxTransformer2DModel.from_config(config)
-        with SafetensorsFile(path) as f:  # layer by layer: an int8 / nf4 base is quantized as it is read
-            names = {key.removeprefix(BFL_PREFIX): key for key in f.keys()}
-            tensors = diffusers_tensors(set(names), lambda key: f.read(names[key], weight_dtype), config)
-            assign_streamed(transformer, tensors, str(path), path)
-        return_free_heap()  # each file's read buffers go before the next file is read
+        if not request.skips("transformer"):  # else left on the meta device (a run by phase reads it later)
+            with SafetensorsFile(path) as f:  # layer by layer: an int8 / nf4 base is quantized as it is read
+                names = {key.removeprefix(BFL_PREFIX): key for key in f.keys()}
+                tensors = diffusers_tensors(set(names), lambda key: f.read(names[key], weight_dtype), config)
+                assign_streamed(transformer, tensors, str(path), path)
+            return_free_heap()  # each file's read buffers go before the next file is read
 
         vae_config = dict(AutoencoderKL.load_config(config_dir, subfolder="vae", **local))
         with init_empty_weights():
@@ -79,15 +80,15 @@ def load_flux_files(request: LoadRequest) -> Components:
 
         with init_empty_weights():
             clip = CLIPTextModel(CLIPTextConfig.from_pretrained(config_dir, subfolder="text_encoder", **local))
-        clip_state = {k.removeprefix("text_model."): v
-                      for k, v in read_safetensors(Path(clip_l), dtype=weight_dtype).items()}
-        assign(clip, clip_state, str(clip_l))
-        return_free_heap()
-
         with init_empty_weights():
             t5 = T5EncoderModel(T5Config.from_pretrained(config_dir, subfolder="text_encoder_2", **local))
-        t5_state = read_safetensors(Path(t5xxl), dtype=weight_dtype)
-        assign(t5, t5_state, str(t5xxl), tied=("encoder.embed_tokens.weight",))
+        if not request.skips("text_encoder"):  # else both left on the meta device
+            clip_state = {k.removeprefix("text_model."): v
+                          for k, v in read_safetensors(Path(clip_l), dtype=weight_dtype).items()}
+            assign(clip, clip_state, str(clip_l))
+            return_free_heap()
+            t5_state = read_safetensors(Path(t5xxl), dtype=weight_dtype)
+            assign(t5, t5_state, str(t5xxl), tied=("encoder.embed_tokens.weight",))
 
         tokenizers = [load_tokenizer(config_dir, "tokenizer"), load_t5_tokenizer(config_dir / "tokenizer_2")]
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(config_dir, subfolder="scheduler", **local)

@@ -11,6 +11,7 @@ ENTRY = FamilyEntry(
     Ref(FILES, "is_qwen_image_file"), Ref(VARIANTS, "load_qwen_image_files"),
     options=(*MUSUBI, MODEL_VERSION, BLOCKS_TO_SWAP), file_options=("text_encoder", "ae"),
     network_modules=("networks.lora_qwen_image",), quantizes_while_reading=True,
+    files_read_by_part=True,
     tiny=(TinyModel("qwen_image", Ref(TINY, "save_tiny_qwen_image"), Ref(TINY, "save_tiny_qwen_image_files")),
           TinyModel("qwen_image_edit", Ref(TINY_EDIT, "save_tiny_qwen_image_edit")),
           TinyModel("qwen_image_edit_2509", Ref(TINY_EDIT, "save_tiny_qwen_image_edit_2509")),

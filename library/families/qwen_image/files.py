@@ -89,8 +89,9 @@ def load_qwen_image_files(request: LoadRequest, zero_cond_t: bool | None = None)
             config = {**config, "zero_cond_t": zero_cond_t}
         with init_empty_weights():
             transformer = QwenImageTransformer2DModel.from_config(config)
-        assign_streamed(transformer, transformer_tensors(path, weight_dtype), str(path), path, family=family)
-        return_free_heap()
+        if not request.skips("transformer"):  # else left on the meta device (a run by phase reads it later)
+            assign_streamed(transformer, transformer_tensors(path, weight_dtype), str(path), path, family=family)
+            return_free_heap()
 
         with init_empty_weights():
             vae = AutoencoderKLQwenImage.from_config(
@@ -101,10 +102,11 @@ def load_qwen_image_files(request: LoadRequest, zero_cond_t: bool | None = None)
         with init_empty_weights():
             qwen = Qwen2_5_VLForConditionalGeneration(
                 Qwen2_5_VLConfig.from_pretrained(config_dir, subfolder="text_encoder", **local))
-        qwen_state = text_encoder_state_dict(read_split(Path(text_encoder), weight_dtype))
-        # The language-model head is never used for the hidden states; a file without it gets zeros.
-        qwen_state.setdefault("lm_head.weight", torch.zeros(qwen.lm_head.weight.shape, dtype=weight_dtype))
-        assign(qwen, qwen_state, text_encoder, family=family)
+        if not request.skips("text_encoder"):
+            qwen_state = text_encoder_state_dict(read_split(Path(text_encoder), weight_dtype))
+            # The language-model head is never used for the hidden states; a file without it gets zeros.
+            qwen_state.setdefault("lm_head.weight", torch.zeros(qwen.lm_head.weight.shape, dtype=weight_dtype))
+            assign(qwen, qwen_state, text_encoder, family=family)
 
         tokenizer = load_qwen_tokenizer(config_dir / "tokenizer" if model_config else SHIPPED_TOKENIZER)
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(config_dir, subfolder="scheduler", **local)
