@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from library.core.safetensors_header import read_safetensors_header
-from library.memory.precision import stored_bytes_per_weight
+from library.memory.precision import SKIP_PATTERNS, stored_bytes_per_weight
 
 GIB = 1024 ** 3
 _BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
@@ -47,15 +47,21 @@ class Counts:
     blocks: int = 0
     largest_block: int = 0
     width: int = 0
+    raised: int = 0  # of the matrices, those a low precision leaves in the compute dtype (embeddings: _RAISED)
 
     def __add__(self, other: Counts) -> Counts:
         return Counts(self.matrices + other.matrices, self.other + other.other,
                       self.lora_per_rank + other.lora_per_rank, self.stored_fp8 + other.stored_fp8,
                       max(self.largest, other.largest), self.blocks + other.blocks,
-                      max(self.largest_block, other.largest_block), max(self.width, other.width))
+                      max(self.largest_block, other.largest_block), max(self.width, other.width),
+                      self.raised + other.raised)
 
 
 _BLOCK = re.compile(r"^(.*?\.\d+)\.")
+# The layers a low precision leaves in the compute dtype (library.memory.precision: SKIP_PATTERNS, and T5's shared
+# embedding, which its encoder's embed_tokens shares), by their keys' module names: Qwen2.5-VL's 545 M embedding
+# weights are 2 GiB in float32.
+_RAISED = tuple(re.compile(pattern) for pattern in (*SKIP_PATTERNS, r"(^|\.)shared$"))
 # Fused projections that the loaders split into several layers, each with its own LoRA (BFL's and SAI's layouts:
 # q, k, v; FLUX's single-block linear1: q, k, v and the MLP's input): a LoRA per piece has pieces x in + out
 # parameters a rank, not in + out.
@@ -78,6 +84,8 @@ def count_tensors(tensors: Iterable[tuple[str, Sequence[int], str]], part: str) 
     for key, shape, dtype in tensors:
         owner = next((name for name, prefixes in _PREFIXES.items() if key.startswith(prefixes)), part)
         found = count_tensor(shape, dtype.startswith("F8"))
+        if found.matrices and any(pattern.search(key.rpartition(".")[0]) for pattern in _RAISED):
+            found = replace(found, raised=found.matrices)
         pieces = next((count for pattern, count in _SPLIT if pattern.search(key)), 1)
         if found.matrices and pieces > 1:
             found = replace(found, lora_per_rank=found.lora_per_rank + (pieces - 1) * found.matrices // shape[0])
@@ -181,9 +189,11 @@ class Estimate:
 
 
 def held_bytes(part: Counts, kind: str | None, settings: Settings) -> float:
-    """A component stored under `kind` (its matrices; the rest in the compute dtype)."""
+    """A component stored under `kind` (its matrices but those it leaves raised; the rest in the compute dtype)."""
     compute = torch.finfo(settings.compute_dtype).bits / 8
-    return part.matrices * stored_bytes_per_weight(kind, settings.compute_dtype) + part.other * compute
+    raised = part.raised if kind else 0
+    return ((part.matrices - raised) * stored_bytes_per_weight(kind, settings.compute_dtype)
+            + (part.other + raised) * compute)
 
 
 def lora_bytes(denoiser: Counts, settings: Settings) -> float:
@@ -271,7 +281,9 @@ def phases(counts: dict[str, Counts], settings: Settings, sampling: bool = False
     # On a GPU the text encoders are stored low before they are placed; the host holds them as read first, then
     # as stored.
     text_placed = max(read_bytes(text, settings.text_encoders, settings), text_held) if host else text_held
-    planned = {TEXT_PHASE: Estimate({"text encoders": text_placed, "VAE": vae_bytes}),
+    encoding = encoding_bytes(text, settings, host)
+    planned = {TEXT_PHASE: Estimate({"text encoders": text_placed, "VAE": vae_bytes,
+                                     **({"encoding": encoding} if encoding else {})}),
                PLACING_PHASE: Estimate({"denoiser as read": max(stored, read_bytes(denoiser, settings.denoiser,
                                                                                    settings, True) * kept),
                                         "VAE": vae_bytes}),
@@ -286,13 +298,23 @@ def phases(counts: dict[str, Counts], settings: Settings, sampling: bool = False
     return planned
 
 
+def encoding_bytes(text: Counts, settings: Settings, host: bool) -> float:
+    """What filling the caches needs on the host beside the encoders' weights: a compute-dtype copy of their largest
+    matrix (an embedding raised while its stored copy is still held, or a layer's cast for its forward) and work
+    buffers, fitted to the Qwen-Image run of bench/full_size.py (bench/README.md). Not counted on a GPU, where
+    nothing of it was measured (the raise happens on the host before the encoders are placed)."""
+    if not (host and text.matrices):
+        return 0.0
+    return text.largest * torch.finfo(settings.compute_dtype).bits / 8 + 0.5 * GIB
+
+
 def read_bytes(part: Counts, kind: str | None, settings: Settings, denoiser: bool = False) -> float:
     """A component as read, before a low precision stores it: fp8 read as fp8 from files read tensor by tensor,
     a file's fp8 tensors as they are, the rest in the compute dtype; a denoiser quantized layer by layer as it is
     read (`quantized_as_read`) as stored, with its largest matrix in the compute dtype."""
     compute = torch.finfo(settings.compute_dtype).bits / 8
     if kind == "fp8" and settings.reads_low:
-        return held_bytes(part, "fp8", settings)
+        return held_bytes(replace(part, raised=0), "fp8", settings)  # raised once stored
     if denoiser and kind in ("int8", "nf4") and settings.quantized_as_read:
         return held_bytes(part, kind, settings) + part.largest * compute
     low = part.stored_fp8 if kind and settings.reads_low else 0

@@ -120,10 +120,9 @@ def flux2_dev_counts():
         parts = {"denoiser": transformer, "text": MistralForCausalLM(MistralConfig(**TEXT_CONFIG)),
                  "vae": AutoencoderKLFlux2()}
     counts = {}
-    for name, model in parts.items():
-        counts[name] = memory.Counts()
-        for tensor in model.state_dict().values():
-            counts[name] += memory.count_tensor(tensor.shape)
+    for name, model in parts.items():  # by their keys, as a file's header is counted
+        counts[name] = memory.count_tensors(
+            ((key, tuple(tensor.shape), "BF16") for key, tensor in model.state_dict().items()), name)[name]
     return counts, transformer
 
 
