@@ -127,6 +127,19 @@ def test_ddp_ranks_agree(models, data, tmp_path):
 
 
 @pytest.mark.slow
+def test_i2v_ddp_ranks_agree(data, tmp_path):
+    """Wan 2.1 I2V (CLIP vision and the first frame as conditioning) on two gloo processes: the ranks end with the
+    same LoRA and losses."""
+    from library.families.wan.tiny import save_tiny_wan21_i2v
+    from tests.helpers.family_cli import ddp_ranks_agree
+
+    model = save_tiny_wan21_i2v(tmp_path / "i2v")
+    ddp_ranks_agree(model, data, tmp_path / "ddp", "--network_module", "networks.lora_wan", "--timestep_sampling",
+                    "shift", "--discrete_flow_shift", "3.0", batch_size=1)
+    assert "lora_unet_blocks_0_self_attn_q.lora_down.weight" in load_file(tmp_path / "ddp" / "last.safetensors")
+
+
+@pytest.mark.slow
 def test_ti2v_5b_trains_from_its_folder(data, tmp_path):
     from library.families.wan.tiny import save_tiny_wan22_ti2v_5b
 
