@@ -88,12 +88,12 @@ def test_the_first_frame_is_kept_clean_at_timestep_0_as_the_pipeline_conditions_
     noisy = objective.noisy_latents(latents, noise, t)
     plain = (1 - t / 1000) * latents + t / 1000 * noise  # the flow's noisy latents, every frame
     torch.testing.assert_close(noisy, (1 - mask) * condition + mask * plain, rtol=1e-5, atol=1e-5)
-    tokens = token_timesteps(t, latents, components.denoiser.config.patch_size)
-    assert torch.equal(tokens, (mask[0][0][:, ::2, ::2] * t).flatten()[None])
+    tokens = (mask[0][0][:, ::2, ::2] * t).flatten()[None]  # the pipeline's timesteps per token
+    assert torch.equal(token_timesteps(t, latents, components.denoiser.config.patch_size), tokens)
     text = encoded(components)
     with torch.no_grad():
         ours = family.denoise(components.denoiser, noisy, t, text, {})
-        theirs = components.denoiser(hidden_states=(1 - mask) * condition + mask * plain, timestep=tokens,
+        theirs = components.denoiser(hidden_states=noisy, timestep=tokens,
                                      encoder_hidden_states=text["encoder_hidden_states"], return_dict=False)[0]
         everywhere = components.denoiser(hidden_states=noisy, timestep=t, encoder_hidden_states=text[
             "encoder_hidden_states"], return_dict=False)[0]

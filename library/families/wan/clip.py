@@ -93,7 +93,7 @@ def vision_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
         elif name in _LAYER:
             out[f"{prefix}{_LAYER[name]}.{leaf}"] = value
     if "visual.head" in state:
-        out[PROJECTION] = state["visual.head"].t()
+        out[PROJECTION] = state["visual.head"].t().contiguous()
     return out
 
 
@@ -164,8 +164,11 @@ def load_clip_vision(path: Path, dtype: torch.dtype, model_config: Path | None) 
         described_file = None if model_config is None else model_config / "image_encoder" / "config.json"
         described = json.loads(described_file.read_text()) if described_file and described_file.is_file() else None
         config = vision_config(tower, described, str(path))
-        with init_empty_weights():
-            encoder = CLIPVisionModel._from_config(config)  # as from_pretrained sets it up (attention)
+        # Built as from_pretrained builds it (its attention set up the same), without a draw from the global random
+        # stream (its class embedding is drawn before it goes to the meta device), which the LoRA's initialisation
+        # follows: the same run from the folder and from the files starts from the same LoRA.
+        with torch.random.fork_rng(devices=[]), init_empty_weights():
+            encoder = CLIPVisionModel._from_config(config)
         expected = encoder.state_dict()
         prefix = "vision_model." if all(k.startswith("vision_model.") for k in expected) else ""
         assign(encoder, {prefix + k: v for k, v in tower.items() if k != PROJECTION}, str(path), family="Wan I2V")
