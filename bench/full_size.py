@@ -267,8 +267,8 @@ def write_config(path: Path, run: Run, files: dict[str, Path], data: Path, resol
 def estimates(config: Path) -> dict[str, float]:
     """The trainer's memory estimate per phase, GiB, as its memory check plans the run from `config` (by phase on
     the host: the text encoders read and filling the caches, beside the denoiser where the loader reads every part
-    at once; the denoiser read and placed; training): the reading (or the text encoding) for load, the text
-    encoding for caching, the placing for load_denoiser and quantize, training for the steps."""
+    at once; the denoiser read and placed; training): the reading (the text encoding less what encoding adds) for
+    load, the text encoding for caching, the placing for load_denoiser and quantize, training for the steps."""
     import torch
 
     import library.families.registry  # noqa: F401  (the families' options, before the config is parsed)
@@ -283,7 +283,9 @@ def estimates(config: Path) -> dict[str, float]:
     tokens = batch_tokens(build_training_data(parsed, None, 0, 1), None)  # images
     plan = memory_plan(parsed, torch.device("cpu"), precision, torch.float32, by_phase=True, tokens=tokens).planned()
     gib = {name: round(estimate.total / GIB, 3) for name, estimate in plan.items()}
-    return {"load": gib.get("reading every part", gib[memory.TEXT_PHASE]), "quantize": gib[memory.PLACING_PHASE],
+    # the read, before the encoders run: their phase less what encoding adds
+    reading = round(plan[memory.TEXT_PHASE].total / GIB - plan[memory.TEXT_PHASE].parts.get("encoding", 0) / GIB, 3)
+    return {"load": gib.get("reading every part", reading), "quantize": gib[memory.PLACING_PHASE],
             "caching": gib[memory.TEXT_PHASE], "load_denoiser": gib[memory.PLACING_PHASE],
             "first_step": gib[memory.TRAINING_PHASE], "steps": gib[memory.TRAINING_PHASE]}
 
@@ -371,12 +373,12 @@ def estimated(config: Path, peaks: dict[str, float], baseline: float | None) -> 
 
 
 def reestimate(out: Path) -> None:
-    """The estimate (as the trainer's check makes it now) and its error, again, for every record in `out` whose
-    config is still at hand: after the estimate changed, without measuring again."""
+    """The estimate (as the trainer's check makes it now) and its error, again, for every record in `out` of a run
+    by phase whose config is still at hand: after the estimate changed, without measuring again."""
     records = json.loads(out.read_text())
     for record in records:
         config = Path(record["config"])
-        if config.exists():
+        if config.exists() and "load_denoiser" in record["phase_order"]:  # planned as it ran: by phase, read apart
             record.update(estimated(config, record["peak_rss_gib"], record.get("baseline_rss_gib")))
     tmp = out.with_name(out.name + ".partial")
     tmp.write_text(json.dumps(records, indent=1) + "\n")
@@ -407,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
                         "with --tiny, full_size.json in --work)")
     parser.add_argument("--force", action="store_true", help=f"run even when the load average is over {MAX_LOAD}")
     parser.add_argument("--reestimate", action="store_true", help="only set the estimate (as the trainer makes it "
-                        "now) and its error beside every record of --out whose config is still in --work")
+                        "now) and its error beside every record of --out of a run by phase whose config is still in "
+                        "--work")
     parser.add_argument("--tiny", action="store_true", help="the tiny FLUX and Qwen-Image instead of the full-size "
                         "files: the whole pipeline in seconds")
     args = parser.parse_args(argv)

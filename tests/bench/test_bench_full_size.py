@@ -13,10 +13,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "full_size.py"
-PHASES = {"load", "quantize", "caching", "first_step", "steps"}
+PHASES = {"load", "caching", "load_denoiser", "quantize", "first_step", "steps"}  # files read by phase
 FIELDS = {"run", "model", "base_precision", "compute_dtype", "resolution", "batch_size", "rank", "t5_length",
           "blocks_to_swap", "steps", "s_per_step", "phase_order", "seconds", "launch_to_first_step_s", "peak_rss_gib",
-          "peak_reset_per_phase", "estimate_gib", "load_average", "available_gib_before", "cpu_model", "threads",
+          "peak_reset_per_phase", "estimate_gib", "estimate_error_pct", "baseline_rss_gib", "load_average",
+          "available_gib_before", "cpu_model", "threads",
           "time", "command", "config", "log"}
 
 
@@ -41,8 +42,9 @@ def test_the_tiny_mode_writes_a_record_per_run_with_every_field(tmp_path):
         assert set(record["peak_rss_gib"]) == PHASES | {"overall"}
         assert all(0 < value < 8 for value in record["peak_rss_gib"].values())
         assert record["peak_rss_gib"]["overall"] == max(record["peak_rss_gib"][p] for p in PHASES)
-        assert set(record["estimate_gib"]) == PHASES and set(record["seconds"]) == PHASES
-        assert sorted(record["phase_order"]) == sorted(PHASES) and record["phase_order"][-2:] == ["first_step", "steps"]
+        assert set(record["estimate_gib"]) == PHASES == set(record["estimate_error_pct"]) == set(record["seconds"])
+        assert record["phase_order"] == ["load", "caching", "load_denoiser", "quantize", "first_step", "steps"]
+        assert 0 < record["baseline_rss_gib"] < record["peak_rss_gib"]["load"]
         assert all(value >= 0 for value in record["seconds"].values())
         assert record["s_per_step"] > 0 and isinstance(record["load_average"], float) and record["cpu_model"]
         log = Path(record["log"]).read_text()
@@ -55,6 +57,14 @@ def test_the_tiny_mode_writes_a_record_per_run_with_every_field(tmp_path):
     assert [r["run"] for r in records] == ["flux-nf4", "qwen-nf4", "flux-fp8"]
     assert records[-1]["base_precision"] == "fp8"
     assert "frozen base stored as fp8" in Path(records[-1]["log"]).read_text()
+    # the estimate set again from the configs, the measurements kept
+    for record in records:
+        record["estimate_gib"] = {}
+    out.write_text(json.dumps(records))
+    assert _bench("--reestimate", "--out", str(out)).returncode == 0
+    again = json.loads(out.read_text())
+    assert all(set(r["estimate_gib"]) == PHASES for r in again)
+    assert [r["peak_rss_gib"] for r in again] == [r["peak_rss_gib"] for r in records]
 
 
 def test_a_loaded_machine_is_refused_without_force(tmp_path, monkeypatch, capsys):
