@@ -40,6 +40,7 @@ blocks_to_swap has no effect without a CUDA device, so on a CPU it shows the opt
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -264,7 +265,7 @@ def write_config(path: Path, run: Run, files: dict[str, Path], data: Path, resol
 
 
 # --- the estimate ------------------------------------------------------------------------------------------------
-def estimates(config: Path) -> dict[str, float]:
+def estimates(config: Path, read_apart: bool = True) -> dict[str, float]:
     """The trainer's memory estimate per phase, GiB, as its memory check plans the run from `config` (by phase on
     the host: the text encoders read and filling the caches, beside the denoiser where the loader reads every part
     at once; the denoiser read and placed; training): the reading (the text encoding less what encoding adds) for
@@ -281,7 +282,10 @@ def estimates(config: Path) -> dict[str, float]:
     parsed = parse_config(["--config", str(config)])[0]
     precision = BasePrecision.from_config(parsed, torch.float32)
     tokens = batch_tokens(build_training_data(parsed, None, 0, 1), None)  # images
-    plan = memory_plan(parsed, torch.device("cpu"), precision, torch.float32, by_phase=True, tokens=tokens).planned()
+    run = memory_plan(parsed, torch.device("cpu"), precision, torch.float32, by_phase=True, tokens=tokens)
+    if not read_apart:  # a run that read every part at once (before its loader read them apart)
+        run = dataclasses.replace(run, read_apart=False)
+    plan = run.planned()
     gib = {name: round(estimate.total / GIB, 3) for name, estimate in plan.items()}
     # the read, before the encoders run: their phase less what encoding adds
     reading = round(plan[memory.TEXT_PHASE].total / GIB - plan[memory.TEXT_PHASE].parts.get("encoding", 0) / GIB, 3)
@@ -362,10 +366,11 @@ def run_one(name: str, run: Run, args: argparse.Namespace, work: Path, tiny: dic
             "config": str(config), "log": str(log)} | estimated(config, peaks, baseline)
 
 
-def estimated(config: Path, peaks: dict[str, float], baseline: float | None) -> dict[str, dict[str, float]]:
+def estimated(config: Path, peaks: dict[str, float], baseline: float | None,
+              read_apart: bool = True) -> dict[str, dict[str, float]]:
     """The estimate per phase and its error against the measured peak less the baseline (what the process held
     before reading any model: the check weighs its estimate against the memory available then), in % of that."""
-    gib = estimates(config)
+    gib = {phase: value for phase, value in estimates(config, read_apart).items() if phase in peaks}
     base = baseline or 0.0
     return {"estimate_gib": gib,
             "estimate_error_pct": {phase: round(100 * (gib[phase] - (peaks[phase] - base)) / (peaks[phase] - base),
@@ -373,13 +378,15 @@ def estimated(config: Path, peaks: dict[str, float], baseline: float | None) -> 
 
 
 def reestimate(out: Path) -> None:
-    """The estimate (as the trainer's check makes it now) and its error, again, for every record in `out` of a run
-    by phase whose config is still at hand: after the estimate changed, without measuring again."""
+    """The estimate (as the trainer's check makes it now, for the run as it read its files) and its error, again,
+    for every record in `out` whose config is still at hand: after the estimate changed, without measuring
+    again."""
     records = json.loads(out.read_text())
     for record in records:
         config = Path(record["config"])
-        if config.exists() and "load_denoiser" in record["phase_order"]:  # planned as it ran: by phase, read apart
-            record.update(estimated(config, record["peak_rss_gib"], record.get("baseline_rss_gib")))
+        if config.exists():  # planned as it ran: the denoiser read apart (its own phase) or with the encoders
+            record.update(estimated(config, record["peak_rss_gib"], record.get("baseline_rss_gib"),
+                                    "load_denoiser" in record["phase_order"]))
     tmp = out.with_name(out.name + ".partial")
     tmp.write_text(json.dumps(records, indent=1) + "\n")
     tmp.replace(out)
@@ -409,8 +416,7 @@ def main(argv: list[str] | None = None) -> int:
                         "with --tiny, full_size.json in --work)")
     parser.add_argument("--force", action="store_true", help=f"run even when the load average is over {MAX_LOAD}")
     parser.add_argument("--reestimate", action="store_true", help="only set the estimate (as the trainer makes it "
-                        "now) and its error beside every record of --out of a run by phase whose config is still in "
-                        "--work")
+                        "now) and its error beside every record of --out whose config is still in --work")
     parser.add_argument("--tiny", action="store_true", help="the tiny FLUX and Qwen-Image instead of the full-size "
                         "files: the whole pipeline in seconds")
     args = parser.parse_args(argv)
