@@ -7,6 +7,7 @@ previous digit" (shift -1) is held out of every stage and taught by a LoRA under
 digit". Every one of the 1,797 real digits serves as a control and as a target (so all ten digits, 7 included).
 
     python -m library.digits.edits --write data/digits-edit     # the LoRA's dataset (the committed copy)
+    python -m library.digits.edits --write data/digits-edit-wide --reg-per-digit 10   # 200 pairs of the base's edits
     python -m library.digits.edits --model models/digits-kontext [--lora FILE] [--n 100]
 
 The judged rate of an edit is the share of its results that library/digits/judge.py reads as the digit the edit asks
@@ -34,6 +35,7 @@ HELD_OUT_INSTRUCTION = "the previous digit"
 HELD_OUT_SHIFT = -1
 TRIGGER_INSTRUCTION = f"{digits.TRIGGER} digit"
 PAIRS_PER_DIGIT = 2  # the LoRA's pairs: 2 controls of each digit, 20 in all
+REG_PAIRS_PER_DIGIT = 1  # pairs of each of the base's edits per control digit beside them (written by default)
 GUIDANCE = 2.5  # the embedded guidance FLUX.1 Kontext samples with (musubi-tuner's default for Kontext)
 STEPS = 20
 BATCH = 100
@@ -62,7 +64,8 @@ def judged_controls(n: int) -> np.ndarray:
     """Indices of the n real digits judged as controls: control i is a writing of the digit i % 10."""
     order = _split()
     per_digit = -(-n // 10)
-    room = min(len(o) for o in order) - 2 * PAIRS_PER_DIGIT - 2 * len(EDITS)  # the back holds the LoRA's images
+    # the back holds the LoRA's images
+    room = min(len(o) for o in order) - 2 * PAIRS_PER_DIGIT - 2 * len(EDITS) * REG_PAIRS_PER_DIGIT
     if per_digit > room:
         raise ValueError(f"at most {10 * room} controls, asked {n}")
     return np.asarray([order[i % 10][i // 10] for i in range(n)])
@@ -80,29 +83,36 @@ def lora_pairs() -> list[tuple[int, int]]:
     return pairs
 
 
-def reg_pairs() -> list[tuple[int, int, str]]:
-    """(control index, target index, instruction) of the base's own edits, one pair per edit and control digit,
-    to train beside the LoRA's pairs so that the base's edits stay as they were; from the back of each digit's order
-    after the LoRA's images, none of them a judged control."""
+def reg_pairs(per_digit: int = REG_PAIRS_PER_DIGIT) -> list[tuple[int, int, str]]:
+    """(control index, target index, instruction) of the base's own edits, `per_digit` pairs per edit and control
+    digit, to train beside the LoRA's pairs so that the base's edits stay as they were; from the back of each
+    digit's order after the LoRA's images (controls first, then targets), none of them a judged control."""
     order = _split()
     taken = 2 * PAIRS_PER_DIGIT
+    if taken + 2 * len(EDITS) * per_digit > min(len(o) for o in order) - 10:
+        raise ValueError(f"{per_digit} pairs per edit and digit leave fewer than 10 controls of a digit to judge")
     pairs = []
     for k, (instruction, shift) in enumerate(EDITS.items()):
         for d in range(10):
             t = target_digit(d, shift)
-            pairs.append((int(order[d][-1 - taken - k]), int(order[t][-1 - taken - len(EDITS) - k]), instruction))
+            for j in range(per_digit):
+                slot = taken + k * per_digit + j
+                pairs.append((int(order[d][-1 - slot]), int(order[t][-1 - slot - len(EDITS) * per_digit]),
+                              instruction))
     return pairs
 
 
-def write_pairs(root: Path) -> dict[str, int]:
+def write_pairs(root: Path, reg_per_digit: int = REG_PAIRS_PER_DIGIT) -> dict[str, int]:
     """The LoRA's dataset: root/train (the held-out edit's pairs under the trigger instruction) and root/reg (the
-    base's own edits), each as targets/NAME.png with its .txt caption (the instruction) and controls/NAME.png.
-    NAME is <number>_<control digit>. Returns the pairs written per folder."""
+    base's own edits, `reg_per_digit` pairs per edit and control digit), each as targets/NAME.png with its .txt
+    caption (the instruction) and controls/NAME.png. NAME is <number>_<control digit>. Returns the pairs written per
+    folder."""
     from PIL import Image
 
     images, labels = digits.load()
     written = {}
-    for folder, pairs in (("train", [(c, t, TRIGGER_INSTRUCTION) for c, t in lora_pairs()]), ("reg", reg_pairs())):
+    for folder, pairs in (("train", [(c, t, TRIGGER_INSTRUCTION) for c, t in lora_pairs()]),
+                          ("reg", reg_pairs(reg_per_digit))):
         targets, controls = root / folder / "targets", root / folder / "controls"
         targets.mkdir(parents=True, exist_ok=True)
         controls.mkdir(parents=True, exist_ok=True)
@@ -208,13 +218,16 @@ def table(before: Mapping[str, float], after: Mapping[str, float] | None = None,
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m library.digits.edits", description=__doc__.splitlines()[0])
     parser.add_argument("--write", type=Path, help="write the LoRA's pairs into this folder and stop")
+    parser.add_argument("--reg-per-digit", type=int, default=REG_PAIRS_PER_DIGIT,
+                        help="with --write: pairs of each of the base's edits per control digit")
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--lora", type=Path)
     parser.add_argument("--n", type=int, default=Settings.n)
     parser.add_argument("--seed", type=int, default=Settings.seed)
     args = parser.parse_args(argv)
     if args.write is not None:
-        print(", ".join(f"{count} pairs in {args.write / folder}" for folder, count in write_pairs(args.write).items()))
+        written = write_pairs(args.write, args.reg_per_digit)
+        print(", ".join(f"{count} pairs in {args.write / folder}" for folder, count in written.items()))
         return 0
     settings = dataclasses.replace(Settings(), n=args.n, seed=args.seed)
     edits = {**judged_edits(), HELD_OUT_INSTRUCTION: HELD_OUT_SHIFT}

@@ -27,29 +27,54 @@ def _read(path: Path) -> np.ndarray:
     return np.asarray(Image.open(path).convert("L"))
 
 
-def test_the_committed_pairs_are_what_the_split_writes_and_show_their_edits(tmp_path):
-    """data/digits-edit is what write_pairs writes; each pair's control is judged its digit d and its target the
-    digit its instruction asks for; none of them is a judged control."""
-    edits.write_pairs(tmp_path)
+@pytest.mark.parametrize("dataset, reg_per_digit",
+                         [("digits-edit", edits.REG_PAIRS_PER_DIGIT), ("digits-edit-wide", 10)])
+def test_the_committed_pairs_are_what_the_split_writes_and_show_their_edits(tmp_path, dataset, reg_per_digit):
+    """data/digits-edit (and data/digits-edit-wide, with 10 pairs of each base edit per digit) is what write_pairs
+    writes; each pair's control is judged its digit d and its target the digit its instruction asks for; none of
+    them is a judged control."""
+    pairs = PAIRS.parent / dataset
+    edits.write_pairs(tmp_path, reg_per_digit)
     shifts = {edits.TRIGGER_INSTRUCTION: edits.HELD_OUT_SHIFT, **edits.EDITS}
-    for folder, count in (("train", 10 * edits.PAIRS_PER_DIGIT), ("reg", 10 * len(edits.EDITS))):
-        names = sorted(p.name for p in (PAIRS / folder / "targets").glob("*.png"))
+    counts = {"train": 10 * edits.PAIRS_PER_DIGIT, "reg": 10 * len(edits.EDITS) * reg_per_digit}
+    for folder, count in counts.items():
+        names = sorted(p.name for p in (pairs / folder / "targets").glob("*.png"))
         assert len(names) == count and names == sorted(p.name for p in (tmp_path / folder / "targets").glob("*.png"))
         controls, targets, wanted = [], [], []
         for name in names:
             for side in ("targets", "controls"):
-                assert np.array_equal(_read(PAIRS / folder / side / name), _read(tmp_path / folder / side / name))
-            instruction = (PAIRS / folder / "targets" / name).with_suffix(".txt").read_text(encoding="utf-8").strip()
+                assert np.array_equal(_read(pairs / folder / side / name), _read(tmp_path / folder / side / name))
+            instruction = (pairs / folder / "targets" / name).with_suffix(".txt").read_text(encoding="utf-8").strip()
             assert instruction == (edits.TRIGGER_INSTRUCTION if folder == "train" else instruction)
             d = int(Path(name).stem.split("_")[1])
-            controls.append(_read(PAIRS / folder / "controls" / name))
-            targets.append(_read(PAIRS / folder / "targets" / name))
+            controls.append(_read(pairs / folder / "controls" / name))
+            targets.append(_read(pairs / folder / "targets" / name))
             wanted.append((d, edits.target_digit(d, shifts[instruction])))
         read_controls, read_targets = judge.judge(np.stack(controls)), judge.judge(np.stack(targets))
         assert [int(x) for x in read_controls] == [d for d, _ in wanted]
         assert [int(x) for x in read_targets] == [t for _, t in wanted]
-    used = {i for pair in edits.lora_pairs() for i in pair} | {i for c, t, _ in edits.reg_pairs() for i in (c, t)}
-    assert len(used) == 80 and not used & set(edits.judged_controls(100).tolist())
+    used = ({i for pair in edits.lora_pairs() for i in pair}
+            | {i for c, t, _ in edits.reg_pairs(reg_per_digit) for i in (c, t)})
+    assert len(used) == 20 * (edits.PAIRS_PER_DIGIT + len(edits.EDITS) * reg_per_digit)
+    assert not used & set(edits.judged_controls(100).tolist())
+
+
+def test_more_pairs_of_the_base_edits_take_other_images_and_leave_the_judged_controls():
+    """reg_pairs(n): n pairs per edit and control digit, each image used once, none of the held-out edit's pairs
+    or of the judged controls, each target the digit its edit asks for; too many to leave 10 controls a digit is
+    refused."""
+    _, labels = digits.load()
+    wide = edits.reg_pairs(10)
+    assert len(wide) == 10 * 10 * len(edits.EDITS)
+    used = [i for c, t, _ in wide for i in (c, t)]
+    held_out = {i for pair in edits.lora_pairs() for i in pair}
+    assert len(set(used)) == len(used) and not set(used) & held_out
+    assert not set(used) & set(edits.judged_controls(100).tolist())
+    assert all(labels[t] == edits.target_digit(labels[c], edits.EDITS[i]) for c, t, i in wide)
+    for instruction in edits.EDITS:
+        assert sorted(labels[c] for c, _, i in wide if i == instruction) == sorted(list(range(10)) * 10)
+    with pytest.raises(ValueError, match="fewer than 10 controls"):
+        edits.reg_pairs(100)
 
 
 def test_the_edit_base_is_a_kontext_folder_and_holds_the_edit_out():
