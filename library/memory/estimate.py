@@ -243,22 +243,14 @@ def load_and_training(counts: dict[str, Counts], settings: Settings) -> tuple[Es
     before int8 / nf4 quantize it, the compute dtype for a diffusers folder) and of training (the base as
     stored, LoRA, optimizer, activations), by part."""
     denoiser, text, vae = (counts.get(name, Counts()) for name in ("denoiser", "text", "vae"))
-
-    def held(part: Counts, kind: str | None) -> float:
-        return held_bytes(part, kind, settings)
-
-    def read(part: Counts, kind: str | None, denoiser: bool = False) -> float:
-        return read_bytes(part, kind, settings, denoiser)
-
     vae_bytes = (vae.matrices + vae.other) * torch.finfo(settings.vae_dtype).bits / 8
-    stored = held(denoiser, settings.denoiser) * (1 - settings.swapped_fraction)
-    lora, activations = lora_bytes(denoiser, settings), activation_bytes(denoiser, settings)
-    loading = {"denoiser as read": read(denoiser, settings.denoiser, denoiser=True),
-               "text encoders (until their outputs are cached)": read(text, settings.text_encoders),
-               "VAE": vae_bytes}
-    training = {"denoiser as stored": stored, "text encoders (until their outputs are cached)": held(
-        text, settings.text_encoders), "VAE": vae_bytes, "LoRA and optimizer": lora,
-        "activations": activations}
+    stored = held_bytes(denoiser, settings.denoiser, settings) * (1 - settings.swapped_fraction)
+    until_cached = "text encoders (until their outputs are cached)"
+    loading = {"denoiser as read": read_bytes(denoiser, settings.denoiser, settings, denoiser=True),
+               until_cached: read_bytes(text, settings.text_encoders, settings), "VAE": vae_bytes}
+    training = {"denoiser as stored": stored, until_cached: held_bytes(text, settings.text_encoders, settings),
+                "VAE": vae_bytes, "LoRA and optimizer": lora_bytes(denoiser, settings),
+                "activations": activation_bytes(denoiser, settings)}
     return Estimate(loading), Estimate(training)
 
 
