@@ -32,8 +32,9 @@ class LoadRequest:
     v_parameterization: bool = False
     allow_pickle_checkpoints: bool = False
     # The parts not read ("denoiser", "text", "vae"): a loader that honours it (a transformer family's diffusers
-    # folder, `reads_by_part`) builds them from their config on the meta device, so that a run by phase reads the
-    # text encoders without the denoiser and then the denoiser alone. Other loaders read every part.
+    # folder, FLUX.1's and Qwen-Image's files: `reads_by_part`) builds them from their config on the meta device,
+    # so that a run by phase reads the text encoders without the denoiser and then the denoiser alone. Other loaders
+    # read every part.
     skip: frozenset[str] = frozenset()
 
     def skips(self, folder: str) -> bool:
@@ -90,7 +91,7 @@ def load_components(model_path: str | Path, v2: bool = False, v_parameterization
 
 
 # The entries whose diffusers folders are read through shared.diffusers_folder.load_folder alone, which honours
-# LoadRequest.skip. Wan's reads its second expert apart and its files loaders read every part.
+# LoadRequest.skip. Wan's reads its second expert apart. Files: FamilyEntry.files_read_by_part.
 _READ_BY_PART = ("flux", "flux2", "qwen_image", "chroma", "sd3", "z_image")
 
 

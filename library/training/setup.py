@@ -21,6 +21,7 @@ from library.config import Config, UserError
 from library.config.network_args import network_args_of
 from library.core.memory import return_free_heap
 from library.data.dataset import TrainingData, build_training_data
+from library.families.entry import FramesRule
 from library.families.family import Components
 from library.families.loading import load_components, musubi_autoencoder, reads_by_part
 from library.families.objective import Objective
@@ -155,7 +156,7 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     # for the family the registry tells from the model's files.
     frames_rule = entry_for(config.pretrained_model_name_or_path).frames_rule
     data = build_training_data(config, None, seed, accelerator.num_processes, frames_rule)
-    components, settings = load_base(config, accelerator, data, weight_dtype, vae_dtype, bool(prompts))
+    components, settings = load_base(config, accelerator, data, weight_dtype, vae_dtype, bool(prompts), frames_rule)
     family = components.family
     if family.frames_rule != frames_rule:  # the clips were cut by the entry's rule
         raise RuntimeError(f"{family.name}: its Family's frames_rule {family.frames_rule} differs from its registry "
@@ -234,13 +235,14 @@ def predicted_by_phase(config: Config, data: TrainingData) -> bool:
 
 
 def load_base(config: Config, accelerator: Accelerator, data: TrainingData, weight_dtype: torch.dtype,
-              vae_dtype: torch.dtype, sampling: bool = False) -> tuple[Components, FamilySettings]:
+              vae_dtype: torch.dtype, sampling: bool = False,
+              frames_rule: FramesRule | None = None) -> tuple[Components, FamilySettings]:
     """The frozen base, checked against the memory available first, read in its storage precision and configured
     for the run (its family's settings, a replacement VAE, merged base weights); and those settings. Where the
-    run may go by phase and the model's loader reads by part (a transformer family's diffusers folder), the
-    denoiser is left out here (on the meta device) and read by load_denoiser once the caches are filled."""
+    run may go by phase and the model's loader reads by part (a transformer family's diffusers folder or files), the
+    denoiser is left out here (on the meta device) and read by load_denoiser once the caches are filled.
+    `frames_rule`: the family's clip lengths (its registry entry's), which the memory check's tokens count."""
     precision = BasePrecision.from_config(config, weight_dtype)
-    frames_rule = entry_for(config.pretrained_model_name_or_path).frames_rule
     check_memory(config, accelerator.device, accelerator.num_processes, precision, vae_dtype,
                  by_phase=predicted_by_phase(config, data), sampling=sampling,
                  tokens=batch_tokens(data, frames_rule.step if frames_rule else None))
