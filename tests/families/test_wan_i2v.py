@@ -203,17 +203,27 @@ def data(sample_data_dir, tmp_path_factory) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("version", ["2.1", "2.2"])
 def test_trains_from_videos_and_images_and_resumes_bit_exactly(models, data, tmp_path, version):
-    """2.1 with its latents cached (the default), 2.2's two experts with the first frame encoded each step."""
-    more = ("--task", "i2v-14B") if version == "2.1" else ("--task", "i2v-A14B", "--timestep_boundary", "500",
-                                                           "--cache_latents", "false", "--expert_loras", "shared")
+    """2.1 with its latents cached (the default); 2.2's two experts with the first frame encoded each step and
+    one LoRA per expert (the default), both resumed bit-exactly."""
+    more = ("--task", "i2v-14B") if version == "2.1" else ("--task", "i2v-A14B", "--timestep_boundary", "800",
+                                                           "--cache_latents", "false")
+    names = ("last",) if version == "2.1" else ("last_high_noise", "last_low_noise")
     reference = train(models[version], data, tmp_path / "reference", "--save_every_n_steps", "2", "--save_state",
                       *more)
-    lora, metadata = load_kohya_lora(reference / "last.safetensors")
-    assert metadata["ss_task"] == more[1] and metadata["ss_network_module"] == "networks.lora_wan"
-    modules = {k.split(".")[0] for k in lora}
-    assert len(modules) == 2 * (12 if version == "2.1" else 10)
-    assert all(lora[f"{m}.lora_up.weight"].abs().sum() > 0 for m in modules)
+    assert sorted(p.stem for p in reference.glob("last*.safetensors") if "-step" not in p.stem) == sorted(names)
+    loras = {}
+    for name in names:
+        lora, metadata = load_kohya_lora(reference / f"{name}.safetensors")
+        assert metadata["ss_task"] == more[1] and metadata["ss_network_module"] == "networks.lora_wan"
+        modules = {k.split(".")[0] for k in lora}
+        assert len(modules) == 2 * (12 if version == "2.1" else 10)
+        assert all(lora[f"{m}.lora_up.weight"].abs().sum() > 0 for m in modules)
+        loras[name] = lora
+    if version == "2.2":  # each expert's batches trained its own LoRA
+        high, low = loras.values()
+        assert all(not torch.equal(high[k], low[k]) for k in high if k.endswith("lora_up.weight"))
     resumed = train(models[version], data, tmp_path / "resumed", "--resume",
                     str(reference / "last-step00000002-state"), *more)
-    again = load_file(resumed / "last.safetensors")
-    assert again.keys() == lora.keys() and all(torch.equal(again[k], lora[k]) for k in lora)
+    for name, lora in loras.items():
+        again = load_file(resumed / f"{name}.safetensors")
+        assert again.keys() == lora.keys() and all(torch.equal(again[k], lora[k]) for k in lora)
