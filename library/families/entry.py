@@ -88,6 +88,9 @@ class FamilyEntry:
     # Its single-file loader honours LoadRequest.skip (the denoiser or the text encoders left on the meta device), so
     # a run by phase reads the text encoders' files without the denoiser's, and then the denoiser's alone.
     files_read_by_part: bool = False
+    # (model path, Config) -> problems found from the model's config files or tensor names alone, before the data or
+    # any weight is read (Wan: a task that contradicts the model)
+    check_before_load: Callable[[Path, Any], list[str]] | None = None
 
     @property
     def configs(self) -> tuple[str, ...]:

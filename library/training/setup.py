@@ -154,7 +154,11 @@ def build_session(config: Config, accelerator: Accelerator, started_at: float) -
     prompts = sample_prompts(config)
     # The images are checked before the model is loaded, so data problems surface in seconds; video clips are cut
     # for the family the registry tells from the model's files.
-    frames_rule = entry_for(config.pretrained_model_name_or_path).frames_rule
+    entry = entry_for(config.pretrained_model_name_or_path)
+    if entry.check_before_load and (problems := entry.check_before_load(Path(config.pretrained_model_name_or_path),
+                                                                        config)):
+        raise UserError(problems)
+    frames_rule = entry.frames_rule
     data = build_training_data(config, None, seed, accelerator.num_processes, frames_rule)
     components, settings = load_base(config, accelerator, data, weight_dtype, vae_dtype, bool(prompts), frames_rule)
     family = components.family

@@ -18,4 +18,4 @@ ENTRY = FamilyEntry(
           TinyModel("wan21_i2v", Ref(TINY, "save_tiny_wan21_i2v"), Ref(TINY, "save_tiny_wan_files")),
           TinyModel("wan22_i2v_a14b", Ref(TINY, "save_tiny_wan22_i2v_a14b"), Ref(TINY, "save_tiny_wan_files"))),
     more_configs=("wan22_lora.toml", "wan_i2v_lora.toml", "wan_i2v_ti2v_5b_lora.toml"),
-    frames_rule=FRAMES)
+    frames_rule=FRAMES, check_before_load=Ref(f"{PACKAGE}.kind", "check_before_load"))

@@ -39,15 +39,14 @@ from library.families.wan.experts import (
     separate_loras,
     separate_weights_problem,
 )
+from library.families.wan.kind import T2V, TI2V_TASK, task_problem
 
 logger = logging.getLogger(__name__)
 
 TRANSFORMER_CLASS = "WanTransformer3DModel"
 MAX_TOKENS = 512  # musubi's text_len, WanPipeline's max_sequence_length
 DEFAULT_CFG = 5.0  # musubi's sample_guide_scale for Wan 2.1
-TRAINED_TASKS = ("t2v-1.3B", "t2v-14B", "t2i-14B", "t2v-A14B")
-TI2V, TI2V_CHANNELS = "2.2-ti2v-5B", 48  # Wan 2.2 TI2V 5B: its VAE's 48 channels, 16x down in space
-TI2V_TASK = "ti2v-5B"  # Wan's own task name (generate.py), which musubi-tuner lists among its sizes only
+TI2V = "2.2-ti2v-5B"  # the version of Wan 2.2 TI2V 5B
 
 
 class WanVae(nn.Module):
@@ -120,20 +119,9 @@ class Wan(musubi_flow.MusubiFamily):
         """Refuses what does not apply (the I2V / Fun-Control tasks, the experts' options without two experts, the
         image families' refusals); with dit_high_noise, the family gets the expert switch that prepare_denoiser
         fills with the high-noise expert's file."""
-        problems = []
         task = settings.task
-        if task == TI2V_TASK and self.version != TI2V:
-            problems.append(f"task {task}: the model is not Wan 2.2 TI2V 5B (whose transformer has 48 input "
-                            "channels)")
-        elif task is not None and task not in (*TRAINED_TASKS, TI2V_TASK):
-            if task in ("i2v-14B", "i2v-A14B"):
-                problems.append(f"task {task}: the model is a text-to-video one; image-to-video needs its I2V "
-                                "transformer file (with clip for i2v-14B) or its WanImageToVideoPipeline folder "
-                                "(Wan2.1-I2V-14B-*-Diffusers, Wan2.2-I2V-A14B-Diffusers)")
-            else:
-                kind = "FLF2V" if "flf2v" in task else "Fun-Control"
-                problems.append(f"task {task}: {kind} is not trained here yet; the T2V tasks are "
-                                f"({', '.join(TRAINED_TASKS)}), i2v-14B, i2v-A14B and ti2v-5B")
+        problem = task_problem(TI2V_TASK if self.version == TI2V else T2V, task)
+        problems = [problem] if problem else []
         experts = self.experts
         if settings.dit_high_noise:
             if experts is not None:
@@ -145,9 +133,6 @@ class Wan(musubi_flow.MusubiFamily):
             problems.append("i2v: the model is a text-to-video Wan; image-to-video trains an I2V model (i2v-14B, "
                             "i2v-A14B) or TI2V 5B")
         if self.version == TI2V:
-            if task not in (None, TI2V_TASK):
-                problems.append(f"task {task}: the model is Wan 2.2 TI2V 5B (48 latent channels): {TI2V_TASK}, as Wan "
-                                "names it, or no task")
             problems += [f"{name} {value}: Wan 2.2 TI2V 5B needs multiples of 32 (its VAE is 16x down)"
                          for name, value in (("resolution", settings.sizes.resolution),
                                              ("bucket_reso_steps", settings.sizes.bucket_reso_steps))

@@ -11,8 +11,9 @@ from library.families.family import Components
 from library.families.loading import LoadRequest
 from library.families.shared.diffusers_folder import load_folder, pipeline_class, transformer_class
 from library.families.wan.experts import ExpertSwitch
-from library.families.wan.family import TI2V_CHANNELS, TRANSFORMER_CLASS, Wan, WanVae
+from library.families.wan.family import TRANSFORMER_CLASS, Wan, WanVae
 from library.families.wan.i2v import i2v_family
+from library.families.wan.kind import TI2V_CHANNELS
 from library.families.wan.ti2v import WanTI2V
 
 

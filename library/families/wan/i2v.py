@@ -29,6 +29,7 @@ from library.config import UserError
 from library.families.loading import LoadRequest
 from library.families.wan.experts import ExpertSwitch, WanSettings
 from library.families.wan.family import Wan, WanVae, _call
+from library.families.wan.kind import task_problem
 from library.families.wan.weights import I2V_CHANNELS
 
 TEMPORAL = 4  # the VAE's frames per latent frame
@@ -144,12 +145,8 @@ class WanI2V(Wan):
     refused_options = tuple((name, reason) for name, reason in Wan.refused_options if name != "clip")
 
     def configured(self, settings: WanI2VSettings) -> WanI2V:
-        problems = []
-        task = settings.task
-        expected = "i2v-14B" if self.parts.clip else "i2v-A14B"
-        if task is not None and task != expected:
-            model = "2.1 I2V 14B" if self.parts.clip else "2.2 I2V A14B"
-            problems.append(f"task {task}: the model is Wan {model} ({expected}); remove task or give {expected}")
+        problem = task_problem("i2v-14B" if self.parts.clip else "i2v-A14B", settings.task)
+        problems = [problem] if problem else []
         if settings.clip and not self.parts.clip:
             problems.append("clip: Wan 2.2 I2V A14B has no image encoder; remove clip")
         elif settings.clip and self.parts.clip_file is None:
