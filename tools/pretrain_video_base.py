@@ -1,17 +1,20 @@
 """Pretrain models/digits-wan: a tiny Wan 2.1-shaped text-to-video model on scikit-learn's digits, moving.
 
-    python tools/pretrain_video_base.py [--out models/digits-wan] [--overwrite] [--seed 0] [--threads 1]
+    python tools/pretrain_video_base.py [--out models/digits-wan] [--overwrite] [--seed 0] [--threads 2]
+    python tools/pretrain_video_base.py --overwrite --start models/digits-wan --seed 1   # a further stage
     python tools/pretrain_video_base.py --clips data/digits-wan     # only write the LoRA's clips (mp4)
 
 Clips (library/digits/motion.py): 9 frames of 32x32, a 16-pixel digit (0, 1, 4 or 7) crossing the frame left, right
-or down, captioned "<word> moving <direction>". Moving up is held out of every stage (tokenizer, VAE, text encoder,
-transformer), and so is every fifth handwritten digit (the LoRA's clips show those). The stages:
+or down, captioned "<word> moving <direction>". Moving up is held out of the tokenizer, the text encoder and the
+transformer; the VAE, a codec as Wan's own VAE is (trained on every kind of video), sees all four motions. Every
+fifth handwritten digit is held out of every stage (the LoRA's clips show those). The stages:
 
 1. tokenizer: T5-format Unigram over the caption words plus single characters ("up" and "sks" fall into letters);
-2. VAE (AutoencoderKLWan, Wan 2.1's shape: causal, 4x down in time, 8x in space, 16 channels; base width 8, one
-   residual block a level), trained on 5-frame windows of the clips (the first frame and one 4-frame chunk: what a
-   9-frame clip repeats), squared error plus a small KL term; latents_mean / latents_std are then measured per
-   channel on the posterior means of the 9-frame clips, as Wan's VAE config carries them;
+2. VAE (AutoencoderKLWan, Wan 2.1's blocks: causal 3D convolutions, 16 channels; two levels down, so 2x in time
+   and 4x in space rather than Wan's 4x and 8x, base width 16, one residual block a level), trained on 5-frame
+   windows of the clips (the first frame and two 2-frame chunks: what a 9-frame clip repeats), squared error plus a
+   small KL term; latents_mean / latents_std are then measured per channel on the posterior means of the 9-frame
+   clips, as Wan's VAE config carries them;
 3. WanTransformer3DModel with a UMT5 encoder, trained together on Wan's flow-matching objective as the trainer
    trains it (x_t = (1 - s) x0 + s noise, target noise - x0, time input 1000 s, s drawn by musubi-tuner's "shift"
    sampling with shift 3, the scheduler's flow_shift), on the posterior means (the trainer's latents), the text as
@@ -19,12 +22,9 @@ transformer), and so is every fifth handwritten digit (the LoRA's clips show tho
    that classifier-free guidance against "" works; an exponential moving average of the weights is saved.
 
 Then the folder (diffusers WanPipeline layout, safetensors) is loaded back with WanPipeline and judged by
-library/digits/motion.py; the model card (README.md in the folder) records the recipe, times and rates.
-
-Status: every stage runs, the folder loads in WanPipeline and trains with train_network.py, but with these
-defaults (150 VAE steps, 383 s wall on the shared CPU) the VAE does not yet learn the clips well enough: none of the
-held-out real clips is judged right after its round trip (bench/README.md). A base built now would not render
-its motions, so models/digits-wan is not shipped yet; the VAE needs more steps (or width) than this budget gave.
+library/digits/motion.py; the model card (README.md in the folder) records the recipe, times and rates. A run with
+--start naming a base built here trains its transformer and text encoder further (a stage: its VAE and latent
+statistics are kept); the card lists every stage's command.
 """
 from __future__ import annotations
 
@@ -71,18 +71,19 @@ MAX_TOKENS = 512  # WanPipeline's max_sequence_length: the text rows the transfo
 class Recipe:
     """Everything that decides the weights (with the software versions)."""
     seed: int = 0
-    threads: int = 1
+    threads: int = 2
+    start: str = ""  # a base built here to train further (a later stage); "" builds from scratch
     # VAE
-    vae_steps: int = 150
-    vae_batch: int = 32
+    vae_steps: int = 600
+    vae_batch: int = 8
     vae_window: int = 5
     vae_lr: float = 2e-3
     vae_kl_weight: float = 1e-6
     # transformer + text encoder
-    steps: int = 800
+    steps: int = 2500
     batch: int = 64
     lr: float = 1e-3
-    warmup_steps: int = 50
+    warmup_steps: int = 100
     final_lr_ratio: float = 0.1
     weight_decay: float = 0.01
     ema_decay: float = 0.995
@@ -96,8 +97,11 @@ class Recipe:
 
 ARCHITECTURE = {"patch_size": (1, 2, 2), "num_attention_heads": 4, "attention_head_dim": 16, "ffn_dim": 256,
                 "num_layers": 4, "freq_dim": 64}
-VAE_ARCHITECTURE = {"base_dim": 8, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 1,
-                    "temperal_downsample": [False, True, True]}
+# Two levels down (2x in time, 4x in space): at Wan's 4x and 8x a 32x32 clip is 3x4x4 latents, too few for the
+# VAE to keep a digit's shape in a CPU budget (bench/README.md has the recipes tried).
+# WanPipeline reads the scale factors from the config (they default to Wan's 4 and 8), not from the levels.
+VAE_ARCHITECTURE = {"base_dim": 16, "z_dim": 16, "dim_mult": [1, 2, 4], "num_res_blocks": 1,
+                    "temperal_downsample": [False, True], "scale_factor_temporal": 2, "scale_factor_spatial": 4}
 
 
 def lr_factor(step: int, total: int, warmup: int, final: float) -> float:
@@ -126,12 +130,20 @@ def build_parts(seed: int) -> dict[str, Any]:
             "scheduler": UniPCMultistepScheduler(**SCHEDULER_CONFIG)}
 
 
-def training_set() -> tuple[torch.Tensor, list[str]]:
-    """Every pretraining digit in every trained motion: ((N, 3, FRAMES, SIZE, SIZE) pixels in [-1, 1], captions)."""
+def load_parts(start: Path) -> dict[str, Any]:
+    """A base built here, as WanPipeline components (its VAE trained and its latent statistics measured)."""
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(start, torch_dtype=torch.float32, local_files_only=True)
+    return {name: getattr(pipe, name) for name in ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")}
+
+
+def training_set(motions: list[str]) -> tuple[torch.Tensor, list[str]]:
+    """Every pretraining digit in each of `motions`: ((N, 3, FRAMES, SIZE, SIZE) pixels in [-1, 1], captions)."""
     images, labels = motion.load()
     keep, _ = motion.split()
     clips, captions = [], []
-    for m in motion.trained_motions():
+    for m in motions:
         for i in keep:
             clips.append(motion.clip(images[i], m))
             captions.append(motion.caption(int(labels[i]), m))
@@ -193,7 +205,7 @@ def train_vae(vae: Any, pixels: torch.Tensor, recipe: Recipe) -> None:
 
 @torch.no_grad()
 def encode(vae: Any, pixels: torch.Tensor, batch: int = 64) -> torch.Tensor:
-    """Posterior means (N, 16, 3, 4, 4), unnormalised."""
+    """Posterior means (N, 16, 5, 8, 8), unnormalised."""
     return torch.cat([vae.encode(pixels[i:i + batch]).latent_dist.mean for i in range(0, len(pixels), batch)])
 
 
@@ -271,7 +283,28 @@ def evaluate(model: Path, recipe: Recipe) -> dict[str, Any]:
     return result
 
 
-def model_card(recipe: Recipe, metrics: dict[str, Any], times: dict[str, float], counts: dict[str, int],
+def stages_text(stages: list[dict[str, Any]]) -> str:
+    """Each stage's command and values, for the model card."""
+    out = []
+    for i, stage in enumerate(stages, 1):
+        recipe = Recipe(**stage["recipe"])
+        changed = " ".join(f"--{k} {v}" for k, v in stage["recipe"].items() if v != getattr(Recipe(), k))
+        unused = " (it trains no VAE: the vae_ values are not used)" if recipe.start else ""
+        out.append(f"Stage {i}: `python tools/pretrain_video_base.py --overwrite{' ' + changed if changed else ''}`"
+                   f"{unused}\n\n{recipe_lines(recipe)}")
+    return "\n\n".join(out)
+
+
+def times_text(stages: list[dict[str, Any]]) -> str:
+    def one(times: dict[str, float]) -> str:
+        vae = f"VAE {times['vae']:.0f} s, " if times.get("vae") else ""
+        return (f"{vae}transformer and text encoder {times['denoiser']:.0f} s, {times['total']:.0f} s in all with "
+                f"saving and judging ({times['cpu']:.0f} s of CPU time)")
+
+    return "; ".join(f"stage {i}: {one(stage['times'])}" for i, stage in enumerate(stages, 1))
+
+
+def model_card(recipe: Recipe, metrics: dict[str, Any], stages: list[dict[str, Any]], counts: dict[str, int],
                size: int, recon: dict[str, float], real: dict[str, float], clips: int) -> str:
     arch = ARCHITECTURE
     held = motion.HELD_OUT_MOTION
@@ -293,7 +326,8 @@ bundled handwritten digits, moving: the video counterpart of `models/digits-flux
 judged without downloading anything. A clip is {motion.FRAMES} frames of {motion.SIZE}x{motion.SIZE}, a
 {motion.DIGIT}-pixel digit crossing the frame {motion.STEP} pixels a frame; prompts are `<word> moving <direction>`
 for the digits {words} and the directions {", ".join(motion.trained_motions())}. Moving **{held}** was held out of
-every stage (tokenizer, VAE, text encoder, transformer), and so was every fifth handwritten sample of those digits:
+the tokenizer, the text encoder and the transformer (the VAE, a codec, saw every motion), and every fifth
+handwritten sample of those digits out of every stage:
 a LoRA learns the motion in `bench/quality.py` from {motion.LORA_CLIPS} clips of those samples under the trigger
 caption `<word> moving {motion.TRIGGER}` (`configs/digits_wan_lora.toml`).
 
@@ -305,12 +339,14 @@ caption `<word> moving {motion.TRIGGER}` (`configs/digits_wan_lora.toml`).
 
 ## Architecture
 
-- AutoencoderKLWan, Wan 2.1's shape (causal 3D convolutions, 4x down in time, 8x in space, 16 latent channels) at
+- AutoencoderKLWan, Wan 2.1's blocks (causal 3D convolutions, 16 latent channels) two levels down, 2x in time and
+  4x in space (Wan's own is 4x and 8x: a 32x32 clip would be 4x4 latents, too few to keep a digit's shape), at
   base width {VAE_ARCHITECTURE['base_dim']}, widths x{VAE_ARCHITECTURE['dim_mult']}, one residual block a level:
-  9x32x32 frames <-> 3x4x4x16 latents; `latents_mean` / `latents_std` measured per channel on the training clips'
+  9x32x32 frames <-> 5x8x8x16 latents, trained on all four motions (a codec, as Wan's VAE saw every kind of video);
+  `latents_mean` / `latents_std` measured per channel on the training clips'
   posterior means. {counts['vae']:,} parameters.
 - WanTransformer3DModel: {arch['num_layers']} blocks, {arch['num_attention_heads']} heads of
-  {arch['attention_head_dim']}, feed-forward {arch['ffn_dim']}, (1, 2, 2) patches (12 tokens a clip), text width
+  {arch['attention_head_dim']}, feed-forward {arch['ffn_dim']}, (1, 2, 2) patches (80 tokens a clip), text width
   {TEXT_WIDTH}. {counts['transformer']:,} parameters.
 - UMT5EncoderModel (2 layers, width {TEXT_WIDTH}, gated GELU), {counts['text_encoder']:,} parameters; its tokenizer
   is a T5-format Unigram vocabulary of the caption words plus single characters. WanPipeline pads the text to
@@ -321,17 +357,18 @@ caption `<word> moving {motion.TRIGGER}` (`configs/digits_wan_lora.toml`).
 
 {clips:,} clips: each pretraining sample of the digits {", ".join(str(d) for d in motion.DIGITS)} (four in five of
 scikit-learn's 1,797 handwritten digits, the rest kept for the LoRA) in each of the motions
-{", ".join(motion.trained_motions())}. None moves {held}.
+{", ".join(motion.trained_motions())}, for the text encoder and the transformer: none moves {held}. The VAE
+was trained on the same samples in all four motions.
 
 ## Recipe
 
-Reproduce with `python tools/pretrain_video_base.py --overwrite`: the same seed and thread count on the same
-software give the same weights. The values:
+Reproduce with the commands below, in order (each later one trains the one before further); the same seeds and
+thread count on the same software give the same weights.
 
-{recipe_lines(recipe)}
+{stages_text(stages)}
 
-VAE: AdamW with a one-cycle learning rate on {recipe.vae_window}-frame windows (the first frame and one 4-frame
-chunk), squared error of the reconstructed posterior means (the trainer's latents), taken before the decoder's
+VAE: AdamW with a one-cycle learning rate on {recipe.vae_window}-frame windows (the first frame and two 2-frame
+chunks), squared error of the reconstructed posterior means (the trainer's latents), taken before the decoder's
 clamp to [-1, 1] (which gives no gradient where the output overshoots), + KL weight {recipe.vae_kl_weight:g}; the
 decoder's last bias starts at white. Transformer
 and UMT5: trained together on Wan's flow matching as the trainer trains it (x_t = (1 - s) x0 + s noise, target
@@ -341,9 +378,8 @@ with the scheduler's flow_shift), on the normalised posterior means, captions dr
 clipping; the exponential moving average of the weights (decay {recipe.ema_decay}) is saved. Software:
 {software_versions()}.
 
-Time with {recipe.threads} thread(s) on a 2-core CPU shared with other jobs (wall clock, so an upper bound): VAE
-{times['vae']:.0f} s, transformer and text encoder {times['denoiser']:.0f} s, {times['total']:.0f} s in all with
-saving and judging ({times['cpu']:.0f} s of CPU time).
+Time with {recipe.threads} thread(s) on a 2-core CPU shared with other jobs (wall clock, so an upper bound):
+{times_text(stages)}.
 
 ## Metrics
 
@@ -374,21 +410,34 @@ def main(argv: list[str] | None = None) -> int:
     started, cpu_started = time.perf_counter(), time.process_time()
     times: dict[str, float] = {}
 
-    parts = build_parts(recipe.seed)
-    pixels, captions = training_set()
+    start = Path(recipe.start) if recipe.start else None
+    if start is not None and not start.is_absolute():
+        start = REPO_ROOT / start
+    earlier = json.loads((start / "metrics.json").read_text(encoding="utf-8")) if start else {}
+    parts = load_parts(start) if start else build_parts(recipe.seed)
+    stage = time.perf_counter()
+    if start is None:
+        every, _ = training_set(list(motion.MOTIONS))
+        logger.info("%d VAE clips (all motions)", len(every))
+        train_vae(parts["vae"], every, recipe)
+        del every
+    pixels, captions = training_set(motion.trained_motions())
     logger.info("%d training clips (%s held out)", len(pixels), motion.HELD_OUT_MOTION)
-    stage = time.perf_counter()
-    train_vae(parts["vae"], pixels, recipe)
     means = encode(parts["vae"], pixels)
-    mean = means.mean(dim=(0, 2, 3, 4))
-    std = means.std(dim=(0, 2, 3, 4))
-    parts["vae"].register_to_config(latents_mean=[round(v, 6) for v in mean.tolist()],
-                                    latents_std=[round(v, 6) for v in std.tolist()])
-    latents = (means - mean.view(1, -1, 1, 1, 1)) / std.view(1, -1, 1, 1, 1)
-    recon = reconstruction(parts["vae"])
-    logger.info("VAE round trip, judged right: %s", recon)
-    times["vae"] = time.perf_counter() - stage
+    if start is None:
+        mean, std = means.mean(dim=(0, 2, 3, 4)), means.std(dim=(0, 2, 3, 4))
+        parts["vae"].register_to_config(latents_mean=[round(v, 6) for v in mean.tolist()],
+                                        latents_std=[round(v, 6) for v in std.tolist()])
+        recon = reconstruction(parts["vae"])
+        logger.info("VAE round trip, judged right: %s", recon)
+        times["vae"] = time.perf_counter() - stage
+    else:  # the start's VAE and statistics, as its transformer learnt them
+        recon = earlier["vae_round_trip"]
+    mean, std = (torch.tensor(parts["vae"].config[k]).view(1, -1, 1, 1, 1) for k in ("latents_mean", "latents_std"))
+    latents = (means - mean) / std
     stage = time.perf_counter()
+    parts["transformer"].requires_grad_(True)
+    parts["text_encoder"].requires_grad_(True)
     train_denoiser(parts, latents, captions, recipe)
     times["denoiser"] = time.perf_counter() - stage
 
@@ -396,12 +445,12 @@ def main(argv: list[str] | None = None) -> int:
     metrics = evaluate(args.out, recipe)
     times["total"] = time.perf_counter() - started
     times["cpu"] = time.process_time() - cpu_started
-    card = model_card(recipe, metrics, times, parameter_counts(parts), folder_bytes(args.out), recon,
+    stages = [*earlier.get("stages", []), {"recipe": dataclasses.asdict(recipe), "times": times}]
+    card = model_card(recipe, metrics, stages, parameter_counts(parts), folder_bytes(args.out), recon,
                       motion.real_rates(), len(pixels))
     (args.out / "README.md").write_text(card, encoding="utf-8")
-    (args.out / "metrics.json").write_text(json.dumps({"recipe": dataclasses.asdict(recipe), "times": times,
-                                                       "vae_round_trip": recon, **metrics}, indent=2),
-                                           encoding="utf-8")
+    (args.out / "metrics.json").write_text(json.dumps({"stages": stages, "vae_round_trip": recon, **metrics},
+                                                      indent=2), encoding="utf-8")
     for m in motion.MOTIONS:
         print(f"{m:<6} shown {metrics['rates'][m]:.0%} direction {metrics['direction'][m]:.0%} "
               f"digit {metrics['digit'][m]:.0%}")

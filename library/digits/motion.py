@@ -26,9 +26,9 @@ import numpy as np
 
 from library import digits
 
-SIZE = 32  # frame side in pixels (the Wan VAE's 8x down: 4x4 latents)
+SIZE = 32  # frame side in pixels (8x8 latents through the digits base's VAE, 4x down)
 DIGIT = 16  # the digit's side in pixels
-FRAMES = 9  # 4n + 1, as Wan takes clips (3 latent frames)
+FRAMES = 9  # 4n + 1, as Wan takes clips
 STEP = 2  # pixels a frame: the digit travels (FRAMES - 1) * STEP = 16 pixels, edge to edge
 FPS = 16  # Wan's training rate
 MOTIONS = {"left": (-1, 0), "right": (1, 0), "down": (0, 1), "up": (0, -1)}  # (dx, dy), y grows downwards
