@@ -27,8 +27,7 @@ edit in words, never trained) is shown too. The targets: trigger before <= 10 % 
 base's edits within 10 points of its rate before, training within 300 s.
 
 A video model (a folder whose model_index.json names WanPipeline: models/digits-wan with
-configs/digits_wan_lora.toml, once tools/pretrain_video_base.py has built a base that renders; see bench/README.md)
-is judged on motions instead (library/digits/motion.py): `--n` clips per motion
+configs/digits_wan_lora.toml) is judged on motions instead (library/digits/motion.py): `--n` clips per motion
 (split evenly among the moving digits) from fixed noise through WanPipeline (UniPC 20 steps, classifier-free
 guidance 3 against ""), the same noise before and after. A clip counts for its motion when the digit its prompt names
 is read in every frame and its centroid moves that way; the held-out motion (up) is prompted with the trigger
