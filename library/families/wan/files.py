@@ -33,10 +33,9 @@ from library.families.wan.family import Wan, WanVae
 from library.families.wan.i2v import file_family
 from library.families.wan.weights import (
     COMFY_PREFIX,
+    file_kind,
     kind_problem,
     read_any,
-    tensor_shapes,
-    transformer_kind,
     transformer_state_dict,
 )
 
@@ -120,13 +119,10 @@ def file_problems(request: LoadRequest) -> tuple[str | None, list[str]]:
     from the files' tensor names and shapes before any weight is read."""
     path = request.path
     try:
-        shapes = {k.removeprefix(COMFY_PREFIX): v for k, v in tensor_shapes(path).items()}
+        shapes, channels, kind = file_kind(path)
     except Exception as e:  # noqa: BLE001 - header / pickle errors of every kind: the file is unusable
         reason = str(e).splitlines()[0] if str(e) else repr(e)
         raise UserError(f"{path}: cannot be read as a Wan transformer file ({reason})") from None
-    patch = shapes.get("patch_embedding.weight", ())
-    channels = patch[1] if len(patch) > 1 else None
-    kind = transformer_kind(shapes, channels)
     problems = [problem] if (problem := kind_problem(shapes, channels, path)) else []
     missing = [name for name in ("t5", "ae") if not request.file(name)]
     if missing:

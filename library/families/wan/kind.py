@@ -42,7 +42,7 @@ def model_kind(path: Path) -> str | None:
     import json
 
     from library.families.shared.diffusers_folder import pipeline_class
-    from library.families.wan.weights import COMFY_PREFIX, tensor_shapes, transformer_kind
+    from library.families.wan.weights import file_kind
 
     if path.is_dir():
         try:
@@ -55,11 +55,9 @@ def model_kind(path: Path) -> str | None:
             return "i2v-14B" if config.get("image_dim") else "i2v-A14B"
         return T2V
     try:
-        shapes = {k.removeprefix(COMFY_PREFIX): v for k, v in tensor_shapes(path).items()}
+        return file_kind(path)[2]
     except Exception:  # noqa: BLE001 - unreadable: the loader names the file and the reason
         return None
-    patch = shapes.get("patch_embedding.weight", ())
-    return transformer_kind(shapes, patch[1] if len(patch) > 1 else None)
 
 
 def check_before_load(path: Path, config: Any) -> list[str]:

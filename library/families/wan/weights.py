@@ -75,6 +75,15 @@ def kind_problem(keys: Any, in_channels: int | None, path: Path) -> str | None:
     return None
 
 
+def file_kind(path: Path) -> tuple[dict[str, tuple[int, ...]], int | None, str | None]:
+    """A transformer file's tensor shapes by name (ComfyUI's prefix removed), its input channels and its kind
+    (transformer_kind), from its headers alone; raises what tensor_shapes raises for a file it cannot read."""
+    shapes = {k.removeprefix(COMFY_PREFIX): v for k, v in tensor_shapes(path).items()}
+    patch = shapes.get("patch_embedding.weight", ())
+    channels = patch[1] if len(patch) > 1 else None
+    return shapes, channels, transformer_kind(shapes, channels)
+
+
 def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Each tensor's shape by name, without reading a tensor: the headers of a .safetensors file (every part of a
     split one), or a .pth / .pt memory-mapped with weights_only (no pickled code runs). OSError / ValueError / a
