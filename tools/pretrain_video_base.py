@@ -436,8 +436,6 @@ def main(argv: list[str] | None = None) -> int:
     mean, std = (torch.tensor(parts["vae"].config[k]).view(1, -1, 1, 1, 1) for k in ("latents_mean", "latents_std"))
     latents = (means - mean) / std
     stage = time.perf_counter()
-    parts["transformer"].requires_grad_(True)
-    parts["text_encoder"].requires_grad_(True)
     train_denoiser(parts, latents, captions, recipe)
     times["denoiser"] = time.perf_counter() - stage
 
