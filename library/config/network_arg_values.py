@@ -2,6 +2,9 @@
 library.config.network_args reports with the key)."""
 from __future__ import annotations
 
+import ast
+import re
+import warnings
 from typing import Any, Callable
 
 ALGOS = ("lora", "locon", "loha", "lokr", "ia3", "diag-oft", "dylora")
@@ -145,3 +148,22 @@ def train_blocks(value: str) -> str:
     if value not in ("all", "single", "double"):
         raise ValueError("must be all, single or double")
     return value
+
+
+def regex_list(value: str) -> tuple[str, ...]:
+    """musubi-tuner's include_patterns / exclude_patterns: a Python list of regular expressions, as musubi reads it
+    (ast.literal_eval), e.g. [r'.*cross_attn.*']; each is checked to compile."""
+    try:
+        with warnings.catch_warnings():  # "\." in a string that is not raw: the escape is kept, as musubi keeps it
+            warnings.simplefilter("ignore", (DeprecationWarning, SyntaxWarning))
+            parsed = ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        parsed = None
+    if not isinstance(parsed, (list, tuple)) or not all(isinstance(item, str) for item in parsed):
+        raise ValueError("must be a list of regular expressions in Python's syntax, e.g. [r'.*cross_attn.*']")
+    for pattern in parsed:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"{pattern!r} is not a regular expression: {e}") from None
+    return tuple(parsed)

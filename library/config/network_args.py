@@ -6,9 +6,11 @@ block_lr_zero_threshold) from network_args; LyCORIS adds algo, dora_wd, wd_on_ou
 With network_module = "lycoris.kohya" LyCORIS' own defaults and keys apply as well: preset (which layers), conv_dim
 defaulting to network_dim and conv_alpha to network_alpha, use_tucker (or use_cp) for LoHa / LoKr, and its other
 switches (accepted when off), the algorithms ia3, diag-oft and dylora with their keys, and train_norm. A key given
-twice keeps its last value, as in sd-scripts. network_module = "networks.dylora" is kohya's own DyLoRA (unit, conv_dim,
-conv_alpha). Unknown keys are an error rather than silently ignored (kohya and LyCORIS ignore them, so a typo there
-trains a different network than the user asked for).
+twice keeps its last value, as in sd-scripts. musubi-tuner's exclude_patterns / include_patterns (lists of regular
+expressions) choose the layers of its families (library.families.shared.target_patterns). network_module =
+"networks.dylora" is kohya's own DyLoRA (unit, conv_dim, conv_alpha). Unknown keys are an error rather than
+silently ignored (kohya and LyCORIS ignore them, so a typo there trains a different network than the user asked
+for).
 """
 from __future__ import annotations
 
@@ -95,6 +97,10 @@ class NetworkArgs:
     train_t5xxl: bool | None = None
     train_double_block_indices: frozenset[int] | str | None = None  # "all", "none" or block numbers
     train_single_block_indices: frozenset[int] | str | None = None
+    # musubi-tuner's target selection (its networks.lora create_network): regular expressions on the original
+    # module names, matched in full; a module is left out when an exclude pattern matches and no include pattern does
+    exclude_patterns: tuple[str, ...] = ()
+    include_patterns: tuple[str, ...] = ()
 
     @property
     def flux_keys(self) -> list[str]:
@@ -154,6 +160,7 @@ _CONVERTERS.update({key: read.non_negative_int for key in FLUX_PART_DIMS})
 _CONVERTERS.update({"train_blocks": read.train_blocks, "split_qkv": read.boolean, "train_t5xxl": read.boolean,
                     "train_double_block_indices": read.block_indices,
                     "train_single_block_indices": read.block_indices})
+_CONVERTERS.update({"exclude_patterns": read.regex_list, "include_patterns": read.regex_list})
 SUPPORTED_KEYS: tuple[str, ...] = tuple(_CONVERTERS)
 _LYCORIS_CONVERTERS: dict[str, Callable[[str], Any]] = {
     "preset": read.preset, "use_tucker": read.boolean, "use_cp": read.boolean, "rank_dropout_scale": read.boolean,
@@ -252,6 +259,9 @@ def _combination_problems(settings: NetworkArgs, given: set[str]) -> list[str]:
     if settings.dora_wd and (settings.rank_dropout or settings.module_dropout):
         # peft's DoRA calls lora_A for its weight norm as well; a dropout there would corrupt the norm.
         problems.append("network_args: rank_dropout and module_dropout cannot be combined with dora_wd")
+    for key in ("exclude_patterns", "include_patterns"):
+        if key in given and settings.lycoris:
+            problems.append(f"network_args: {key} is musubi-tuner's; LyCORIS chooses its layers by preset")
     block_options = settings.block_dims is not None or settings.has_block_lr
     if settings.lycoris:
         for key in ("block_dims", "block_alphas", "conv_block_dims", "conv_block_alphas", "down_lr_weight",
@@ -271,6 +281,14 @@ def _combination_problems(settings: NetworkArgs, given: set[str]) -> list[str]:
         # (kohya's DyLoRA has LoRA+ ratios; not offered here)
         problems.append(f"loraplus_* ratios apply to LoRA's up weights; algo={settings.algo} has none")
     return problems
+
+
+def target_pattern_problems(net: NetworkArgs, family: str, network_module: str) -> list[str]:
+    """The problem of musubi's exclude / include patterns given to a family trained with kohya's `network_module`,
+    which has no such keys."""
+    keys = [key for key in ("exclude_patterns", "include_patterns") if getattr(net, key)]
+    return [f"network_args {key}: musubi-tuner's, offered here for its families (Wan, Qwen-Image, Z-Image, FLUX.2); "
+            f"{family} trains kohya's {network_module} targets" for key in keys]
 
 
 def network_args_of(config: Any) -> NetworkArgs:

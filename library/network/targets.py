@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from library.config import UserError
-from library.config.network_args import NetworkArgs
+from library.config.network_args import NetworkArgs, target_pattern_problems
 from library.network import blocks, lora, lycoris_layers, presets
 
 logger = logging.getLogger(__name__)
@@ -29,6 +29,8 @@ def attach_network(model: nn.Module, part: str, rank: int, alpha: float, dropout
     that adapter requires grad."""
     if denoiser_targets is None and part == "unet" and net.flux_keys:
         raise UserError(f"network_args {', '.join(net.flux_keys)}: only for FLUX.1 (kohya's networks.lora_flux)")
+    if denoiser_targets is None and (net.exclude_patterns or net.include_patterns):
+        raise UserError(target_pattern_problems(net, "this family", "networks.lora"))
     if denoiser_targets is not None and net.train_norm:
         raise UserError("network_args train_norm: offered for the SD families' UNet (LyCORIS' presets) only")
     norm_targets: list[str] = []

@@ -222,6 +222,19 @@ def test_targets_are_musubis_fused_layers_and_the_file_has_musubis_names(compone
     assert all(float(read[f"{name}.alpha"]) == 4 for name in {k.split(".")[0] for k in ours})
 
 
+def test_exclude_and_include_patterns_match_bfls_names_as_musubi(components):
+    from library.config.network_args import parse_network_args
+
+    net, problems = parse_network_args([r"exclude_patterns=['.*single_blocks.*', 'double_blocks\\.1\\..*']",
+                                        r"include_patterns=['single_blocks\\.1\\.linear2', '.*txt_mlp\\.0']"], None,
+                                       flux2_lora.NETWORK_MODULE)
+    assert not problems
+    chosen = flux2_lora.targets(components.denoiser, net)
+    expected = {f"transformer_blocks.0.{flux2_lora.DOTTED[inner]}" for inner in flux2_lora.DOUBLE}
+    back = {"transformer_blocks.1.ff_context.linear_in", "single_transformer_blocks.1.attn.to_out"}
+    assert set(chosen) == expected | back
+
+
 def test_diffusers_load_lora_weights_consumes_every_key_with_the_same_change(klein_dir, components):
     """Flux2KleinPipeline.load_lora_weights on our file, into the folder's own (unfused) transformer: every module
     of the file becomes LoRA layers whose weight changes, q, k and v stacked, equal ours."""

@@ -185,6 +185,21 @@ def test_targets_are_musubis_and_the_file_has_diffusers_names(components):
     assert z_image_lora.from_file(ours).keys() == ours.keys()  # musubi's own file reads as it is
 
 
+def test_include_patterns_bring_back_the_refiners_musubi_leaves_out_and_the_file_names_them(components):
+    from library.config.network_args import parse_network_args
+
+    transformer = components.denoiser
+    net, problems = parse_network_args(["include_patterns=[r'noise_refiner\\..*']"], None, "networks.lora_zimage")
+    assert not problems
+    chosen = z_image_lora.targets(transformer, net)
+    refiner = {name for name, module in transformer.named_modules()
+               if name.startswith("noise_refiner.") and isinstance(module, torch.nn.Linear)}
+    assert refiner and set(chosen) == set(z_image_lora.targets(transformer, _no_args())) | refiner
+    assert any(".adaLN_modulation." in name for name in refiner)  # "_modulation" is musubi's exclude, overridden
+    ours = musubi_lora.random_lora(transformer, chosen)
+    assert z_image_lora.from_file(z_image_lora.to_file(ours)).keys() == ours.keys()
+
+
 def test_musubis_comfyui_conversion_reads_back_to_the_same_change(components):
     """musubi's convert_z_image_lora_to_comfy: q, k, v fused (downs stacked, ups block-diagonal, alpha x 3) and
     to_out.0 renamed attention_out."""

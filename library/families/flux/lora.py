@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from library.config.network_args import target_pattern_problems
 from library.families.shared.lora_keys import ALPHA, DOWN, UP, fuse, peft_state_dict, split_fused, split_key
 
 PREFIX = "lora_unet"
@@ -71,6 +72,7 @@ def targets(transformer: nn.Module, rank: int, alpha: float,
         "down_lr_weight", "mid_lr_weight", "up_lr_weight") if getattr(net, key) is not None]
     if net.algo not in ("lora", "locon") or net.dora_wd:
         problems.append("network_args algo / dora_wd: FLUX trains plain LoRA here (kohya's lora_flux format)")
+    problems += target_pattern_problems(net, "FLUX", "networks.lora_flux")
     if net.split_qkv is False:
         problems.append("network_args split_qkv=False: q, k, v are always trained as separate LoRAs here (kohya's "
                         "split_qkv=True); the file still has kohya's fused keys")

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from library.families.shared import target_patterns
 from library.families.shared.lora_keys import ALPHA, DOWN, PEFT_ROLES, UP, add_missing_alphas, split_key
 from library.families.shared.musubi_flow import plain_lora_problems
 
@@ -43,23 +44,29 @@ DOTTED = {"attn_to_qkv": "attn.to_qkv", "attn_to_out_0": "attn.to_out.0", "ff_li
           "attn_to_add_out": "attn.to_add_out", "ff_context_linear_in": "ff_context.linear_in",
           "ff_context_linear_out": "ff_context.linear_out", "attn_to_qkv_mlp_proj": "attn.to_qkv_mlp_proj",
           "attn_to_out": "attn.to_out"}
+# BFL's "."-paths inside a block (musubi's module names, which its exclude / include patterns match)
+BFL_DOTTED = {"img_attn_qkv": "img_attn.qkv", "img_attn_proj": "img_attn.proj", "img_mlp_0": "img_mlp.0",
+              "img_mlp_2": "img_mlp.2", "txt_attn_qkv": "txt_attn.qkv", "txt_attn_proj": "txt_attn.proj",
+              "txt_mlp_0": "txt_mlp.0", "txt_mlp_2": "txt_mlp.2", "linear1": "linear1", "linear2": "linear2"}
 _OURS = re.compile(rf"^{PREFIX}_(transformer_blocks|single_transformer_blocks)_(\d+)_(.+)$")
 _MUSUBI = re.compile(rf"^{PREFIX}_(double_blocks|single_blocks)_(\d+)_(.+)$")
 _DOTTED_BFL = re.compile(r"^(?:diffusion_model\.)?(double_blocks|single_blocks)\.(\d+)\.(.+)$")
 
 
 def targets(transformer: nn.Module, net: Any) -> list[str]:
-    """musubi's lora_flux_2 targets in a diffusers Flux2Transformer2DModel whose double blocks are fused."""
+    """musubi's lora_flux_2 targets in a diffusers Flux2Transformer2DModel whose double blocks are fused, narrowed
+    by the run's exclude / include patterns on BFL's names."""
     problems = plain_lora_problems(net, "FLUX.2", NETWORK_MODULE)
     if problems:
         raise ValueError("; ".join(problems))
     if not all(block.attn.fused_projections for block in transformer.transformer_blocks):
         raise RuntimeError("FLUX.2's double blocks must be fused first (transformer.fuse_attention_projections)")
-    names = []
-    for kind, (_, table) in BLOCKS.items():
+    candidates = []
+    for kind, (bfl_kind, table) in BLOCKS.items():
         for index in range(len(getattr(transformer, kind))):
-            names += [f"{kind}.{index}.{DOTTED[inner]}" for inner in table]
-    return names
+            candidates += [(f"{kind}.{index}.{DOTTED[inner]}", f"{bfl_kind}.{index}.{BFL_DOTTED[bfl]}", False)
+                           for inner, bfl in table.items()]
+    return target_patterns.selected(candidates, net, "FLUX.2")
 
 
 def to_file(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

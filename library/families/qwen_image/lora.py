@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from library.families.shared import target_patterns
 from library.families.shared.lora_keys import ALPHA, DOWN, UP, add_missing_alphas, from_peft_key
 from library.families.shared.musubi_flow import plain_lora_problems
 
@@ -50,15 +51,15 @@ def targets(transformer: nn.Module, net: Any) -> list[str]:
     if problems:
         raise ValueError("; ".join(problems))
     discarded = set(discarded_paths(len(transformer.transformer_blocks) - 1))
-    names = []
+    candidates = []
     for name, block in transformer.named_modules():
         if type(block).__name__ != BLOCK_CLASS:
             continue
         for child_name, child in block.named_modules():
             path = f"{name}.{child_name}"
-            if isinstance(child, nn.Linear) and not EXCLUDE.fullmatch(path) and path not in discarded:
-                names.append(path)
-    return names
+            if isinstance(child, nn.Linear) and path not in discarded:
+                candidates.append((path, path, bool(EXCLUDE.fullmatch(path))))  # musubi's names are diffusers'
+    return target_patterns.selected(candidates, net, "Qwen-Image")
 
 
 def discarded_paths(last_block: int) -> list[str]:

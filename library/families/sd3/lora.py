@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from library.config.network_args import target_pattern_problems
 from library.families.shared.lora_keys import ALPHA, DOWN, UP, fuse, peft_state_dict, split_fused, split_key
 
 PREFIX = "lora_unet"
@@ -56,6 +57,7 @@ def targets(transformer: nn.Module, net: Any) -> list[str]:
                  if key != "train_t5xxl"]
     if net.algo not in ("lora", "locon") or net.dora_wd:
         problems.append("network_args algo / dora_wd: SD3 trains plain LoRA here (kohya's lora_sd3 format)")
+    problems += target_pattern_problems(net, "SD3", "networks.lora_sd3")
     if problems:
         raise ValueError("; ".join(problems))
     return [name for name, module in transformer.named_modules()

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from library.families.shared import target_patterns
 from library.families.shared.lora_keys import ALPHA, DOWN, UP, add_missing_alphas, from_peft_key
 from library.families.shared.musubi_flow import plain_lora_problems
 
@@ -40,19 +41,20 @@ _UNDERSCORED = {original.replace(".", "_"): original for original in DIFFUSERS}
 
 
 def targets(transformer: nn.Module, net: Any) -> list[str]:
-    """musubi's lora_wan targets in a diffusers WanTransformer3DModel (its module paths)."""
+    """musubi's lora_wan targets in a diffusers WanTransformer3DModel (its module paths), narrowed by the run's
+    exclude / include patterns on the original names."""
     problems = plain_lora_problems(net, "Wan", "networks.lora_wan")
     if problems:
         raise ValueError("; ".join(problems))
-    names = []
+    candidates = []
     for name, block in transformer.named_modules():
         if type(block).__name__ != BLOCK_CLASS:
             continue
         for child_name, child in block.named_modules():
-            if isinstance(child, nn.Linear) and child_name in ORIGINAL \
-                    and not EXCLUDE.fullmatch(f"{name}.{ORIGINAL[child_name]}"):
-                names.append(f"{name}.{child_name}")
-    return names
+            if isinstance(child, nn.Linear) and child_name in ORIGINAL:
+                original = f"{name}.{ORIGINAL[child_name]}"
+                candidates.append((f"{name}.{child_name}", original, bool(EXCLUDE.fullmatch(original))))
+    return target_patterns.selected(candidates, net, "Wan")
 
 
 def original_path(path: str) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from library.families.shared import target_patterns
 from library.families.shared.lora_keys import ALPHA, DOWN, UP, add_missing_alphas, from_peft_key, split_fused
 from library.families.shared.musubi_flow import plain_lora_problems
 
@@ -32,16 +33,22 @@ BLOCK_LINEARS = ("attention.to_q", "attention.to_k", "attention.to_v", "attentio
 _EXCLUDE = re.compile(r".*(_modulation|_refiner).*")  # musubi's lora_zimage exclude pattern
 _OURS = re.compile(rf"^{PREFIX}_(layers|noise_refiner|context_refiner)_(\d+)_(.+)$")
 _DOTTED = {name.replace(".", "_"): name for name in BLOCK_LINEARS} | {"adaLN_modulation_0": "adaLN_modulation.0"}
+_BLOCK = re.compile(r"^(?:layers|noise_refiner|context_refiner)\.\d+\.(.+)$")
 _COMFY_QKV = re.compile(rf"^{PREFIX}_(layers|noise_refiner|context_refiner)_(\d+)_attention_qkv$")
 
 
 def targets(transformer: nn.Module, net: Any) -> list[str]:
-    """musubi's lora_zimage targets in a diffusers ZImageTransformer2DModel."""
+    """musubi's lora_zimage targets in a diffusers ZImageTransformer2DModel, narrowed or widened (the refiners)
+    by the run's exclude / include patterns."""
     problems = plain_lora_problems(net, "Z-Image", "networks.lora_zimage")
     if problems:
         raise ValueError("; ".join(problems))
-    return [name for name, module in transformer.named_modules()
-            if isinstance(module, nn.Linear) and name.startswith("layers.") and not _EXCLUDE.fullmatch(name)]
+    candidates = []
+    for name, module in transformer.named_modules():
+        block = _BLOCK.match(name)
+        if isinstance(module, nn.Linear) and block is not None and block.group(1) in _DOTTED.values():
+            candidates.append((name, name, bool(_EXCLUDE.fullmatch(name))))  # musubi's names are diffusers'
+    return target_patterns.selected(candidates, net, "Z-Image")
 
 
 def _module_path(kohya_name: str) -> str | None:
