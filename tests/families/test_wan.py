@@ -178,13 +178,16 @@ MUSUBI_BLOCK = ("self_attn_q", "self_attn_k", "self_attn_v", "self_attn_o", "cro
                 "cross_attn_v", "cross_attn_o", "ffn_0", "ffn_2")
 
 
-def our_lora(transformer, rank=4, alpha=2.0, seed=0):
-    """A random LoRA over our targets, in the file's (musubi's) names."""
-    from library.config.network_args import NetworkArgs
+CROSS_KV = ("exclude_patterns=[r'.*']", r"include_patterns=[r'.*cross_attn\.(k|v)', 'blocks\.1\.ffn\.2']")
+
+
+def our_lora(transformer, rank=4, alpha=2.0, seed=0, network_args=()):
+    """A random LoRA over our targets (narrowed by `network_args`), in musubi's names."""
+    from library.config.network_args import parse_network_args
 
     g = torch.Generator().manual_seed(seed)
     state = {}
-    for path in wan_lora.targets(transformer, NetworkArgs()):
+    for path in wan_lora.targets(transformer, parse_network_args(list(network_args), None, "networks.lora_wan")[0]):
         layer = transformer.get_submodule(path)
         key = "lora_unet_" + wan_lora.original_path(path).replace(".", "_")
         state[f"{key}.lora_down.weight"] = torch.randn(rank, layer.in_features, generator=g)
@@ -216,18 +219,25 @@ def test_targets_and_keys_are_musubis_lora_wan(components):
         k for k in ours if k.endswith(".alpha")}
 
 
-def test_diffusers_load_lora_weights_consumes_every_key_with_the_same_change(wan21, components):
-    """WanPipeline.load_lora_weights on our file (its musubi converter raises on any key left over): every module
-    becomes a LoRA layer whose weight change equals ours (alpha / rank applied)."""
+@pytest.mark.parametrize("network_args", [(), CROSS_KV], ids=["every-layer", "layers-left-out"])
+def test_diffusers_load_lora_weights_consumes_every_key_with_the_same_change(wan21, components, network_args):
+    """WanPipeline.load_lora_weights on our file (its converters raise on any key left over): every module
+    becomes a LoRA layer whose weight change equals ours (alpha / rank applied). With layers left out the file is
+    in the original names behind diffusion_model. (diffusers' musubi converter needs every layer)."""
     from diffusers import WanPipeline
 
     from library.families.loading import load_components
 
     fresh = load_components(wan21)
-    ours = our_lora(components.denoiser)
+    ours = our_lora(components.denoiser, network_args=network_args)
+    written = wan_lora.to_file(ours)
+    assert all(key.startswith("lora_unet_" if not network_args else "diffusion_model.") for key in written)
+    read = wan_lora.from_file(written)
+    assert read.keys() == ours.keys() and all(torch.equal(read[k], ours[k]) for k in ours)
     pipe = WanPipeline(tokenizer=fresh.tokenizers[0], text_encoder=fresh.text_encoders[0], vae=fresh.vae.vae,
                        scheduler=fresh.noise_scheduler, transformer=fresh.denoiser)
-    pipe.load_lora_weights(wan_lora.to_file(ours), adapter_name="ours")
+    # (diffusers' converter of diffusion_model. keys scales the given tensors in place, as a file's are)
+    pipe.load_lora_weights({key: tensor.clone() for key, tensor in written.items()}, adapter_name="ours")
     loaded = {name: module for name, module in pipe.transformer.named_modules() if hasattr(module, "lora_A")}
     assert {"lora_unet_" + wan_lora.original_path(name).replace(".", "_") for name in loaded} == \
         {k.split(".")[0] for k in ours}
@@ -236,21 +246,33 @@ def test_diffusers_load_lora_weights_consumes_every_key_with_the_same_change(wan
         torch.testing.assert_close(module.get_delta_weight("ours"), expected, rtol=1e-5, atol=1e-6)
 
 
-def test_comfyui_key_rule_applies_every_key_to_its_weight(components):
+@pytest.mark.parametrize("network_args", [(), CROSS_KV], ids=["every-layer", "layers-left-out"])
+def test_comfyui_key_rule_applies_every_key_to_its_weight(components, network_args):
     """ComfyUI's Wan model keeps the original names; comfy/lora.py names each `diffusion_model.<path>.weight`
-    `lora_unet_<path with _>` and adds up @ down * alpha / rank. Every module of our file names such a weight, and
-    the patched original-layout weights equal the diffusers model's with our change merged, converted."""
+    `lora_unet_<path with _>` and `diffusion_model.<path>`, reads lora_down / lora_up or lora_A / lora_B, and adds
+    up @ down * alpha / rank. Every module of our file names such a weight, and the patched original-layout weights
+    equal the diffusers model's with our change merged, converted."""
     from library.families.wan.tiny import original_state_dict
 
     transformer = components.denoiser
-    ours = our_lora(transformer)
+    ours = our_lora(transformer, network_args=network_args)
     native = original_state_dict(transformer)
     key_map = {"lora_unet_" + k[:-len(".weight")].replace(".", "_"): k for k in native if k.endswith(".weight")}
+    key_map |= {"diffusion_model." + k[:-len(".weight")]: k for k in native if k.endswith(".weight")}
+    written = wan_lora.to_file(ours)
+    roles = {"lora_down.weight": "lora_down.weight", "lora_up.weight": "lora_up.weight", "alpha": "alpha",
+             "lora_A.weight": "lora_down.weight", "lora_B.weight": "lora_up.weight"}
+    file = {}  # the file as ComfyUI reads it: each key's module -> its weight's kohya name
+    for key, tensor in written.items():
+        module, role = next((key[:-len(r) - 1], r) for r in roles if key.endswith("." + r))
+        assert module in key_map, key
+        file[f"lora_unet_{key_map[module][:-len('.weight')].replace('.', '_')}.{roles[role]}"] = tensor
+    assert file.keys() == ours.keys()
     names = {k.split(".")[0] for k in ours}
     assert names <= set(key_map)
     patched = dict(native)
     for name in names:
-        patched[key_map[name]] = native[key_map[name]] + file_delta(ours, name)
+        patched[key_map[name]] = native[key_map[name]] + file_delta(file, name)
     merged = {k: v.clone() for k, v in transformer.state_dict().items()}
     for name in names:
         merged[wan_lora.module_path(name) + ".weight"] += file_delta(ours, name)

@@ -11,8 +11,15 @@ The file is musubi's: the original Wan names, `lora_unet_blocks_<i>_self_attn_q.
 and `.alpha`. It is the layout both other readers take as it is: ComfyUI's Wan model keeps the original names, and
 comfy/lora.py maps `lora_unet_<path with _>` onto `diffusion_model.<path>.weight`; diffusers'
 WanPipeline.load_lora_weights converts keys starting with `lora_unet_` (_convert_musubi_wan_lora_to_diffusers) and
-raises on any key left over. Both scale by alpha / rank. `from_file` reads this layout and the diffusers / peft one
-(`transformer.` or `diffusion_model.` + either naming, `lora_A` / `lora_B`; alpha = rank when absent).
+raises on any key left over. Both scale by alpha / rank.
+
+That converter also raises on a missing layer: it needs every layer of blocks 0 to n - 1. So a LoRA with layers
+left out (musubi's exclude_patterns) is written in the original names behind `diffusion_model.`, with diffusers'
+`lora_A` / `lora_B` and `.alpha` (`diffusion_model.blocks.0.cross_attn.k.lora_A.weight`): ComfyUI maps every
+`diffusion_model.<path>` onto its weight and reads lora_A / lora_B, and diffusers converts `diffusion_model.` keys
+with _convert_non_diffusers_wan_lora_to_diffusers, which takes the layers present. `from_file` reads both layouts
+and the diffusers / peft one (`transformer.` or `diffusion_model.` + either naming, `lora_A` / `lora_B`; alpha = rank
+when absent).
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ from library.families.shared.lora_keys import ALPHA, DOWN, UP, add_missing_alpha
 from library.families.shared.musubi_flow import plain_lora_problems
 
 PREFIX = "lora_unet"
+FILE_PREFIX = "diffusion_model."  # the layout of a file with layers left out
 BLOCK_CLASS = "WanTransformerBlock"
 EXCLUDE = re.compile(r".*(patch_embedding|text_embedding|time_embedding|time_projection|norm|head).*")
 # diffusers' name inside a block -> the original (musubi's, ComfyUI's) name
@@ -82,13 +90,35 @@ def module_path(kohya_name: str) -> str | None:
 
 
 def to_file(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our export is musubi's layout already (the family names modules by their original paths); a key it cannot
-    name is a programming error."""
+    """Our export is musubi's layout already (the family names modules by their original paths), written as it is
+    when it holds every layer of blocks 0 to n - 1; one with layers left out (exclude_patterns) is written in the
+    original names behind `diffusion_model.` (see the module's doc). A key it cannot name is a programming error."""
+    names = set()
     for key in state_dict:
         name, _, role = key.partition(".")
         if module_path(name) is None or role not in (DOWN, UP, ALPHA):
             raise ValueError(f"{key}: not a Wan LoRA key this trainer writes")
-    return dict(state_dict)
+        names.add(name)
+    if _every_layer(names):
+        return dict(state_dict)
+    roles = {DOWN: "lora_A.weight", UP: "lora_B.weight", ALPHA: "alpha"}
+    out = {}
+    for key, tensor in state_dict.items():
+        name, _, role = key.partition(".")
+        out[f"{FILE_PREFIX}{original_path(module_path(name))}.{roles[role]}"] = tensor
+    return out
+
+
+def _every_layer(names: set[str]) -> bool:
+    """Whether diffusers' musubi converter reads a file of these modules: it takes the count of block numbers as
+    the blocks and pops each one's ten layers (twelve in an I2V LoRA), raising on a missing one."""
+    inner = [original.replace(".", "_") for original in DIFFUSERS]
+    image = [name for name in inner if name.endswith("_img")]
+    per_block = [name for name in inner if name not in image]
+    if any(name.endswith(tuple(image)) for name in names):
+        per_block += image
+    blocks = {int(_OURS.match(name).group(1)) for name in names}
+    return all(f"{PREFIX}_blocks_{block}_{layer}" in names for block in range(len(blocks)) for layer in per_block)
 
 
 def from_file(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
