@@ -97,21 +97,21 @@ import train_network
 import library.families.registry  # the families' options, before the config is parsed
 from library.config import parse_config
 train_network.hide_unused_packages(parse_config(argv)[0])  # as train_network.py does before any library loads
-from library.training import loop, setup
+from library.training import base_loading, loop, setup
 def marking(function, phase):
     def marked(*args, **kwargs):
         result = function(*args, **kwargs)
         mark(phase)
         return result
     return marked
-original_load = setup.load_components
+original_load = base_loading.load_components
 def load_components(*args, **kwargs):
     if "start" not in record["marks"]:
         mark("start")  # what the process holds before any model is read (its libraries): the check's baseline
     result = original_load(*args, **kwargs)
     mark("load" if "load" not in record["marks"] else "load_denoiser")  # a run by phase reads the denoiser apart
     return result
-setup.load_components = load_components
+base_loading.load_components = load_components
 setup.build_model = marking(setup.build_model, "quantize")
 def caching(function):  # a run by phase fills its caches in encode_first, another in prepare_inputs
     def marked(*args, **kwargs):

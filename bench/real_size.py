@@ -57,15 +57,15 @@ def status():
 import train_network
 from library.config import parse_config
 train_network.hide_unused_packages(parse_config(argv)[0])  # as train_network.py does before any library loads
-from library.training import loop, setup
-original_load = setup.load_components
+from library.training import base_loading, loop, setup
+original_load = base_loading.load_components
 def load_components(*args, **kwargs):
     started = time.time()
     result = original_load(*args, **kwargs)
     memory = status()
     record["load"] = {"seconds": time.time() - started, "rss_mib": memory["VmRSS"], "peak_rss_mib": memory["VmHWM"]}
     return result
-setup.load_components = load_components
+base_loading.load_components = load_components
 original_cache = setup.cache_inputs
 def cache_inputs(*args, **kwargs):
     started = time.time()
@@ -80,7 +80,8 @@ def cache_inputs(*args, **kwargs):
         record["caching"]["reset"] = False
     record["caching"]["rss_mib"] = status()["VmRSS"]
     return result
-setup.cache_inputs = cache_inputs
+setup.cache_inputs = cache_inputs  # caching in one phase
+base_loading.cache_inputs = cache_inputs  # caching first, by phase
 original_log_step = loop.Trainer.log_step
 def log_step(self, *args, **kwargs):
     original_log_step(self, *args, **kwargs)

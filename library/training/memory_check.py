@@ -1,6 +1,6 @@
 """The memory check before a run loads its base: the estimate (library.memory.estimate) against what the device
-has, naming the options that would fit when it does not. A run by phase (library.training.setup.encode_first) is
-planned by phase: its largest phase must fit."""
+has, naming the options that would fit when it does not. A run by phase
+(library.training.base_loading.encode_first) is planned by phase: its largest phase must fit."""
 from __future__ import annotations
 
 import logging

@@ -1,8 +1,6 @@
 """Everything a run builds before its first step: seed, data, model, caches, optimizer, accelerator state, resume."""
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 import secrets
@@ -18,20 +16,15 @@ from accelerate.utils import DistributedType, broadcast_object_list, set_seed
 from torch.utils.data import DataLoader
 
 from library.config import Config, UserError
-from library.config.network_args import network_args_of
-from library.core.memory import return_free_heap
 from library.data.dataset import TrainingData, build_training_data
-from library.families.entry import FramesRule
 from library.families.family import Components
-from library.families.loading import load_components, musubi_autoencoder, reads_by_part
+from library.families.loading import musubi_autoencoder
 from library.families.objective import Objective
-from library.families.registry import entry_for, file_options
-from library.families.settings import FamilySettings, settings_from
-from library.families.shared.vae_file import load_vae
-from library.memory.precision import BasePrecision, reading
+from library.families.registry import entry_for
+from library.families.settings import FamilySettings
+from library.memory.precision import BasePrecision
 from library.monitoring.sampling import SamplePrompt, load_prompts
 from library.monitoring.tracking import StepMetrics, TimestepLoss, lr_names
-from library.network import lora
 from library.network.metadata import (
     DatasetFacts,
     FamilyFlags,
@@ -51,10 +44,10 @@ from library.training.accelerator import (
     zero3,
     zero3_refusals,
 )
-from library.training.base_weights import merge_base_weights
-from library.training.caching import CachePlan, cache_inputs, plan_caching, release_encoders
+from library.training.base_loading import encode_first, give_back_memory, load_base, load_denoiser
+from library.training.caching import CachePlan, cache_inputs, release_encoders
+from library.training.fingerprint import path_settings, run_fingerprint
 from library.training.hub import HUB_STATE_FOLDER, download_state, parse_hub_state
-from library.training.memory_check import batch_tokens, check_memory
 from library.training.model import (
     SAVE_DTYPES,
     WEIGHT_DTYPES,
@@ -66,7 +59,6 @@ from library.training.model import (
     load_lora_files,
     lora_modules,
     network_spec,
-    place_encoders,
     save_lora,
     trained_parts,
 )
@@ -219,113 +211,6 @@ def resume_point(config: Config, accelerator: Accelerator, output_dir: Path) -> 
     return resume_dir, TrainState.read(resume_dir)
 
 
-def may_run_by_phase(config: Config) -> bool:
-    """Whether the run may go by phase (encode_first) once its caching plan says the text encoders' outputs are
-    cached: not with base_weights, which are merged into the text encoders and the denoiser together."""
-    return not config.base_weights
-
-
-def predicted_by_phase(config: Config, data: TrainingData) -> bool:
-    """Before loading, whether encode_first will run the text encoders in a phase of their own: their outputs
-    cached (as plan_caching will say) and none trained. A family's own rules (one that never trains its text
-    encoders, an edit model whose prompt reads its control images) are known once it is loaded: a run that leaves
-    either to them, or whose dataset has control images, is taken as one phase, the stricter check."""
-    if not may_run_by_phase(config):
-        return False
-    explicit = config.cache_text_encoder_outputs or config.cache_text_encoder_outputs_to_disk  # checked frozen
-    trains = not explicit and not config.network_train_unet_only and network_args_of(config).trains_text_encoder
-    controls = any(record.controls for record in data.records)
-    return plan_caching(config, data, trains, controls).text and not trains
-
-
-def load_base(config: Config, accelerator: Accelerator, data: TrainingData, weight_dtype: torch.dtype,
-              vae_dtype: torch.dtype, sampling: bool = False,
-              frames_rule: FramesRule | None = None) -> tuple[Components, FamilySettings]:
-    """The frozen base, checked against the memory available first, read in its storage precision and configured
-    for the run (its family's settings, a replacement VAE, merged base weights); and those settings. Where the
-    run may go by phase and the model's loader reads by part (a transformer family's diffusers folder or files), the
-    denoiser is left out here (on the meta device) and read by load_denoiser once the caches are filled.
-    `frames_rule`: the family's clip lengths (its registry entry's), which the memory check's tokens count."""
-    precision = BasePrecision.from_config(config, weight_dtype)
-    check_memory(config, accelerator.device, accelerator.num_processes, precision, vae_dtype,
-                 by_phase=predicted_by_phase(config, data), sampling=sampling,
-                 tokens=batch_tokens(data, frames_rule.step if frames_rule else None))
-    later = may_run_by_phase(config) and reads_by_part(config.pretrained_model_name_or_path)
-    components = read_base(config, precision, weight_dtype, vae_dtype, frozenset({"denoiser"} if later else ()))
-    if config.vae is not None:  # kohya's separate VAE file
-        components.vae = load_vae(config.vae, components.vae, vae_dtype)
-    settings = settings_from(components.family.settings_type, config)
-    family = components.family = components.family.configured(settings)
-    if not is_meta(components.denoiser):
-        family.prepare_denoiser(components.denoiser, [spec.resolution for spec in data.specs])
-    merge_base_weights(components, config.base_weights, config.base_weights_multiplier)  # before any cache
-    if config.weighted_captions and not family.offers_weighted_captions:
-        raise UserError(f"weighted_captions is not offered for {family.name}: sd-scripts weights captions for the "
-                        "CLIP text encoders of SD1.x, SD2.x and SDXL only (its SD3 and FLUX tokenizers have no "
-                        "weighting: the option fails there at the first step); remove it")
-    return components, settings
-
-
-def read_base(config: Config, precision: BasePrecision, weight_dtype: torch.dtype, vae_dtype: torch.dtype,
-              skip: frozenset[str]) -> Components:
-    """The model's parts but those in `skip` (LoadRequest.skip), read in their storage precision."""
-    # Separate component files (kohya's FLUX files) are read straight into their storage precision (fp8 files stay
-    # fp8). A single SD checkpoint is not: diffusers' from_single_file casts what it is given to the training dtype.
-    # Text encoder files (kohya's CLIP and T5, musubi-tuner's Qwen / Mistral / UMT5 file) are lowered as they are
-    # read: a 7 B Qwen2.5-VL read in float32 first would take 30 GiB.
-    files = {name: getattr(config, name) for name in file_options()}
-    separate = any(files[name] for name in ("clip_l", "t5xxl", "ae") if name in files)
-    text_files = [files[name] for name in ("clip_l", "clip_g", "t5xxl", "text_encoder", "t5") if files.get(name)]
-    with reading(precision.read_rule([config.pretrained_model_name_or_path] if separate else [], text_files)):
-        return load_components(config.pretrained_model_name_or_path, config.v2, config.v_parameterization,
-                               weight_dtype, vae_dtype, config.model_config, config.allow_pickle_checkpoints,
-                               model_version=config.model_version, skip=skip, **files)
-
-
-def is_meta(module: torch.nn.Module) -> bool:
-    return any(p.is_meta for p in module.parameters())
-
-
-def encode_first(config: Config, accelerator: Accelerator, data: TrainingData, components: Components,
-                 vae_dtype: torch.dtype, sampling: bool) -> tuple[CachePlan, bool]:
-    """The caching plan, and the run's first phase where it goes by phase: when the text encoders are not trained
-    and their outputs are cached, they and the VAE are placed, fill the caches and are freed (their memory given
-    back) before the denoiser is read or placed. Whether it ran. With sample prompts the encoders wait on the CPU
-    (sampling encodes its prompts with them, as in a run without phases), else their weights are dropped."""
-    train_text_encoder = trained_parts(config, components.family)[1]
-    caching = plan_caching(config, data, train_text_encoder, components.family.prompt_reads_controls)
-    if not (may_run_by_phase(config) and caching.text and not train_text_encoder):
-        return caching, False
-    logger.info("by phase: the text encoders%s fill the caches and are freed before the denoiser is %s",
-                " and the VAE" if caching.latents else "",
-                "read and placed" if is_meta(components.denoiser) else "placed")
-    place_encoders(config, components, accelerator.device)
-    cache_inputs(config, data, components, accelerator, vae_dtype, caching)
-    release_encoders(components, None, caching, train_text_encoder, sampling, accelerator.device,
-                     validating=data.validation is not None)
-    give_back_memory(accelerator.device)
-    return caching, True
-
-
-def give_back_memory(device: torch.device) -> None:
-    """Freed weights' memory back to the system (glibc's heap) and, on CUDA, out of torch's cache."""
-    return_free_heap()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def load_denoiser(config: Config, components: Components, data: TrainingData, weight_dtype: torch.dtype,
-                  vae_dtype: torch.dtype) -> None:
-    """The denoiser that load_base left out, read without the text encoders (the VAE is read again, and dropped:
-    FLUX.2's and Qwen-Image's loaders read its statistics) and prepared for the run by its family, in place of the
-    meta one."""
-    if not is_meta(components.denoiser):
-        return
-    precision = BasePrecision.from_config(config, weight_dtype)
-    components.denoiser = read_base(config, precision, weight_dtype, vae_dtype, frozenset({"text"})).denoiser
-    components.family.prepare_denoiser(components.denoiser, [spec.resolution for spec in data.specs])
-
-
 def prepare_inputs(config: Config, accelerator: Accelerator, output_dir: Path, data: TrainingData,
                    components: Components, model: DiffusionModel, trainable: list[torch.nn.Parameter],
                    vae_dtype: torch.dtype, sampling: bool, caching: CachePlan, encoded: bool = False) -> None:
@@ -475,62 +360,6 @@ def sample_prompts(config: Config) -> list[SamplePrompt]:
                        "sample_at_first: no samples will be made (the file is not read)")
         return []
     return load_prompts(config.sample_prompts, config.resolution)
-
-
-# --- what a state must share with this run ----------------------------------------------------------------------
-
-def run_fingerprint(config: Config, spec: NetworkSpec, components: Components,
-                    model: DiffusionModel) -> dict[str, Any]:
-    """What a state must share with this run to be resumed: the adapter's shape and the base architecture."""
-    train_unet, train_text_encoder = trained_parts(config, components.family)
-    return {
-        "network_module": config.network_module, "network_dim": spec.dim, "network_alpha": spec.alpha,
-        "network_args": list(config.network_args), "train_unet": train_unet,
-        "train_text_encoder": train_text_encoder, "optimizer_type": config.optimizer_type.lower(),
-        "lora_modules": _digest(sorted(name for prefix, module in lora_modules(model, config).items()
-                                       for name, _ in lora.lora_layers(module))),
-        "base_model_version": components.base_model_version,
-        "unet_config": _digest(_architecture(components.denoiser.config)),
-        "text_encoder_config": _digest(_architecture(components.text_encoder.config.to_dict())),
-    } | _adapters_of(components)
-
-
-def _adapters_of(components: Components) -> dict[str, Any]:
-    """The adapters of a family that trains several (a state of one cannot resume a run of the other); nothing for
-    one adapter, so that states saved before the key existed still resume."""
-    names = [adapter.name for adapter in components.family.lora_adapters()]
-    return {"lora_adapters": names} if len(names) > 1 else {}
-
-
-def _architecture(config: Any) -> dict[str, Any]:
-    return {k: v for k, v in dict(config).items() if not k.startswith("_") and k not in ("dtype", "torch_dtype")}
-
-
-def _digest(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-PATH_OPTIONS = ("seed", "train_batch_size", "gradient_accumulation_steps", "resolution", "train_data_dir",
-                "learning_rate", "unet_lr", "text_encoder_lr", "lr_scheduler", "lr_warmup_steps", "mixed_precision",
-                "max_grad_norm", "min_snr_gamma", "noise_offset", "min_timestep", "max_timestep", "network_dropout",
-                "optimizer_args", "v_parameterization", "full_fp16", "full_bf16", "clip_skip",
-                "max_token_length", "noise_offset_random_strength", "adaptive_noise_scale",
-                "multires_noise_iterations", "multires_noise_discount", "ip_noise_gamma",
-                "ip_noise_gamma_random_strength", "loss_type", "huber_schedule", "huber_c", "huber_scale",
-                "debiased_estimation_loss", "scale_v_pred_loss_like_noise_pred", "v_pred_like_loss",
-                "zero_terminal_snr", "masked_loss", "alpha_mask", "loraplus_lr_ratio", "loraplus_unet_lr_ratio",
-                "loraplus_text_encoder_lr_ratio", "scale_weight_norms", "ema_decay", "timestep_sampling",
-                "base_model_precision", "fp8_base", "fp8_base_unet",
-                "sigmoid_scale", "discrete_flow_shift", "model_prediction_type", "weighting_scheme", "logit_mean",
-                "logit_std", "mode_scale", "guidance_scale", "t5xxl_max_token_length", "apply_t5_attn_mask",
-                "base_weights", "base_weights_multiplier")
-
-
-def path_settings(config: Config, seed: int, data: TrainingData) -> dict[str, Any]:
-    values = {name: getattr(config, name) for name in PATH_OPTIONS}
-    values["seed"] = seed
-    values["dataset"] = data.fingerprint()
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
 
 
 def training_metadata(session: Session) -> dict[str, str]:

@@ -367,7 +367,7 @@ def test_with_an_fp8_base_the_text_encoder_file_is_read_in_fp8(tiny_qwen_image_d
     encoder read in float32 first would take 30 GiB), the transformer's too, and the VAE's stay float32."""
     from library.families.qwen_image.tiny import save_tiny_qwen_image_files
     from library.memory.precision import BasePrecision
-    from library.training.setup import read_base
+    from library.training.base_loading import read_base
     from tests.helpers.runs import make_config
 
     files = save_tiny_qwen_image_files(tiny_qwen_image_dir, tmp_path)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from library.training import setup
+from library.training import base_loading, setup
 from library.training.state import TrainState
 from tests.helpers.runs import TINY_RUN, train
 
@@ -39,7 +39,7 @@ class Spy:
         self.denoiser_meta_while_caching: list[bool] = []
         self.encoder_weights: list[weakref.ref] = []
         self.encoders_gone_while_building: list[bool] = []
-        read_base, cache_inputs, build_model = setup.read_base, setup.cache_inputs, setup.build_model
+        read_base, cache_inputs, build_model = base_loading.read_base, setup.cache_inputs, setup.build_model
 
         def spy_read(config, precision, weight_dtype, vae_dtype, skip):
             self.skips.append(skip)
@@ -48,7 +48,7 @@ class Spy:
 
         def spy_cache(config, data, components, *args, **kwargs):
             self.events.append("cache")
-            self.denoiser_meta_while_caching.append(setup.is_meta(components.denoiser))
+            self.denoiser_meta_while_caching.append(base_loading.is_meta(components.denoiser))
             self.encoder_weights += [weakref.ref(p) for e in components.text_encoders for p in e.parameters()]
             return cache_inputs(config, data, components, *args, **kwargs)
 
@@ -59,8 +59,9 @@ class Spy:
                 ref() is None or ref().is_meta for ref in self.encoder_weights))
             return build_model(config, components, device, spec, encoded)
 
-        monkeypatch.setattr(setup, "read_base", spy_read)
-        monkeypatch.setattr(setup, "cache_inputs", spy_cache)
+        monkeypatch.setattr(base_loading, "read_base", spy_read)
+        monkeypatch.setattr(setup, "cache_inputs", spy_cache)  # caching in one phase
+        monkeypatch.setattr(base_loading, "cache_inputs", spy_cache)  # caching first, by phase
         monkeypatch.setattr(setup, "build_model", spy_build)
 
 
@@ -95,7 +96,7 @@ def test_a_run_by_phase_equals_one_loaded_at_once(kind, tiny_flux_dir, tiny_qwen
     assert spy.denoiser_meta_while_caching == [True]
     assert spy.encoder_weights and spy.encoders_gone_while_building == [True]
 
-    monkeypatch.setattr(setup, "may_run_by_phase", lambda config: False)
+    monkeypatch.setattr(base_loading, "may_run_by_phase", lambda config: False)
     spy = Spy(monkeypatch)
     whole = train(model, sample_data_dir, tmp_path / "whole", *files, run=run)
     assert spy.events == ["read", "build", "cache"]  # the old order: all read and built, then cached
