@@ -37,6 +37,22 @@ def read_caption(image_path: Path, caption_extension: str, all_lines: bool = Fal
     return CaptionRead(None, None, None)
 
 
+def subset_caption(path: Path, subset: SubsetSpec, given_caption: str | None, given_from: Path | None,
+                  problems: list[str], why_empty: str = "") -> CaptionRead:
+    """The caption of one image or video: `given_caption` (read from the file `given_from`) when there is one, else
+    its caption file. A caption file that cannot be read, or a missing one in a subset without class tokens, adds a
+    problem; `why_empty` goes after "no caption file (...)" in that message."""
+    caption = (CaptionRead(given_caption, given_from, None) if given_caption is not None
+               else read_caption(path, subset.caption_extension, all_lines=subset.enable_wildcard))
+    if caption.problem:
+        problems.append(caption.problem)
+    elif caption.text is None and subset.class_tokens is None:
+        problems.append(f"{path}: no caption file ({subset.caption_extension}"
+                        f"{', .txt' if subset.caption_extension != '.txt' else ''}){why_empty}; it would train with "
+                        "an empty caption")
+    return caption
+
+
 def process_caption(caption: str, subset: SubsetSpec, epoch: int, rng: random.Random, step: int | None = None,
                     total_steps: int = 0) -> str:
     """kohya's process_caption: prefix/suffix, whole-caption dropout, wildcards, kept tokens, token warm-up,

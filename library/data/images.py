@@ -15,6 +15,11 @@ from library.config import UserError
 from library.data.dataset_config import DatasetSpec
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+
+
+def image_named(path: Path) -> bool:
+    # Hidden files such as macOS `._x.png` are not images.
+    return path.suffix.lower() in IMAGE_EXTENSIONS and not path.name.startswith(".")
 # The decoders that may legitimately read a file with each extension; anything else gets a warning.
 FORMATS_BY_EXTENSION = {".png": ("PNG",), ".jpg": ("JPEG", "MPO"), ".jpeg": ("JPEG", "MPO"), ".webp": ("WEBP",),
                         ".bmp": ("BMP",)}

@@ -1,14 +1,13 @@
 """Scanning the datasets: every image decoded and every caption read once, every problem collected with its path."""
 from __future__ import annotations
 
-import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from library.data.captions import CaptionRead, read_caption
+from library.data.captions import subset_caption
 from library.data.controls import (
     ControlImage,
     metadata_controls,
@@ -25,41 +24,31 @@ from library.data.images import (
     Bucketer,
     ImageProblem,
     center_crop,
+    image_named,
     inspect_image,
     read_mask,
 )
 from library.data.metadata import image_path, metadata_caption, read_metadata
+from library.data.scan_video import CheckResult, Listed, check_video, subset_videos, video_extraction
 from library.data.video import (
-    VIDEO_EXTENSIONS,
     Extraction,
     FramesRule,
-    VideoProblem,
-    clips,
     is_video_file,
-    probe_video,
-    rate_problem,
-    resampled,
-    target_frames_problems,
 )
 
 _SHOWN = 5  # paths listed per warning before "... and N more"
 
 
-def _image_named(path: Path) -> bool:
-    # Hidden files such as macOS `._x.png` are not images.
-    return path.suffix.lower() in IMAGE_EXTENSIONS and not path.name.startswith(".")
-
-
 def list_images(directory: Path) -> list[Path]:
     """Image files by extension (any case)."""
-    return sorted(p for p in directory.iterdir() if _image_named(p) and p.is_file())
+    return sorted(p for p in directory.iterdir() if image_named(p) and p.is_file())
 
 
 def dangling_links(directory: Path) -> list[str]:
     """Problems for image-named symlinks whose target is gone: left out silently, they shrink the dataset
     without anyone noticing (a moved or unmounted image folder)."""
     return [f"{p}: a symlink to {os.readlink(p)}, which does not exist"
-            for p in sorted(directory.iterdir()) if _image_named(p) and p.is_symlink() and not p.exists()]
+            for p in sorted(directory.iterdir()) if image_named(p) and p.is_symlink() and not p.exists()]
 
 
 # ------------------------------------------------------------------------------------------------------ records
@@ -121,22 +110,6 @@ def listing(paths: Sequence[Any]) -> str:
     return shown + (f" ... and {len(paths) - _SHOWN} more" if len(paths) > _SHOWN else "")
 
 
-def _read_caption(path: Path, subset: SubsetSpec, given_caption: str | None, given_from: Path | None,
-                  problems: list[str], why_empty: str = "") -> CaptionRead:
-    """The caption of one image or video: `given_caption` (read from the file `given_from`) when there is one, else
-    its caption file. A caption file that cannot be read, or a missing one in a subset without class tokens, adds a
-    problem; `why_empty` goes after "no caption file (...)" in that message."""
-    caption = (CaptionRead(given_caption, given_from, None) if given_caption is not None
-               else read_caption(path, subset.caption_extension, all_lines=subset.enable_wildcard))
-    if caption.problem:
-        problems.append(caption.problem)
-    elif caption.text is None and subset.class_tokens is None:
-        problems.append(f"{path}: no caption file ({subset.caption_extension}"
-                        f"{', .txt' if subset.caption_extension != '.txt' else ''}){why_empty}; it would train with "
-                        "an empty caption")
-    return caption
-
-
 def _check_image(path: Path, subset: SubsetSpec, bucketer: Bucketer, given_caption: str | None = None,
                  controls: tuple[Path, ...] | None = None) -> tuple[dict[str, Any] | None, list[str], list[str]]:
     """(record fields or None, problems, notes) for one image file; runs in a worker thread. `given_caption`:
@@ -149,7 +122,7 @@ def _check_image(path: Path, subset: SubsetSpec, bucketer: Bucketer, given_capti
         facts = inspect_image(path)
     except ImageProblem as e:
         problems.append(f"{path}: {e}")
-    caption = _read_caption(path, subset, given_caption, subset.metadata_file, problems,
+    caption = subset_caption(path, subset, given_caption, subset.metadata_file, problems,
                             " and the subset has no class tokens")
     control_sizes, control_problems = read_controls(controls or ())
     problems += control_problems if controls != () else [missing_control(path, subset)]
@@ -205,15 +178,12 @@ def scan_datasets(specs: Sequence[DatasetSpec], threads: int | None = None,
 # One image or video to check: its subset's report, the file, its dataset's bucketer, its caption from metadata (or
 # None), its control images (None in a subset without them), how clips are cut from it (None: an image).
 _Job = tuple[SubsetReport, Path, Bucketer, "str | None", "tuple[Path, ...] | None", "Extraction | None"]
-# One image of a subset: the image, its caption from metadata (or None), the control images its entry names (or None).
-_Listed = tuple[Path, "str | None", "tuple[Path, ...] | None"]
-_Result = tuple["list[dict[str, Any]] | None", list[str], list[str]]
 
 
-def _run_job(job: _Job) -> _Result:
+def _run_job(job: _Job) -> CheckResult:
     report, path, bucketer, caption, controls, extraction = job
     if extraction is not None and (path.is_dir() or is_video_file(path)):
-        return _check_video(path, report.spec, bucketer, caption, extraction)
+        return check_video(path, report.spec, bucketer, caption, extraction)
     fields_, problems, notes = _check_image(path, report.spec, bucketer, caption, controls)
     return (None if fields_ is None else [fields_]), problems, notes
 
@@ -229,8 +199,8 @@ def _list_jobs(specs: Sequence[DatasetSpec], scan: Scan, frames_rule: FramesRule
             scan.subsets.append(report)
             extraction = None
             if subset.is_video:
-                extraction = _extraction(subset, frames_rule, scan.problems)
-                listed = _subset_videos(subset, d, seen, scan) if extraction is not None else []
+                extraction = video_extraction(subset, frames_rule, scan.problems)
+                listed = subset_videos(subset, d, seen, scan.problems, scan.warnings) if extraction is not None else []
             else:
                 listed = _subset_images(subset, d, seen, scan)
             if not listed:
@@ -242,131 +212,7 @@ def _list_jobs(specs: Sequence[DatasetSpec], scan: Scan, frames_rule: FramesRule
     return jobs
 
 
-def _extraction(subset: SubsetSpec, rule: FramesRule | None, problems: list[str]) -> Extraction | None:
-    """How the subset's clips are cut for the model's family; None (with the problem) when they cannot be."""
-    where = subset.video_jsonl_file or subset.image_dir
-    if rule is None:
-        problems.append(f"{where}: a video dataset, and the model's family trains images only (video datasets "
-                        "train a video family such as Wan)")
-        return None
-    wrong = target_frames_problems(subset.target_frames, subset.frame_extraction, rule)
-    problems.extend(f"{where}: {p}" for p in wrong)
-    if wrong:
-        return None
-    return Extraction(subset.frame_extraction, subset.target_frames, subset.frame_stride, subset.frame_sample,
-                      subset.max_frames, subset.source_fps, rule.step, rule.fps)
-
-
-def _subset_videos(subset: SubsetSpec, dataset_index: int, seen: set[Path], scan: Scan) -> list[_Listed]:
-    """(video file, frame folder or image; caption from the JSONL or None; None) of one video subset."""
-    if subset.num_repeats == 0:
-        scan.warnings.append(f"{subset.video_jsonl_file or subset.image_dir}: num_repeats is 0; the dataset is not "
-                             "used")
-        return []
-    if subset.video_jsonl_file is not None:
-        return _video_jsonl(subset.video_jsonl_file, subset.image_dir, scan.problems)
-    directory = subset.image_dir
-    if directory.resolve() in seen:
-        scan.warnings.append(f"{directory}: the same folder is already a subset of dataset {dataset_index}; "
-                             "this one is ignored")
-        return []
-    seen.add(directory.resolve())
-    if not directory.is_dir():
-        scan.problems.append(f"{directory}: video_directory " + ("is not a folder" if directory.exists()
-                                                                 else "not found"))
-        return []
-    entries = sorted(p for p in directory.iterdir() if not p.name.startswith("."))
-    listed: list[_Listed] = [(p, None, None) for p in entries
-                             if (p.is_dir() or (p.is_file() and (is_video_file(p) or _image_named(p))))]
-    scan.problems.extend(f"{p}: a symlink to {os.readlink(p)}, which does not exist" for p in entries
-                         if p.is_symlink() and not p.exists() and (is_video_file(p) or _image_named(p)))
-    if not listed:
-        scan.problems.append(f"{directory}: no videos (extensions {', '.join(VIDEO_EXTENSIONS)}), frame folders or "
-                             "images")
-    return listed
-
-
-def _video_jsonl(path: Path, base: Path, problems: list[str]) -> list[_Listed]:
-    """musubi-tuner's video JSONL: {"video_path": ..., "caption": ...} per line; a video_path may be a frame
-    folder."""
-    try:
-        lines = path.read_text(encoding="utf-8-sig").splitlines()
-    except FileNotFoundError:
-        problems.append(f"{path}: video_jsonl_file not found")
-        return []
-    except (OSError, UnicodeDecodeError) as e:
-        problems.append(f"{path}: cannot read the video_jsonl_file: {e}")
-        return []
-    listed: list[_Listed] = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            entry = json.loads(line)
-            video, caption = entry["video_path"], entry["caption"]
-            if not isinstance(video, str) or not isinstance(caption, str):
-                raise TypeError("video_path and caption must be strings")
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            problems.append(f"{path}: line {number}: not a video entry {{\"video_path\": ..., \"caption\": ...}} "
-                            f"({type(e).__name__}: {e})")
-            continue
-        video_path = Path(video) if Path(video).is_absolute() else base / video
-        if not video_path.exists():
-            problems.append(f"{path}: line {number}: no video or frame folder {video_path}")
-            continue
-        listed.append((video_path, caption, None))
-    if not listed and not problems:
-        problems.append(f"{path}: no video entries")
-    return listed
-
-
-def _check_video(path: Path, subset: SubsetSpec, bucketer: Bucketer, given_caption: str | None,
-                 extraction: Extraction) -> _Result:
-    """(one record's fields per clip, or None; problems; notes) for a video file or frame folder."""
-    problems: list[str] = []
-    notes: list[str] = []
-    facts = None
-    try:
-        facts = probe_video(path)
-    except VideoProblem as e:
-        problems.append(f"{path}: {e}")
-    caption = _read_caption(path, subset, given_caption, subset.video_jsonl_file, problems)
-    if facts is None or problems:
-        return None, problems, notes
-    rate = rate_problem(facts, extraction.source_fps)
-    if rate:
-        return None, [f"{path}: {rate}"], notes
-    cut = clips(facts.frames, extraction)
-    if not cut:
-        return None, [f"{path}: {_too_short(path, facts.frames, extraction)}"], notes
-    lengths = {len(c) for c in cut}
-    if extraction.effective_mode != "full" and set(extraction.target_frames) - lengths:
-        notes.append(f"short:{path} ({facts.frames} frames: no clip of "
-                     f"{', '.join(map(str, sorted(set(extraction.target_frames) - lengths)))})")
-    if extraction.source_fps is None and facts.fps and not any(
-            abs(r - extraction.target_fps) <= extraction.target_fps * 0.01 for r in facts.fps):
-        notes.append(f"fps:{path} ({facts.fps[0]:.3g} fps)")
-    placement = bucketer.place(*facts.size)
-    if placement.problem:
-        return None, [f"{path}: {placement.problem}"], notes
-    text = caption.text if caption.text is not None else subset.class_tokens
-    return [{"path": path, "caption": text, "caption_from_file": caption.text is not None, "size": facts.size,
-             "bucket": placement.bucket, "resized": placement.resized, "frames": frames} for frames in cut], [], notes
-
-
-def _too_short(path: Path, frames: int, extraction: Extraction) -> str:
-    shortest = min(extraction.target_frames)
-    if frames == 1:
-        return (f"one frame only (a still {'GIF' if path.suffix.lower() == '.gif' else 'image'}), shorter than "
-                f"target_frames {shortest}; put it with the images")
-    kept = ""
-    if extraction.source_fps is not None:
-        kept = (f", {len(resampled(frames, extraction.source_fps, extraction.target_fps))} after resampling "
-                f"{extraction.source_fps:g} -> {extraction.target_fps:g} fps")
-    return f"{frames} frames{kept}, shorter than the shortest target_frames {shortest}: no clip can be cut"
-
-
-def _subset_images(subset: SubsetSpec, dataset_index: int, seen: set[Path], scan: Scan) -> Sequence[_Listed]:
+def _subset_images(subset: SubsetSpec, dataset_index: int, seen: set[Path], scan: Scan) -> Sequence[Listed]:
     """(image, caption from fine-tuning metadata or None, its control images or None) of one subset; none when the
     subset is not used, with the warning or problem that says why. `seen`: the dataset's folders so far."""
     directory = subset.image_dir
@@ -394,7 +240,7 @@ def _subset_images(subset: SubsetSpec, dataset_index: int, seen: set[Path], scan
     return _pair_controls(subset, listed, scan.problems)
 
 
-def _pair_controls(subset: SubsetSpec, listed: list[_Listed], problems: list[str]) -> list[_Listed]:
+def _pair_controls(subset: SubsetSpec, listed: list[Listed], problems: list[str]) -> list[Listed]:
     """The subset's images with their control images: those their metadata entry names, else those paired by stem
     in control_directory. Every image of a subset with control images needs some (an empty tuple: missing)."""
     named = {path: controls for path, _, controls in listed if controls is not None}
@@ -423,7 +269,7 @@ def _pair_controls(subset: SubsetSpec, listed: list[_Listed], problems: list[str
             if path not in clashes]
 
 
-def _add_result(scan: Scan, job: _Job, result: _Result, notes: dict[str, list[str]],
+def _add_result(scan: Scan, job: _Job, result: CheckResult, notes: dict[str, list[str]],
                 class_token_users: dict[int, list[Path]]) -> None:
     """One checked image or video: its problems, its notes by kind, and its records when it is usable."""
     report, path = job[0], job[1]
@@ -483,7 +329,7 @@ def _summary_warnings(subsets: list[SubsetReport], class_token_users: dict[int, 
     return warnings
 
 
-def _metadata_jobs(subset: SubsetSpec, problems: list[str]) -> list[_Listed]:
+def _metadata_jobs(subset: SubsetSpec, problems: list[str]) -> list[Listed]:
     """(image, caption, control images or None) of each entry of a subset's fine-tuning metadata; missing images
     are problems."""
     assert subset.metadata_file is not None
