@@ -18,7 +18,7 @@ from library.data.dataset import TrainingData
 from library.families.family import Components, Family, LoraAdapter
 from library.memory.offload import install_offloading
 from library.memory.precision import BasePrecision
-from library.monitoring.sampling import SamplePrompt
+from library.monitoring.sample_prompts import SamplePrompt
 from library.network import kohya_format
 from library.network import targets as network_setup
 from library.training import adapters as adapter_training

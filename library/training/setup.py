@@ -23,7 +23,7 @@ from library.families.objective import Objective
 from library.families.registry import entry_for
 from library.families.settings import FamilySettings
 from library.memory.precision import BasePrecision
-from library.monitoring.sampling import SamplePrompt, load_prompts
+from library.monitoring.sample_prompts import SamplePrompt, load_prompts
 from library.monitoring.tracking import StepMetrics, TimestepLoss, lr_names
 from library.network.metadata import (
     DatasetFacts,

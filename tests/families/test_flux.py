@@ -142,7 +142,8 @@ def test_sampling_uses_flow_match_euler_and_the_g_guidance(components, tmp_path)
     import numpy as np
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
-    from library.monitoring.sampling import SamplePrompt, generate_image, load_prompts
+    from library.monitoring.sample_prompts import SamplePrompt, load_prompts
+    from library.monitoring.sampling import generate_image
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a photo of sks dog --g 2.0 --s 3 --w 64 --h 64 --d 5\n")
@@ -189,7 +190,8 @@ def test_true_cfg_runs_the_negative_prompt_beside_the_positive_as_kohya_does(com
     import numpy as np
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
-    from library.monitoring.sampling import generate_image, load_prompts
+    from library.monitoring.sample_prompts import load_prompts
+    from library.monitoring.sampling import generate_image
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a photo of sks dog --s 2 --w 64 --h 64 --d 3\n"

@@ -15,7 +15,7 @@ from library.config import UserError
 from library.families.flux.family import Flux, pack_latents, unpack_latents
 from library.families.flux.kontext import FluxKontext, reference_ids
 from library.families.loading import load_components
-from library.monitoring.sampling import load_prompts
+from library.monitoring.sample_prompts import load_prompts
 from library.network import kohya_format
 from library.training.model import batch_controls, scale_latents
 from tests.helpers.datasets import write_pairs

@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image, ImageSequence
 
-from library.monitoring import sampling
+from library.monitoring import sample_prompts, sampling
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def test_a_five_frame_prompt_writes_wanpipelines_five_frames_as_an_animated_webp
 
     path = tmp_path / "prompts.txt"
     path.write_text("a photo of sks dog --n red --s 2 --w 64 --h 64 --d 3 --f 5\nan image --s 2 --w 64 --h 64\n")
-    prompts = sampling.load_prompts(path)
+    prompts = sample_prompts.load_prompts(path)
     assert [p.frames for p in prompts] == [5, None]
     out = tmp_path / "sample"
     clip, image = sampling.sample_images(prompts, sampling_models(components), out, "lora", base_seed=1, step=4)
@@ -56,7 +56,7 @@ def test_a_five_frame_prompt_writes_wanpipelines_five_frames_as_an_animated_webp
 
 def test_frame_counts_round_down_to_wans_4n_plus_1_as_musubi_does(components):
     family = components.family
-    assert [sampling.sample_frames(sampling.SamplePrompt("x", frames=f), family) for f in (None, 1, 4, 8, 9)] == [
+    assert [sampling.sample_frames(sample_prompts.SamplePrompt("x", frames=f), family) for f in (None, 1, 4, 8, 9)] == [
         1, 1, 1, 5, 9]
 
 

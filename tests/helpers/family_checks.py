@@ -31,7 +31,8 @@ def sampling_models(components, family=None):
 
 def sample(models, tmp_path: Path, lines: str) -> tuple[list, list[np.ndarray]]:
     """The prompts of a prompt file holding `lines`, and the image our sampler draws for each (seed 3)."""
-    from library.monitoring.sampling import generate_image, load_prompts
+    from library.monitoring.sample_prompts import load_prompts
+    from library.monitoring.sampling import generate_image
 
     path = tmp_path / "prompts.txt"
     path.write_text(lines)

@@ -15,8 +15,8 @@ from PIL import Image
 
 from library.config import UserError
 from library.families.loading import load_components
-from library.monitoring import sampling
-from library.monitoring.sampling import SamplePrompt
+from library.monitoring import sample_prompts, sampling
+from library.monitoring.sample_prompts import SamplePrompt
 from library.network import lora
 
 # diffusers' KDPM2 schedulers run numpy on torch tensors element by element: thousands of numpy 2 deprecation
@@ -68,8 +68,8 @@ def test_txt_every_option_defaults_and_comments(tmp_path, caplog):
         "  # an indented comment",
         "sks shape --W 72 --SS DPM++ 2M Karras --foo bar --n  --q 1",
     ]))
-    with caplog.at_level(logging.WARNING, logger="library.monitoring.sampling"):
-        prompts = sampling.load_prompts(path, default_size=(96, 80))
+    with caplog.at_level(logging.WARNING, logger="library.monitoring.sample_prompts"):
+        prompts = sample_prompts.load_prompts(path, default_size=(96, 80))
     assert prompts == [
         SamplePrompt("a red circle", "", 96, 80, None, 30, None, None, 0),
         SamplePrompt("a blue square", "blurry, dark", 96, 136, 42, 12, 4.5, "euler_a", 1),
@@ -81,10 +81,10 @@ def test_txt_every_option_defaults_and_comments(tmp_path, caplog):
 
 def test_default_size_rounds_like_kohya(tmp_path):
     path = write(tmp_path, "p.txt", "a --w 10 --h 519\nb\n")
-    first, second = sampling.load_prompts(path, default_size=770)
+    first, second = sample_prompts.load_prompts(path, default_size=770)
     assert (first.width, first.height) == (64, 512)
     assert (second.width, second.height) == (768, 768)
-    assert sampling.load_prompts(path)[1].width == 512
+    assert sample_prompts.load_prompts(path)[1].width == 512
 
 
 def test_toml_defaults_and_subset_overrides(tmp_path):
@@ -111,7 +111,7 @@ scale = 1.5
 seed = 9
 sample_sampler = "K_LMS"
 """)
-    assert sampling.load_prompts(path) == [
+    assert sample_prompts.load_prompts(path) == [
         SamplePrompt("a red circle", "lowres", 128, 64, 7, 3, 5.0, "heun", 0),
         SamplePrompt("a blue square", "", 200, 72, 9, 4, 1.5, "k_lms", 1),
     ]
@@ -123,8 +123,8 @@ def test_json_objects_and_kohya_lines(tmp_path, caplog):
          "negative_prompt": "x", "sample_sampler": "ddim", "sample_stpes": 5},
         "a blue square --w 80 --d 3",
     ]))
-    with caplog.at_level(logging.WARNING, logger="library.monitoring.sampling"):
-        prompts = sampling.load_prompts(path, default_size=64)
+    with caplog.at_level(logging.WARNING, logger="library.monitoring.sample_prompts"):
+        prompts = sample_prompts.load_prompts(path, default_size=64)
     assert prompts == [SamplePrompt("a red circle", "x", 64, 64, 1, 2, 3.0, "ddim", 0),
                        SamplePrompt("a blue square", "", 80, 64, 3, 30, None, None, 1)]
     assert "did you mean 'sample_steps'" in caplog.text
@@ -140,7 +140,7 @@ def test_every_problem_in_a_file_at_once(tmp_path):
         "d --d -1 --s 5000",
     ]))
     with pytest.raises(UserError) as info:
-        sampling.load_prompts(path)
+        sample_prompts.load_prompts(path)
     problems = info.value.problems
     assert all(str(path) in p for p in problems)
     expected = [("line 2", "--w 'abc'"), ("line 3", "--s '0'"), ("line 4", "--ss 'eulr'"), ("line 4", "--l 'lots'"),
@@ -162,27 +162,27 @@ negative_prompt = "no prompt here"
 sample_sampler = "nope"
 """)
     with pytest.raises(UserError) as info:
-        sampling.load_prompts(toml_path)
+        sample_prompts.load_prompts(toml_path)
     text = "\n".join(info.value.problems)
     assert "[[prompt.subset]] 1: width 'wide'" in text and "[[prompt.subset]] 2: width 'wide'" in text
     assert "[[prompt.subset]] 2: sample_sampler 'nope'" in text and "[[prompt.subset]] 2: no prompt" in text
 
     json_path = write(tmp_path, "bad.json", json.dumps([{"prompt": "a", "seed": 1.5}, 3, {"prompt": "b", "scale": -1}]))
     with pytest.raises(UserError) as info:
-        sampling.load_prompts(json_path)
+        sample_prompts.load_prompts(json_path)
     assert [p.split(": ")[1] for p in info.value.problems] == ["entry 1", "entry 2", "entry 3"]
 
 
 def test_musubis_frame_count_from_a_line_and_a_toml_entry(tmp_path):
     lines = write(tmp_path, "p.txt", "a dog runs --f 33\na cat --F 1\nbad --f 0\nworse --f many\n")
     with pytest.raises(UserError) as info:
-        sampling.load_prompts(lines)
+        sample_prompts.load_prompts(lines)
     assert [p.split(": ", 1)[1] for p in info.value.problems] == [
         "line 3: --f '0': must be between 1 and 1025", "line 4: --f 'many': not an integer"]
     lines.write_text("a dog runs --f 33\na cat --F 1\nstill\n")
-    assert [p.frames for p in sampling.load_prompts(lines)] == [33, 1, None]
+    assert [p.frames for p in sample_prompts.load_prompts(lines)] == [33, 1, None]
     table = write(tmp_path, "p.toml", "[prompt]\nframe_count = 9\n[[prompt.subset]]\nprompt = 'a'\n")
-    assert sampling.load_prompts(table)[0].frames == 9
+    assert sample_prompts.load_prompts(table)[0].frames == 9
 
 
 @pytest.mark.parametrize("name, text, message", [
@@ -196,7 +196,7 @@ def test_musubis_frame_count_from_a_line_and_a_toml_entry(tmp_path):
 def test_unreadable_files_are_user_errors(tmp_path, name, text, message):
     path = tmp_path / name if text is None else write(tmp_path, name, text)
     with pytest.raises(UserError, match=r"sample_prompts .*" + message.replace("[", r"\[").replace(".", r"\.")):
-        sampling.load_prompts(path)
+        sample_prompts.load_prompts(path)
 
 
 @pytest.mark.parametrize("text", ["", "# only a comment\n\n"])
@@ -204,7 +204,7 @@ def test_a_file_without_prompts_gives_no_samples(tmp_path, caplog, text):
     # the kohya_ss GUI writes an empty prompt file when its box is empty; sd-scripts then samples nothing
     path = write(tmp_path, "p.txt", text)
     with caplog.at_level(logging.INFO):
-        assert sampling.load_prompts(path) == []
+        assert sample_prompts.load_prompts(path) == []
     assert "holds no prompts: no sample images will be made" in caplog.text
 
 
