@@ -218,10 +218,10 @@ def read_mp4(path: Path) -> np.ndarray:
         return np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)])
 
 
-def lora_clips() -> dict[str, list[tuple[int, int, str]]]:
+def lora_clips(keep_per_digit: int = KEEP_CLIPS) -> dict[str, list[tuple[int, int, str]]]:
     """(real digit index, digit, motion) of the LoRA's clips, all of handwriting pretraining never used: "clips",
-    LORA_CLIPS of the held-out motion (the moving digits in turn), and "keep", KEEP_CLIPS of each digit in each
-    trained motion (the base's own motions, so that they stay as they were)."""
+    LORA_CLIPS of the held-out motion (the moving digits in turn), and "keep", `keep_per_digit` of each digit in
+    each trained motion (the base's own motions, so that they stay as they were)."""
     _, labels = load()
     _, held = split()
     rng = np.random.default_rng(LORA_SEED)
@@ -231,17 +231,17 @@ def lora_clips() -> dict[str, list[tuple[int, int, str]]]:
         out["clips"].append((int(rng.choice(held[labels[held] == digit])), digit, HELD_OUT_MOTION))
     for m in trained_motions():
         for digit in DIGITS:
-            for _ in range(KEEP_CLIPS):
+            for _ in range(keep_per_digit):
                 out["keep"].append((int(rng.choice(held[labels[held] == digit])), digit, m))
     return out
 
 
-def write_clips(root: Path) -> dict[str, int]:
+def write_clips(root: Path, keep_per_digit: int = KEEP_CLIPS) -> dict[str, int]:
     """The LoRA's dataset under `root`: clips/NN_<digit>.mp4 of the held-out motion with the trigger caption, and
     keep/NN_<digit>_<motion>.mp4 of the trained motions with theirs (.txt beside each). Returns the counts."""
     images, _ = load()
     counts = {}
-    for folder, items in lora_clips().items():
+    for folder, items in lora_clips(keep_per_digit).items():
         (root / folder).mkdir(parents=True, exist_ok=True)
         for k, (index, digit, m) in enumerate(items):
             stem = root / folder / (f"{k:02d}_{digit}" + ("" if m == HELD_OUT_MOTION else f"_{m}"))
@@ -332,8 +332,12 @@ def table(before: Mapping[str, float], after: Mapping[str, float] | None = None)
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", type=Path, required=True, help="write the LoRA's clips and captions here")
+    parser.add_argument("--keep-per-digit", type=int, default=KEEP_CLIPS,
+                        help=f"clips of each digit in each trained motion beside them (default {KEEP_CLIPS})")
     args = parser.parse_args(argv)
-    counts = write_clips(args.write)
+    if args.keep_per_digit < 0:
+        parser.error("--keep-per-digit must be 0 or more")
+    counts = write_clips(args.write, args.keep_per_digit)
     print(f"wrote {counts['clips']} clips of digits moving {HELD_OUT_MOTION} to {args.write / 'clips'} and "
           f"{counts['keep']} of the trained motions to {args.write / 'keep'}")
     return 0

@@ -5,12 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from library import digits
 from library.digits import motion
 
 REPO = Path(__file__).resolve().parents[2]
 CLIPS = REPO / "data" / "digits-wan"
+WIDE_CLIPS = REPO / "data" / "digits-wan-wide"
 
 
 def _real(digit: int) -> np.ndarray:
@@ -40,13 +42,15 @@ def test_the_judge_reads_each_motion_and_refuses_what_is_not_one():
     assert not motion.shows(seven_once, 4, "right")
 
 
-def test_the_committed_clips_are_what_the_tool_writes_and_show_their_captions(tmp_path):
-    counts = motion.write_clips(tmp_path)
-    assert counts == {"clips": motion.LORA_CLIPS, "keep": 3 * len(motion.DIGITS) * motion.KEEP_CLIPS}
+@pytest.mark.parametrize(("committed", "keep_per_digit"), [(CLIPS, motion.KEEP_CLIPS), (WIDE_CLIPS, 10)],
+                         ids=["digits-wan", "digits-wan-wide"])
+def test_the_committed_clips_are_what_the_tool_writes_and_show_their_captions(tmp_path, committed, keep_per_digit):
+    counts = motion.write_clips(tmp_path, keep_per_digit)
+    assert counts == {"clips": motion.LORA_CLIPS, "keep": 3 * len(motion.DIGITS) * keep_per_digit}
     for folder in ("clips", "keep"):
         written = sorted(p.name for p in (tmp_path / folder).iterdir())
-        assert written == sorted(p.name for p in (CLIPS / folder).iterdir())
-        for path in sorted((CLIPS / folder).glob("*.mp4")):
+        assert written == sorted(p.name for p in (committed / folder).iterdir())
+        for path in sorted((committed / folder).glob("*.mp4")):
             words = path.with_suffix(".txt").read_text(encoding="utf-8").split()
             written_caption = (tmp_path / folder / path.name).with_suffix(".txt").read_text(encoding="utf-8")
             assert path.with_suffix(".txt").read_text(encoding="utf-8") == written_caption
@@ -57,7 +61,8 @@ def test_the_committed_clips_are_what_the_tool_writes_and_show_their_captions(tm
             assert motion.shows(frames, digits.WORDS.index(words[0]), m), path
     # none of them shows handwriting the base was pretrained on
     pretrained, _ = motion.split()
-    assert not {i for items in motion.lora_clips().values() for i, _, _ in items} & set(pretrained.tolist())
+    assert not {i for items in motion.lora_clips(keep_per_digit).values() for i, _, _ in items} & set(
+        pretrained.tolist())
 
 
 def test_video_pretraining_holds_up_out_and_is_seeded():
