@@ -38,7 +38,7 @@ def read_caption(image_path: Path, caption_extension: str, all_lines: bool = Fal
 
 
 def subset_caption(path: Path, subset: SubsetSpec, given_caption: str | None, given_from: Path | None,
-                  problems: list[str], why_empty: str = "") -> CaptionRead:
+                   problems: list[str], why_empty: str = "") -> CaptionRead:
     """The caption of one image or video: `given_caption` (read from the file `given_from`) when there is one, else
     its caption file. A caption file that cannot be read, or a missing one in a subset without class tokens, adds a
     problem; `why_empty` goes after "no caption file (...)" in that message."""

@@ -123,7 +123,7 @@ def _check_image(path: Path, subset: SubsetSpec, bucketer: Bucketer, given_capti
     except ImageProblem as e:
         problems.append(f"{path}: {e}")
     caption = subset_caption(path, subset, given_caption, subset.metadata_file, problems,
-                            " and the subset has no class tokens")
+                             " and the subset has no class tokens")
     control_sizes, control_problems = read_controls(controls or ())
     problems += control_problems if controls != () else [missing_control(path, subset)]
     if facts is None or problems:

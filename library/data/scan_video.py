@@ -111,7 +111,7 @@ def _video_jsonl(path: Path, base: Path, problems: list[str]) -> list[Listed]:
 
 
 def check_video(path: Path, subset: SubsetSpec, bucketer: Bucketer, given_caption: str | None,
-                 extraction: Extraction) -> CheckResult:
+                extraction: Extraction) -> CheckResult:
     """(one record's fields per clip, or None; problems; notes) for a video file or frame folder."""
     problems: list[str] = []
     notes: list[str] = []
