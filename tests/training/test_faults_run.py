@@ -30,12 +30,12 @@ def data(small_dataset, tmp_path_factory) -> Path:
 
 def refuses_before_loading(monkeypatch):
     """Make loading the model fail loudly: a check that passes would reach it."""
-    from library.training import setup
+    from library.training import base_loading
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was loaded although a pre-flight check should have stopped the run")
 
-    monkeypatch.setattr(setup, "load_components", no_model)
+    monkeypatch.setattr(base_loading, "load_components", no_model)
 
 
 # --- case 3: an output folder that cannot be written ------------------------------------------------------------
