@@ -29,11 +29,10 @@ def selected(candidates: Iterable[Candidate], net: Any, family: str) -> list[str
     if not paths:
         raise ValueError(f"network_args exclude_patterns / include_patterns leave no {family} layer to train (they "
                          "are matched in full against the original module names, e.g. "
-                         f"{_example(net, candidates)})")
+                         f"{_example(candidates)})")
     return paths
 
 
-def _example(net: Any, candidates: list[Candidate]) -> str:
+def _example(candidates: list[Candidate]) -> str:
     names = [original for _, original, _ in candidates][:2]
     return " and ".join(repr(name) for name in names) or "none"
-
