@@ -16,6 +16,7 @@ import torch
 PREFIX = "lora_unet"
 DOWN, UP, ALPHA = "lora_down.weight", "lora_up.weight", "alpha"
 PEFT_ROLES = {"lora_A.weight": DOWN, "lora_B.weight": UP, "alpha": ALPHA}
+TO_PEFT_ROLES = {ours: peft for peft, ours in PEFT_ROLES.items()}
 
 
 def split_key(key: str) -> tuple[str, str]:

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from library.families.shared import target_patterns
-from library.families.shared.lora_keys import ALPHA, DOWN, UP, add_missing_alphas, from_peft_key
+from library.families.shared.lora_keys import ALPHA, DOWN, TO_PEFT_ROLES, UP, add_missing_alphas, from_peft_key
 from library.families.shared.musubi_flow import plain_lora_problems
 
 PREFIX = "lora_unet"
@@ -101,11 +101,10 @@ def to_file(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         names.add(name)
     if _every_layer(names):
         return dict(state_dict)
-    roles = {DOWN: "lora_A.weight", UP: "lora_B.weight", ALPHA: "alpha"}
     out = {}
     for key, tensor in state_dict.items():
         name, _, role = key.partition(".")
-        out[f"{FILE_PREFIX}{original_path(module_path(name))}.{roles[role]}"] = tensor
+        out[f"{FILE_PREFIX}{original_path(module_path(name))}.{TO_PEFT_ROLES[role]}"] = tensor
     return out
 
 

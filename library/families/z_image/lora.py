@@ -22,7 +22,13 @@ import torch
 from torch import nn
 
 from library.families.shared import target_patterns
-from library.families.shared.lora_keys import ALPHA, DOWN, UP, add_missing_alphas, from_peft_key, split_fused
+from library.families.shared.lora_keys import (
+    TO_PEFT_ROLES,
+    UP,
+    add_missing_alphas,
+    from_peft_key,
+    split_fused,
+)
 from library.families.shared.musubi_flow import plain_lora_problems
 
 PREFIX = "lora_unet"
@@ -61,14 +67,13 @@ def _module_path(kohya_name: str) -> str | None:
 
 def to_file(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our export (`lora_unet_<path with _>.lora_down.weight`, ...) -> the diffusers layout described above."""
-    roles = {DOWN: "lora_A.weight", UP: "lora_B.weight", ALPHA: "alpha"}
     out = {}
     for key, tensor in state_dict.items():
         name, _, role = key.partition(".")
         path = _module_path(name)
-        if path is None or role not in roles:
+        if path is None or role not in TO_PEFT_ROLES:
             raise ValueError(f"{key}: not a Z-Image LoRA key this trainer writes")
-        out[f"{FILE_PREFIX}{path}.{roles[role]}"] = tensor
+        out[f"{FILE_PREFIX}{path}.{TO_PEFT_ROLES[role]}"] = tensor
     return out
 
 
