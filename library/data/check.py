@@ -55,7 +55,7 @@ def dataset_report(config: Config, tokenizer: Any = None, num_processes: int = 1
                      f"{spec.batch_size}, {bucketing}")
         for report in (r for r in data.subsets if r.dataset_index == d):
             spec_s = report.spec
-            kind = "reg " if spec_s.is_reg else ""
+            kind = ("reg " if spec_s.is_reg else "") + ("prior_reg " if spec_s.prior_reg else "")
             usable = report.images - report.left_out
             source = spec_s.video_jsonl_file or spec_s.image_dir
             if not report.used:

@@ -89,6 +89,7 @@ class TrainingDataset(torch.utils.data.Dataset):
         item: dict[str, Any] = {
             "index": index, "path": str(record.path), "flipped": flipped,
             "loss_weight": self.prior_loss_weight if record.is_reg else 1.0,
+            "prior_reg": subset.prior_reg,
             "original_size": (record.size[1], record.size[0]),
             # SDXL's crop conditioning: pixels cropped from the top and the left of the resized image, as seen
             # after the flip.
@@ -152,6 +153,8 @@ def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
     if "text" in items[0]:
         batch["text"] = {key: torch.stack([item["text"][key] for item in items]) for key in items[0]["text"]}
     batch["loss_weight"] = torch.tensor([item["loss_weight"] for item in items], dtype=torch.float32)
+    if any(item["prior_reg"] for item in items):
+        batch["prior_reg"] = torch.tensor([item["prior_reg"] for item in items], dtype=torch.bool)
     if any("loss_mask" in item for item in items):
         # (B, 1, H, W); as in kohya, an image of a subset without masks counts everywhere.
         batch["loss_mask"] = torch.stack([item.get("loss_mask", torch.ones(item["target_size"]))
@@ -312,6 +315,8 @@ class TrainingData:
                 entry += (r.controls, r.subset.no_resize_control, r.subset.control_resolution)
             if r.frames is not None:  # the same for video clips
                 entry += (r.frames,)
+            if r.subset.prior_reg:  # and for the base's own targets
+                entry += ("prior_reg",)
             digest.update(repr(entry).encode())
         return digest.hexdigest()
 
@@ -380,8 +385,9 @@ def split_validation(candidates: Sequence[Any], fraction: float, seed: int) -> s
 
 def _hold_out(records: list[ImageRecord], fraction: float,
               seed: int) -> tuple[list[ImageRecord], list[ImageRecord]]:
-    """(training records, validation records): a seeded share of the training images (never regularisation)."""
-    candidates = [i for i, r in enumerate(records) if not r.is_reg]
+    """(training records, validation records): a seeded share of the training images (never regularisation, nor
+    the base's own targets of prior_reg)."""
+    candidates = [i for i, r in enumerate(records) if not r.is_reg and not r.subset.prior_reg]
     held = {candidates[i] for i in split_validation(candidates, fraction, seed)}
     return ([r for i, r in enumerate(records) if i not in held],
             [r for i, r in enumerate(records) if i in held])

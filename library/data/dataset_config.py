@@ -58,6 +58,9 @@ class SubsetSpec:
     control_directory: Path | None = field(default=None, repr=False)  # control images paired by file stem
     no_resize_control: bool = field(default=False, repr=False)  # keep their own size, rounded to bucket_reso_steps
     control_resolution: tuple[int, int] | None = field(default=None, repr=False)  # their own bucket at this area
+    # The target of these samples is the base model's own prediction (library.training.model.diffusion_loss). Out of
+    # the repr for the same reason; the fingerprint adds it when set.
+    prior_reg: bool = field(default=False, repr=False)
     # musubi-tuner's video datasets (library.data.video), left out of the repr as the control fields are: image_dir
     # is a video_directory (videos, frame folders and images), or video_jsonl_file names the videos.
     videos: bool = field(default=False, repr=False)

@@ -108,6 +108,8 @@ SUBSET_KEYS: dict[str, Callable[[Any], Any]] = {
     "token_warmup_min": _int, "token_warmup_step": _float, "face_crop_aug_range": _float_pair,
     # musubi-tuner's edit datasets: how control images are sized (library.data.controls)
     "no_resize_control": _bool, "control_resolution": _resolution,
+    # ai-toolkit's prior_reg: these samples teach the adapter to keep the base model's own prediction
+    "prior_reg": _bool,
 }
 SUBSET_ONLY_KEYS: dict[str, Callable[[Any], Any]] = {"image_dir": _str, "is_reg": _bool,
                                                      "conditioning_data_dir": _str, "metadata_file": _str,

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -167,6 +168,23 @@ def lora_parameters(model: nn.Module, adapter_name: str = "default") -> list[nn.
 def is_up_weight(layer: nn.Module, param: nn.Parameter, adapter_name: str = "default") -> bool:
     """Whether `param` is a LoRA up (B) weight, the one LoRA+ trains with a larger learning rate."""
     return _is_lora(layer) and param is layer.lora_B[adapter_name].weight
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """Inside the block `model` is its base alone: every adapter layer passes its base layer's output through.
+    peft's own switch (`enable_adapters`) also clears and sets requires_grad on the adapter weights, which would
+    change what the optimizer trains between two forwards of one step; this flips only the flag their forwards
+    read."""
+    layers = [module for module in model.modules() if _is_lora_wrapper(module)]
+    before = [layer._disable_adapters for layer in layers]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer, was in zip(layers, before, strict=True):
+            layer._disable_adapters = was
 
 
 def attach_lora(

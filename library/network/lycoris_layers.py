@@ -62,6 +62,7 @@ class AdapterLayer(nn.Module):
         self.base_layer = base_layer
         self.adapter_name = adapter_name
         self.module_dropout = module_dropout
+        self._disable_adapters = False  # as peft's layers name it: the base layer's output alone (lora.adapters_off)
 
     def get_base_layer(self) -> nn.Module:
         return self.base_layer
@@ -89,7 +90,9 @@ class AdapterLayer(nn.Module):
         return pairs, problems
 
     def _dropped(self) -> bool:
-        return bool(self.training and self.module_dropout and torch.rand(1) < self.module_dropout)
+        """Whether this call leaves the adapter out: switched off, or dropped by module_dropout."""
+        return self._disable_adapters or bool(self.training and self.module_dropout
+                                               and torch.rand(1) < self.module_dropout)
 
 
 def _copy(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

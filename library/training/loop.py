@@ -206,6 +206,8 @@ class Trainer:
                 extra["input_noise"] = input_noise
             if "loss_mask" in batch:
                 extra["mask"] = batch["loss_mask"]
+            if "prior_reg" in batch:
+                extra["prior"] = batch["prior_reg"]
             with accelerator.autocast():
                 conditioning = {**batch_conditioning(s.components.family, batch, s.components.vae, s.vae_dtype),
                                 **s.components.family.step_conditioning(latents.shape[0], generator)}

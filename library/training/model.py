@@ -16,11 +16,13 @@ from library.config.network_args import network_args_of
 from library.data.cache import check_finite_latents, sample_cached_latents
 from library.data.dataset import TrainingData
 from library.families.family import Components, Family, LoraAdapter
+from library.families.objective import per_sample_loss
 from library.memory.offload import install_offloading
 from library.memory.precision import BasePrecision
 from library.monitoring.sample_prompts import SamplePrompt
 from library.network import kohya_format
 from library.network import targets as network_setup
+from library.network.lora import adapters_off
 from library.training import adapters as adapter_training
 
 logger = logging.getLogger(__name__)
@@ -56,15 +58,27 @@ class DiffusionModel(torch.nn.Module):
 
 def diffusion_loss(model: torch.nn.Module, latents: torch.Tensor, text: Mapping[str, torch.Tensor],
                    conditioning: Mapping[str, torch.Tensor], noise: torch.Tensor, timesteps: torch.Tensor, obj: Any,
-                   input_noise: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+                   input_noise: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                   prior: torch.Tensor | None = None) -> torch.Tensor:
     """Per-sample loss of the model's prediction at the given noise and timesteps, as the objective defines it.
 
     `input_noise` (ip_noise_gamma) replaces `noise` in the noisy latents only; the target is built from `noise`.
     `mask` (batch, 1, H, W) in [0, 1] weights the loss per pixel (alpha_mask, masked_loss).
+    `prior` (batch,) bool marks the samples of `prior_reg` subsets: their target is the base model's own
+    prediction for the same input (the adapters off, no gradient), and their loss the mean squared difference of
+    the two predictions, so that the adapter learns to leave them as the base made them.
     """
     noisy = obj.noisy_latents(latents, noise if input_noise is None else input_noise, timesteps)
+    base_prediction = None
+    if prior is not None:
+        with torch.no_grad(), adapters_off(model):
+            base_prediction = model(noisy, timesteps, text, conditioning)
     prediction = model(noisy, timesteps, text, conditioning)
-    return obj.per_sample_loss(prediction, latents, noise, timesteps, mask, noisy=noisy)
+    loss = obj.per_sample_loss(prediction, latents, noise, timesteps, mask, noisy=noisy)
+    if base_prediction is None:
+        return loss
+    kept = per_sample_loss(prediction.float(), base_prediction.float(), "l2", None, mask)
+    return torch.where(prior.to(loss.device), kept.to(loss.dtype), loss)
 
 
 @torch.no_grad()

@@ -126,6 +126,7 @@ def subset_views(config: Config, roots: security.Roots, rule: FramesRule | None 
                               "problems": [r for key in keys for r in rejected.get(key, [])],
                               "controls": [{"path": str(c), "name": c.name} for c in controls]})
             subsets.append({"dir": str(directory), "repeats": subset.num_repeats, "is_reg": subset.is_reg,
+                            "prior_reg": subset.prior_reg,
                             "count": len(images), "items": items, "pairs": pairs is not None,
                             "control_dir": str(subset.control_directory or ""),
                             "unpaired": [c.name for c in unpaired],
@@ -234,6 +235,7 @@ def video_subset_view(subset: SubsetSpec, roots: security.Roots, rejected: dict[
                     f"max_frames {subset.max_frames}" if subset.frame_extraction == "full" else
                     f"target_frames {', '.join(map(str, subset.target_frames))}"))
     return {"dir": str(subset.video_jsonl_file or folder), "repeats": subset.num_repeats, "is_reg": subset.is_reg,
+            "prior_reg": subset.prior_reg,
             "count": len(listed), "items": items, "pairs": False, "video": True, "note": note,
             "note_is_problem": rule is None and model_set, "control_dir": "", "unpaired": [], "extension": extension,
             "rejected": sum(bool(item["problems"]) for item in items)}

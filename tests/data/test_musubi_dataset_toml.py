@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from library.config import ConfigError
-from library.data.dataset import build_training_data
+from library.data.dataset import build_training_data, collate
 from library.data.dataset_config import resolve_datasets
 from tests.helpers.datasets import noise_image
 from tests.helpers.runs import make_config
@@ -227,3 +227,29 @@ def test_a_kohya_dataset_keeps_its_subsets_and_needs_them(tmp_path):
     assert problems == [f"{tmp_path / 'dataset.toml'}: datasets[0]: no [[datasets.subsets]] table; each dataset "
                         "needs at least one image_dir (or, in musubi-tuner's shape, an image_directory or "
                         "image_jsonl_file of its own)"]
+
+
+def test_prior_reg_marks_its_samples_in_both_shapes_and_none_is_held_out(tmp_path):
+    a = captioned(tmp_path / "a", ("x", "y"))
+    b = captioned(tmp_path / "b", ("z", "w"))
+    musubi = (f'[general]\nresolution = 32\ncaption_extension = ".txt"\n'
+              f'[[datasets]]\nimage_directory = "{a}"\n[[datasets]]\nimage_directory = "{b}"\n')
+    kohya = (f'[general]\nresolution = 32\ncaption_extension = ".txt"\n'
+             f'[[datasets]]\n  [[datasets.subsets]]\n  image_dir = "{a}"\n'
+             f'[[datasets]]\n  [[datasets.subsets]]\n  image_dir = "{b}"\n')
+    plain = build_training_data(config_of(tmp_path, musubi, "plain.toml"), None, seed=0)
+    for text, name in ((musubi + "prior_reg = true\n", "musubi.toml"),
+                       (kohya + "  prior_reg = true\n", "kohya.toml")):
+        config = config_of(tmp_path, text, name)
+        data = build_training_data(config, None, seed=0)
+        assert {r.path.name: r.subset.prior_reg for r in data.records} == {
+            "x.png": False, "y.png": False, "z.png": True, "w.png": True}
+        batches = [collate([data.dataset[(0, i)] for i in batch]) for batch in data.sampler.batches(0)]
+        marked = {tuple(b["prior_reg"].tolist()) if "prior_reg" in b else None for b in batches}
+        assert marked == {None, (True,)}  # a batch without prior_reg samples carries no mark
+        assert data.fingerprint() != plain.fingerprint()
+        # The validation share is taken from the samples trained towards their images, never the base's own.
+        split = make_config(tmp_path, None, tmp_path / "o", "--dataset_config", str(tmp_path / name),
+                            "--validation_split", "0.5", run=RUN)
+        held = build_training_data(split, None, seed=0).validation
+        assert {r.path.name for r in held.records} <= {"x.png", "y.png"}

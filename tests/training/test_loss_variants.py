@@ -18,6 +18,7 @@ from library.families import objective
 from library.families.objective import DiffusionObjective as Objective
 from library.families.objective import LossOptions, NoiseOptions
 from library.families.settings import settings_from
+from library.network import lora
 from library.training.model import diffusion_loss
 
 # SNR a / (1 - a): 1999 (capped to 1000 where kohya caps it), 4, 1, 0.25.
@@ -138,6 +139,50 @@ def test_diffusion_loss_perturbs_the_input_only_and_applies_the_options():
     # A mask over the second element only: the loss there, 1, over an area of 1.
     loss = diffusion_loss(model, latents, {}, {}, noise, t, plain, mask=torch.tensor([[[[0.0, 1.0]]]]))
     torch.testing.assert_close(loss, torch.tensor([1.0]))
+
+
+class _LinearDenoiser(torch.nn.Module):
+    """A denoiser that is one Linear over the last axis, for a LoRA to attach to."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(2, 2, bias=False)
+
+    def forward(self, noisy: torch.Tensor, timesteps: torch.Tensor, text: dict, conditioning: dict) -> torch.Tensor:
+        return self.proj(noisy)
+
+
+@pytest.mark.parametrize("algo", ["lora", "ia3"])
+def test_prior_reg_samples_are_trained_towards_the_base_models_own_prediction(algo):
+    torch.manual_seed(0)
+    model = _LinearDenoiser()
+    lora.attach_lora(model, ["proj"], 2, 2.0, algo=algo)
+    with torch.no_grad():
+        for param in lora.lora_parameters(model):
+            param.add_(torch.randn_like(param))  # an adapter that has learned something (up is zero at init)
+    base_weight = model.proj.get_base_layer().weight.detach().clone()
+    alphas = torch.tensor([0.64, 0.36])  # sqrt: 0.8 and 0.6
+    latents = torch.tensor([[[[1.0, 2.0]]], [[[-1.0, 0.5]]]])
+    noise = torch.tensor([[[[0.5, -1.0]]], [[[2.0, 1.0]]]])
+    t = torch.tensor([0, 1])
+    plain = Objective(alphas, False, 0, 2, None, None)
+    noisy = torch.stack([0.8 * latents[0] + 0.6 * noise[0], 0.6 * latents[1] + 0.8 * noise[1]])
+    with torch.no_grad():
+        with_adapter = model(noisy, t, {}, {})
+    base = noisy @ base_weight.T
+    assert not torch.allclose(with_adapter, base)  # the adapter changes the output
+
+    loss = diffusion_loss(model, latents, {}, {}, noise, t, plain, prior=torch.tensor([True, False]))
+    # The prior sample against the base's prediction, the other against its noise, as without prior_reg.
+    expected = torch.stack([((with_adapter[0] - base[0]) ** 2).mean(), ((with_adapter[1] - noise[1]) ** 2).mean()])
+    torch.testing.assert_close(loss, expected)
+    loss[0].backward()
+    assert all(param.grad is not None and param.grad.abs().sum() > 0 for param in lora.lora_parameters(model))
+    # The adapter is on again afterwards, and what trains is unchanged.
+    with torch.no_grad():
+        torch.testing.assert_close(model(noisy, t, {}, {}), with_adapter)
+    assert all(param.requires_grad for param in lora.lora_parameters(model))
+    assert not model.proj.get_base_layer().weight.requires_grad
 
 
 def test_prediction_type_combinations_kohya_refuses_are_user_errors():
