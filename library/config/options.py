@@ -89,7 +89,7 @@ _DATASET = [
          "kohya's: repeats of the in_json images, and of dataset_config subsets that set no num_repeats"),
     _opt("reg_data_dir", to_str, None, "folder of regularisation image folders (kohya names)", is_path=True,
          metavar="PATH"),
-    _opt("prior_loss_weight", to_float, 1.0, "loss weight of regularisation images"),
+    _opt("prior_loss_weight", to_float, 1.0, "loss weight of regularisation images and of prior_reg samples"),
     _opt("dataset_check", to_bool, False,
          "check the dataset without loading the UNet: counts, buckets, captions, problems; exit 0 when usable "
          "(kohya's debug_dataset: look at the data, do not train)", aliases=("debug_dataset",)),

@@ -88,7 +88,7 @@ class TrainingDataset(torch.utils.data.Dataset):
             top = rng.randint(0, record.resized[1] - record.bucket[1])
         item: dict[str, Any] = {
             "index": index, "path": str(record.path), "flipped": flipped,
-            "loss_weight": self.prior_loss_weight if record.is_reg else 1.0,
+            "loss_weight": self.prior_loss_weight if record.is_reg or subset.prior_reg else 1.0,
             "prior_reg": subset.prior_reg,
             "original_size": (record.size[1], record.size[0]),
             # SDXL's crop conditioning: pixels cropped from the top and the left of the resized image, as seen

@@ -238,15 +238,19 @@ def test_prior_reg_marks_its_samples_in_both_shapes_and_none_is_held_out(tmp_pat
              f'[[datasets]]\n  [[datasets.subsets]]\n  image_dir = "{a}"\n'
              f'[[datasets]]\n  [[datasets.subsets]]\n  image_dir = "{b}"\n')
     plain = build_training_data(config_of(tmp_path, musubi, "plain.toml"), None, seed=0)
+    run = {**RUN, "prior_loss_weight": 2.5}
     for text, name in ((musubi + "prior_reg = true\n", "musubi.toml"),
                        (kohya + "  prior_reg = true\n", "kohya.toml")):
-        config = config_of(tmp_path, text, name)
+        (tmp_path / name).write_text(text, encoding="utf-8")
+        config = make_config(tmp_path, None, tmp_path / "o", "--dataset_config", str(tmp_path / name), run=run)
         data = build_training_data(config, None, seed=0)
         assert {r.path.name: r.subset.prior_reg for r in data.records} == {
             "x.png": False, "y.png": False, "z.png": True, "w.png": True}
         batches = [collate([data.dataset[(0, i)] for i in batch]) for batch in data.sampler.batches(0)]
         marked = {tuple(b["prior_reg"].tolist()) if "prior_reg" in b else None for b in batches}
         assert marked == {None, (True,)}  # a batch without prior_reg samples carries no mark
+        weights = {tuple(b["loss_weight"].tolist()) for b in batches}
+        assert weights == {(1.0,), (2.5,)}  # prior_loss_weight, as regularisation images have it
         assert data.fingerprint() != plain.fingerprint()
         # The validation share is taken from the samples trained towards their images, never the base's own.
         split = make_config(tmp_path, None, tmp_path / "o", "--dataset_config", str(tmp_path / name),
