@@ -95,47 +95,39 @@ def test_both_experts_resume_bit_exactly(models, experts, data, tmp_path):
                                "--timestep_boundary", "500", "--expert_loras", "shared")
 
 
-def test_a_video_dataset_trains_on_4n_plus_1_frame_clips(models, tmp_path, reference):
-    videos = tmp_path / "videos"
+def train_on_clips(model: Path, folder: Path, dataset_keys: str) -> dict[str, torch.Tensor]:
+    """Two steps on two 9-frame clips cut to 5 frames, the dataset's [[datasets]] table given `dataset_keys`; the
+    LoRA file's tensors."""
+    videos = folder / "videos"
     for i in range(2):
         write_video(videos / f"clip{i}.mp4", 9, (64, 64))
         (videos / f"clip{i}.txt").write_text("sks moving")
-    dataset = write(tmp_path / "dataset.toml", '[general]\nresolution = [64, 64]\ncaption_extension = ".txt"\n'
+    dataset = write(folder / "dataset.toml", '[general]\nresolution = [64, 64]\ncaption_extension = ".txt"\n'
                     'batch_size = 2\nenable_bucket = false\n\n[[datasets]]\n'
-                    f'video_directory = "{videos}"\ntarget_frames = [5]\nframe_extraction = "head"\n')
-    config = write(tmp_path / "lora.toml", f'pretrained_model_name_or_path = "{models["wan"]}"\n'
-                   f'dataset_config = "{dataset}"\noutput_dir = "{tmp_path / "out"}"\noutput_name = "last"\n'
+                    f'video_directory = "{videos}"\ntarget_frames = [5]\nframe_extraction = "head"\n{dataset_keys}')
+    config = write(folder / "lora.toml", f'pretrained_model_name_or_path = "{model}"\n'
+                   f'dataset_config = "{dataset}"\noutput_dir = "{folder / "out"}"\noutput_name = "last"\n'
                    'network_module = "networks.lora_wan"\nnetwork_dim = 4\nnetwork_alpha = 2\nseed = 3\n'
                    'learning_rate = 1e-3\ntimestep_sampling = "shift"\ndiscrete_flow_shift = 3.0\n'
                    'max_train_steps = 2\n')
     result = run_cli("--config", str(config))
     assert result.returncode == 0, result.stderr[-3000:]
-    out = tmp_path / "out"
-    video, image = load_file(out / "last.safetensors"), load_file(reference / "last.safetensors")
+    return load_file(folder / "out" / "last.safetensors")
+
+
+def test_a_video_dataset_trains_on_4n_plus_1_frame_clips(models, tmp_path, reference):
+    video, image = train_on_clips(models["wan"], tmp_path, ""), load_file(reference / "last.safetensors")
     assert video.keys() == image.keys()
     assert any(not torch.equal(video[k], image[k]) for k in video if "lora_up" in k)
 
 
 def test_prior_reg_clips_keep_the_adapter_where_the_base_model_is(models, tmp_path):
     """Clips trained towards the base's own prediction: the LoRA starts as the base (its up weights are zero), so
-    every step's loss and gradient are zero and it stays there, where clips trained towards their frames move it
-    (test_a_video_dataset_trains_on_4n_plus_1_frame_clips)."""
-    videos = tmp_path / "videos"
-    for i in range(2):
-        write_video(videos / f"clip{i}.mp4", 9, (64, 64))
-        (videos / f"clip{i}.txt").write_text("moving left")
-    dataset = write(tmp_path / "dataset.toml", '[general]\nresolution = [64, 64]\ncaption_extension = ".txt"\n'
-                    'batch_size = 2\nenable_bucket = false\n\n[[datasets]]\n'
-                    f'video_directory = "{videos}"\ntarget_frames = [5]\nprior_reg = true\n')
-    config = write(tmp_path / "lora.toml", f'pretrained_model_name_or_path = "{models["wan"]}"\n'
-                   f'dataset_config = "{dataset}"\noutput_dir = "{tmp_path / "out"}"\noutput_name = "last"\n'
-                   'network_module = "networks.lora_wan"\nnetwork_dim = 4\nnetwork_alpha = 2\nseed = 3\n'
-                   'learning_rate = 1e-3\nmax_train_steps = 2\n')
-    result = run_cli("--config", str(config))
-    assert result.returncode == 0, result.stderr[-3000:]
-    state_dict = load_file(tmp_path / "out" / "last.safetensors")
-    ups = [key for key in state_dict if "lora_up" in key]
-    assert len(ups) == MODULES and all(not state_dict[key].any() for key in ups)
+    every step's loss and gradient are zero and it stays there, where the same clips trained towards their frames
+    move it (the test above)."""
+    kept = train_on_clips(models["wan"], tmp_path, "prior_reg = true\n")
+    ups = [key for key in kept if "lora_up" in key]
+    assert len(ups) == MODULES and all(not kept[key].any() for key in ups)
 
 
 @pytest.mark.slow
