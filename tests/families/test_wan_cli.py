@@ -119,6 +119,7 @@ def test_a_video_dataset_trains_on_4n_plus_1_frame_clips(models, tmp_path, refer
     video, image = train_on_clips(models["wan"], tmp_path, ""), load_file(reference / "last.safetensors")
     assert video.keys() == image.keys()
     assert any(not torch.equal(video[k], image[k]) for k in video if "lora_up" in k)
+    assert all(video[k].any() for k in video if "lora_up" in k)  # each layer moved (see the prior_reg test)
 
 
 def test_prior_reg_clips_keep_the_adapter_where_the_base_model_is(models, tmp_path):
