@@ -118,6 +118,9 @@ class Trainer:
         # Per-batch losses and (per-sample loss, timesteps) of the optimizer step being accumulated.
         self.step_losses: list[torch.Tensor] = []
         self.step_samples: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Whether the processes must agree, batch by batch, on running the base model's forward of prior_reg samples.
+        self.agree_on_prior = self.accelerator.num_processes > 1 and any(
+            r.subset.prior_reg for r in session.data.records)
 
     # --- the loop ---------------------------------------------------------------------------------------------
     def train(self) -> RunResult:
@@ -206,8 +209,9 @@ class Trainer:
                 extra["input_noise"] = input_noise
             if "loss_mask" in batch:
                 extra["mask"] = batch["loss_mask"]
-            if "prior_reg" in batch:
-                extra["prior"] = batch["prior_reg"]
+            prior = self.prior_samples(batch)
+            if prior is not None:
+                extra["prior"] = prior
             with accelerator.autocast():
                 conditioning = {**batch_conditioning(s.components.family, batch, s.components.vae, s.vae_dtype),
                                 **s.components.family.step_conditioning(latents.shape[0], generator)}
@@ -224,6 +228,17 @@ class Trainer:
             s.optimizer.zero_grad(set_to_none=True)
         self.step_losses.append(loss.detach())
         self.step_samples.append((per_sample.detach(), timesteps))
+
+    def prior_samples(self, batch: dict[str, Any]) -> torch.Tensor | None:
+        """The batch's prior_reg samples as a (batch,) mask, or None when it has none. With several processes, each
+        one runs the base model's forward when any one needs it (an all-False mask then): DDP's and ZeRO-3's
+        forwards are collectives, so the processes must make the same calls."""
+        mask = batch.get("prior_reg")
+        if self.agree_on_prior:
+            flag = torch.tensor([float(mask is not None)], device=self.accelerator.device)
+            if self.accelerator.reduce(flag, reduction="sum").item() and mask is None:
+                mask = torch.zeros(len(batch["loss_weight"]), dtype=torch.bool)
+        return mask
 
     def refuse_non_finite(self, loss: torch.Tensor) -> None:
         """Stop before an optimizer step would write NaN/inf into the adapter. With fp16's grad scaler an overflow
