@@ -153,8 +153,8 @@ def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
     if "text" in items[0]:
         batch["text"] = {key: torch.stack([item["text"][key] for item in items]) for key in items[0]["text"]}
     batch["loss_weight"] = torch.tensor([item["loss_weight"] for item in items], dtype=torch.float32)
-    if any(item["prior_reg"] for item in items):
-        batch["prior_reg"] = torch.tensor([item["prior_reg"] for item in items], dtype=torch.bool)
+    if any(item.get("prior_reg") for item in items):
+        batch["prior_reg"] = torch.tensor([bool(item.get("prior_reg")) for item in items], dtype=torch.bool)
     if any("loss_mask" in item for item in items):
         # (B, 1, H, W); as in kohya, an image of a subset without masks counts everywhere.
         batch["loss_mask"] = torch.stack([item.get("loss_mask", torch.ones(item["target_size"]))
