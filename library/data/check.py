@@ -63,7 +63,7 @@ def dataset_report(config: Config, tokenizer: Any = None, num_processes: int = 1
                 continue
             per_epoch = sum(r.repeats for r in data.records if r.subset is spec_s)
             if spec_s.is_video:
-                lines.append(f"  subset {report.subset_index}: {source}: {usable} videos and images"
+                lines.append(f"  {kind}subset {report.subset_index}: {source}: {usable} videos and images"
                              + (f" ({report.left_out} left out)" if report.left_out else "")
                              + f" -> {report.clips} clips ({spec_s.frame_extraction}, target_frames "
                              f"{list(spec_s.target_frames)}) x {spec_s.num_repeats} repeats -> {per_epoch} samples "

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from library.config import ConfigError
+from library.data.check import dataset_report
 from library.data.dataset import build_training_data, collate
 from library.data.dataset_config import resolve_datasets
 from tests.helpers.datasets import noise_image
@@ -252,6 +253,8 @@ def test_prior_reg_marks_its_samples_in_both_shapes_and_none_is_held_out(tmp_pat
         weights = {tuple(b["loss_weight"].tolist()) for b in batches}
         assert weights == {(1.0,), (2.5,)}  # prior_loss_weight, as regularisation images have it
         assert data.fingerprint() != plain.fingerprint()
+        text, usable = dataset_report(config)
+        assert usable and f"prior_reg subset 0: {b}" in text and f"  subset 0: {a}" in text
         # The validation share is taken from the samples trained towards their images, never the base's own.
         split = make_config(tmp_path, None, tmp_path / "o", "--dataset_config", str(tmp_path / name),
                             "--validation_split", "0.5", run=RUN)
