@@ -35,10 +35,12 @@ def free_port() -> int:
 
 @contextmanager
 def running_ui(root: Path) -> Iterator[str]:
-    """`python train_ui.py` over the repository and `root`; its URL. Stopped afterwards, with any trainer it ran."""
+    """`python train_ui.py` over the repository and `root`, as a user starts it; its URL. Stopped afterwards, with
+    any trainer it ran; its output is `root`/ui-<port>.log."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    with open(root / "ui.log", "wb") as log:
+    log_path = root / f"ui-{port}.log"
+    with open(log_path, "wb") as log:
         process = subprocess.Popen([sys.executable, "train_ui.py", "--port", str(port), "--root", str(REPO),
                                     "--root", str(root)], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -48,12 +50,16 @@ def running_ui(root: Path) -> Iterator[str]:
                     socket.create_connection(("127.0.0.1", port), timeout=1).close()
                     break
                 except OSError:
-                    assert process.poll() is None, (root / "ui.log").read_text()
+                    assert process.poll() is None, log_path.read_text()
                     time.sleep(0.2)
             yield f"http://127.0.0.1:{port}"
         finally:
-            process.terminate()
-            process.wait(timeout=30)
+            process.terminate()  # a connection the browser keeps open can hold its shutdown for 30 s
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
             reap_runs(root)
 
 

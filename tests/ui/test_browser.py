@@ -15,34 +15,16 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.ui import attempt, finished_run, pretend_trainer, reap_runs, sample_png, write_events
+from tests.helpers import REPO
+from tests.helpers.browser import MISSING, WHY_SKIPPED, by_id, chrome, console_errors, running_ui, waiting
+from tests.helpers.browser import click as click_element
+from tests.helpers.ui import attempt, finished_run, pretend_trainer, sample_png, write_events
 
-REPO = Path(__file__).resolve().parents[2]
-CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
-INSTALL = ("apt-get install -y --no-install-recommends chromium chromium-driver, and pip install -r "
-           "requirements-dev.txt (selenium)")
-
-try:
-    import selenium  # noqa: F401
-except ImportError:
-    selenium = None
-
-
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    selenium is None or CHROMIUM is None or CHROMEDRIVER is None,
-    reason=f"a real-browser test needs Debian's chromium and chromedriver and selenium: {INSTALL}")]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(MISSING, reason=WHY_SKIPPED)]
 
 
 @pytest.fixture(scope="module")
@@ -51,57 +33,16 @@ def root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("ui")
 
 
-@contextmanager
-def running_ui(root: Path) -> Iterator[str]:
-    """train_ui.py over the repository and `root`, as a user starts it; its address."""
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    log = open(root / f"ui-{port}.log", "wb")  # noqa: SIM115
-    process = subprocess.Popen([sys.executable, "train_ui.py", "--port", str(port), "--root", str(REPO), "--root",
-                                str(root)], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert process.poll() is None, (root / f"ui-{port}.log").read_text()
-                time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.terminate()  # a connection the browser keeps open can hold its shutdown for 30 s
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
-
-
 @pytest.fixture(scope="module")
 def ui(root):
     with running_ui(root) as url:
         yield url
-    reap_runs(root)
 
 
 @pytest.fixture(scope="module")
 def browser():
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    os.environ["SE_OFFLINE"] = "true"
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                     "--disable-background-networking", "--disable-component-update", "--no-first-run",
-                     "--window-size=1400,1000"):
-        options.add_argument(argument)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the console, read by console_errors
-    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
-    yield driver
-    driver.quit()
+    with chrome() as driver:
+        yield driver
 
 
 @pytest.fixture
@@ -114,30 +55,10 @@ def place(root, request, ui, browser) -> Path:
     return path
 
 
-def waiting(browser, timeout: float = 60):
-    from selenium.common.exceptions import StaleElementReferenceException
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    # Elements are replaced under the driver's feet (the form by HTMX, the run view by its events).
-    return WebDriverWait(browser, timeout, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,))
-
-
-def by_id(browser, element_id: str):
-    from selenium.webdriver.common.by import By
-
-    return browser.find_element(By.ID, element_id)
-
-
-def console_errors(browser) -> list[str]:
-    """The console's errors since the last call (the log is read once)."""
-    return [entry["message"] for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
-
-
 def click(browser, element_id: str) -> None:
-    """Click an element after scrolling it to the middle of the window (the sticky toolbar covers the top)."""
-    element = by_id(browser, element_id)
-    browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", element)
-    element.click()
+    """Click the element of that id after scrolling it to the middle of the window (the sticky toolbar covers the
+    top)."""
+    click_element(browser, by_id(browser, element_id))
 
 
 def clicked(wait, selector: str) -> None:
