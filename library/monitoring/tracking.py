@@ -185,10 +185,14 @@ class StepMetrics:
         self.recent: collections.deque[float] = collections.deque(maxlen=min(steps_per_epoch, AVERAGE_WINDOW))
 
     def step(self, loss: float, timestep_totals: torch.Tensor, lrs: dict[str, float], samples: int,
-             seconds: float, device: torch.device) -> dict[str, float]:
+             seconds: float, device: torch.device, prior: tuple[float, float] = (0.0, 0.0)) -> dict[str, float]:
+        """`prior`: the sum and count of this step's prior_reg samples' losses (unweighted), logged as their
+        mean when the step had any."""
         self.timestep_loss.add(timestep_totals)
         self.recent.append(loss)
         values = {"loss/current": loss, "loss/average": sum(self.recent) / len(self.recent)}
+        if prior[1]:
+            values["loss/prior_reg"] = prior[0] / prior[1]
         values.update({f"lr/{name}": lr for name, lr in lrs.items()})
         values.update(self.timestep_loss.means())
         values["throughput/s_per_step"] = seconds

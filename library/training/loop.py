@@ -117,7 +117,9 @@ class Trainer:
         self.requested = (False,) * len(requests.REQUESTS)  # sample_now / save_now, agreed with the signal
         # Per-batch losses and (per-sample loss, timesteps) of the optimizer step being accumulated.
         self.step_losses: list[torch.Tensor] = []
-        self.step_samples: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Per batch of the step: the per-sample losses (weighted), their timesteps, the batch's prior_reg mask (None
+        # when it has none) and the unweighted losses; prior_reg samples are logged apart.
+        self.step_samples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
         # Whether the processes must agree, batch by batch, on running the base model's forward of prior_reg samples.
         self.agree_on_prior = self.accelerator.num_processes > 1 and any(
             r.subset.prior_reg for r in session.data.records)
@@ -217,6 +219,7 @@ class Trainer:
                                 **s.components.family.step_conditioning(latents.shape[0], generator)}
                 per_sample = diffusion_loss(s.model, latents, batch["text"], conditioning, noise, timesteps, obj,
                                             **extra)
+                unweighted = per_sample.detach()
                 per_sample = per_sample * batch["loss_weight"]
                 loss = per_sample.mean()
             accelerator.backward(loss)
@@ -227,7 +230,7 @@ class Trainer:
             s.optimizer.step()
             s.optimizer.zero_grad(set_to_none=True)
         self.step_losses.append(loss.detach())
-        self.step_samples.append((per_sample.detach(), timesteps))
+        self.step_samples.append((per_sample.detach(), timesteps, prior, unweighted))
 
     def prior_samples(self, batch: dict[str, Any]) -> torch.Tensor | None:
         """The batch's prior_reg samples as a (batch,) mask, or None when it has none. With several processes, each
@@ -255,21 +258,28 @@ class Trainer:
                                    [group["lr"] for group in s.optimizer.param_groups], s.output_dir)
 
     def log_step(self, adapter_logs: dict[str, float], progress: tqdm) -> None:
-        """One collective per step: this process's mean loss, sample count and binned loss sums, added up."""
+        """One collective per step: this process's mean loss, sample count, prior_reg loss sum and count, and binned
+        loss sums, added up."""
         s, accelerator, result = self.s, self.accelerator, self.result
-        per_sample_losses = torch.cat([losses for losses, _ in self.step_samples])
+        batches = self.step_samples
+        losses = torch.cat([w for w, _, _, _ in batches]).cpu()
+        timesteps = torch.cat([t for _, t, _, _ in batches]).cpu()
+        prior = torch.cat([torch.zeros(len(w), dtype=torch.bool) if mask is None else mask.cpu()
+                           for w, _, mask, _ in batches])
+        prior_losses = torch.cat([u for *_, u in batches]).cpu()[prior].double()
+        # The timestep bins are the data's loss; prior_reg samples (a difference of two predictions) go apart.
         packed = torch.cat([torch.stack(self.step_losses).float().mean().double().cpu().view(1),
-                            torch.tensor([float(per_sample_losses.numel())], dtype=torch.float64),
-                            s.metrics.timestep_loss.totals(per_sample_losses,
-                                                           torch.cat([t for _, t in self.step_samples]))])
+                            torch.tensor([float(len(losses)), prior_losses.sum().item(), float(len(prior_losses))],
+                                         dtype=torch.float64),
+                            s.metrics.timestep_loss.totals(losses[~prior], timesteps[~prior])])
         if accelerator.num_processes > 1:
             packed = accelerator.reduce(packed.to(accelerator.device), reduction="sum").cpu()
         result.losses.append(packed[0].item() / accelerator.num_processes)
         self.step_losses.clear()
         self.step_samples.clear()
         lrs = dict(zip(s.group_names, (group["lr"] for group in s.optimizer.param_groups), strict=False))
-        values = s.metrics.step(result.losses[-1], packed[2:], lrs, int(packed[1].item()), result.step_times[-1],
-                                accelerator.device)
+        values = s.metrics.step(result.losses[-1], packed[4:], lrs, int(packed[1].item()), result.step_times[-1],
+                                accelerator.device, prior=(packed[2].item(), packed[3].item()))
         self.trackers.log({**values, **adapter_logs}, step=self.state.global_step)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("step %d loss %.6f lr %s", self.state.global_step, result.losses[-1], list(lrs.values()))

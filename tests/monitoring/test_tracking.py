@@ -92,6 +92,46 @@ def test_tensorboard_gets_every_metric_at_the_global_step(tiny_sd1_dir, sample_d
     assert scalars["_images"] == ["loss/by_timestep"]
 
 
+def test_prior_reg_losses_are_a_series_of_their_own_and_stay_out_of_the_timestep_bins(tiny_sd1_dir, small_dataset,
+                                                                                     tmp_path, monkeypatch):
+    """A prior_reg sample's loss is the distance from the base's prediction, not a fit of the data: it is logged as
+    loss/prior_reg (unweighted), and the timestep bins hold the other samples alone."""
+    seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+    original = loop.diffusion_loss
+
+    def recording(model, latents, text, conditioning, noise, timesteps, obj, **options):
+        loss = original(model, latents, text, conditioning, noise, timesteps, obj, **options)
+        seen.append((loss.detach().clone(), timesteps.clone(), options.get("prior")))
+        return loss
+
+    monkeypatch.setattr(loop, "diffusion_loss", recording)
+    images, kept = (next(small_dataset(tmp_path / name).iterdir()) for name in ("data", "kept"))
+    dataset = tmp_path / "dataset.toml"
+    dataset.write_text('[general]\nresolution = 64\ncaption_extension = ".txt"\n[[datasets]]\nbatch_size = 2\n'
+                       f'  [[datasets.subsets]]\n  image_dir = "{images}"\n'
+                       f'  [[datasets.subsets]]\n  image_dir = "{kept}"\n  prior_reg = true\n', encoding="utf-8")
+    config = make_config(tiny_sd1_dir, None, tmp_path / "out", "--max_train_steps", "4", "--log_with", "tensorboard",
+                         "--logging_dir", str(tmp_path / "logs"), "--loss_timestep_bins", "2", "--dataset_config",
+                         str(dataset), "--prior_loss_weight", "3", run={"seed": 1, "learning_rate": "1e-2"})
+    loop.run(config)
+    scalars = tensorboard_scalars(tmp_path / "logs")
+
+    assert len(seen) == 4
+    masks = [torch.zeros(len(loss), dtype=torch.bool) if mask is None else mask for loss, _, mask in seen]
+    expected = {step: loss[mask].mean().item() for step, ((loss, _, _), mask) in enumerate(zip(seen, masks), 1)
+                if mask.any()}
+    assert expected and any(not mask.all() for mask in masks)  # both kinds were trained
+    assert [step for step, _ in scalars["loss/prior_reg"]] == sorted(expected)
+    assert [v for _, v in scalars["loss/prior_reg"]] == pytest.approx(list(expected.values()), rel=1e-5)
+    data = torch.cat([loss[~mask] for (loss, _, _), mask in zip(seen, masks)])
+    timesteps = torch.cat([t[~mask] for (_, t, _), mask in zip(seen, masks)])
+    for lo, hi in ((0, 499), (500, 999)):
+        in_bin = (timesteps >= lo) & (timesteps <= hi)
+        assert (f"loss/timestep/{lo}-{hi}" in scalars) == bool(in_bin.any())
+        if in_bin.any():
+            assert scalars[f"loss/timestep/{lo}-{hi}"][-1][1] == pytest.approx(data[in_bin].mean().item(), rel=1e-5)
+
+
 def read_wandb_records(path: Path) -> list:
     """Records of a wandb offline run file: a 7-byte ':W&B' header, then 32 KiB blocks of records, each with a
     7-byte header (checksum, length, type: 1 full, 2 first, 3 middle, 4 last)."""
