@@ -324,11 +324,18 @@ def gathered(accelerator: Accelerator, params: Iterable[torch.nn.Parameter], mod
         yield
 
 
-def zero3_refusals(config: Config, sampling: bool, validating: bool) -> None:
+def zero3_refusals(config: Config, sampling: bool, validating: bool, prior_reg: bool = False) -> None:
     """What ZeRO-3 cannot do here, said before the model is sharded: sampling and validation run the sharded model
     outside the engine on each process's own share of prompts or images, so the processes would wait on each
-    other's parameter gathers; the EMA would average shards."""
+    other's parameter gathers; the EMA would average shards. `prior_reg` samples need a second forward in the step
+    (the adapters off), which DeepSpeed 0.19's ZeRO-3 runs in a fresh run but not after a resume: a parameter it
+    keeps whole is released between the two forwards and read unsharded by its parent module (CLIP's position
+    embedding), so a preempted run could not go on."""
     problems = []
+    if prior_reg:
+        problems.append("prior_reg (a dataset key): training towards the base model's own prediction is not "
+                        "available with zero_stage 3 (its second forward of a step fails under ZeRO-3 once a run "
+                        "is resumed); use zero_stage 2 or DDP")
     if sampling:
         problems.append("sample_prompts: sampling during training is not available with zero_stage 3 (the denoiser is "
                         "sharded across processes); sample from the saved LoRA files, or use zero_stage 2")

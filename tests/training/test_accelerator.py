@@ -189,12 +189,12 @@ def test_nvme_offload_needs_its_folder_and_the_nvme_device(tmp_path):
     assert "missing is not a folder" in message
 
 
-def test_zero3_refuses_sampling_validation_and_ema_in_one_message(tmp_path):
+def test_zero3_refuses_sampling_validation_ema_and_prior_reg_in_one_message(tmp_path):
     config = config_with(tmp_path, "--deepspeed", "--zero_stage", "3", "--ema_decay", "0.99")
     with pytest.raises(UserError) as caught:
-        zero3_refusals(config, sampling=True, validating=True)
-    assert [p.split(":")[0].split(" ")[0] for p in caught.value.problems] == ["sample_prompts", "validation",
-                                                                             "ema_decay"]
+        zero3_refusals(config, sampling=True, validating=True, prior_reg=True)
+    assert [p.split(":")[0].split(" ")[0] for p in caught.value.problems] == ["prior_reg", "sample_prompts",
+                                                                             "validation", "ema_decay"]
     zero3_refusals(config_with(tmp_path, "--deepspeed", "--zero_stage", "3"), sampling=False, validating=False)
 
 
