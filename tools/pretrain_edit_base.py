@@ -16,8 +16,9 @@ instruction "sks digit" (library/digits/edits.py).
    encoders on FLUX.1 Kontext's objective: the control's latents (the VAE posterior's mean, shifted and scaled as the
    target's) packed 2x2 and appended after the noisy target's tokens with positions whose axis 0 is 1, the
    prediction sliced back to the target's tokens, flow matching on the target (x_t = (1 - s) x0 + s noise, target
-   noise - x0) with s drawn logit-normal and shifted for 16 tokens as the sampler shifts it, the guidance input a
-   random value in [guidance_min, guidance_max]; an exponential moving average of the weights is saved.
+   noise - x0) with s drawn logit-normal and shifted for 16 tokens as the sampler shifts it (or by --sigma_shift),
+   the guidance input a random value in [guidance_min, guidance_max]; an exponential moving average of the weights
+   is saved.
 
 Every real digit (all ten: "the next digit" of a 6 is a 7, and the held-out edit's results include 7s) is a control
 and a target. Then the folder (diffusers FluxKontextPipeline layout, safetensors) is loaded back as users load it and
@@ -30,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -92,6 +94,9 @@ class Recipe:
     guidance_min: float = 1.0
     guidance_max: float = 5.0
     max_grad_norm: float = 1.0
+    # the sigmas' shift: 0 is FLUX.1's for the 16 tokens (about 1.6, as the sampler shifts them); 3 draws more of the
+    # high-noise sigmas where the result's digit is decided (timestep_sampling = "shift" with discrete_flow_shift 3)
+    sigma_shift: float = 0.0
     # judging the result
     eval_n: int = 100
     eval_seed: int = 0
@@ -177,7 +182,7 @@ def train_transformer(parts: dict[str, Any], means: torch.Tensor, stds: torch.Te
     ids = torch.cat([image_ids(height, width), reference_ids(height, width)])
     txt_ids = torch.zeros(T5_LENGTH, 3)
     tokens = (height // 2) * (width // 2)
-    mu = flux_shift_mu(tokens)
+    mu = math.log(recipe.sigma_shift) if recipe.sigma_shift else flux_shift_mu(tokens)
     params = [p for module in (transformer, clip, t5) for p in module.parameters()]
     for module in (transformer, clip, t5):
         module.requires_grad_(True).train()
@@ -333,7 +338,8 @@ folder the one before wrote): the same seed and thread count on the same softwar
 - Transformer: starts from `models/digits-flux`'s weights (trained on text-to-image there; the same shapes).
 - Text encoders: new (their vocabularies are new), trained with the transformer.
 - Objective: FLUX.1 Kontext's flow matching on the target's tokens (the control's tokens appended, the prediction
-  sliced to the target's), the guidance input drawn uniformly from [{recipe.guidance_min:g},
+  sliced to the target's), the sigmas drawn logit-normal and shifted as each stage's `sigma_shift` says (0:
+  FLUX.1's shift for 16 tokens, as the sampler's), the guidance input drawn uniformly from [{recipe.guidance_min:g},
   {recipe.guidance_max:g}], AdamW with warm-up and cosine decay (afresh in each stage), gradient clipping; the
   exponential moving average of the weights (decay {recipe.ema_decay}) is what each stage saves. Software:
   {software_versions()}.
