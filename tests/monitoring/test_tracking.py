@@ -118,13 +118,13 @@ def test_prior_reg_losses_are_a_series_of_their_own_and_stay_out_of_the_timestep
 
     assert len(seen) == 4
     masks = [torch.zeros(len(loss), dtype=torch.bool) if mask is None else mask for loss, _, mask in seen]
-    expected = {step: loss[mask].mean().item() for step, ((loss, _, _), mask) in enumerate(zip(seen, masks), 1)
-                if mask.any()}
+    pairs = list(zip(seen, masks, strict=True))
+    expected = {step: loss[mask].mean().item() for step, ((loss, _, _), mask) in enumerate(pairs, 1) if mask.any()}
     assert expected and any(not mask.all() for mask in masks)  # both kinds were trained
     assert [step for step, _ in scalars["loss/prior_reg"]] == sorted(expected)
     assert [v for _, v in scalars["loss/prior_reg"]] == pytest.approx(list(expected.values()), rel=1e-5)
-    data = torch.cat([loss[~mask] for (loss, _, _), mask in zip(seen, masks)])
-    timesteps = torch.cat([t[~mask] for (_, t, _), mask in zip(seen, masks)])
+    data = torch.cat([loss[~mask] for (loss, _, _), mask in pairs])
+    timesteps = torch.cat([t[~mask] for (_, t, _), mask in pairs])
     for lo, hi in ((0, 499), (500, 999)):
         in_bin = (timesteps >= lo) & (timesteps <= hi)
         assert (f"loss/timestep/{lo}-{hi}" in scalars) == bool(in_bin.any())
