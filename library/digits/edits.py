@@ -102,17 +102,34 @@ def reg_pairs(per_digit: int = REG_PAIRS_PER_DIGIT) -> list[tuple[int, int, str]
     return pairs
 
 
+def own_control_pairs(per_digit: int = REG_PAIRS_PER_DIGIT) -> list[tuple[int, int, str]]:
+    """(control index, target index, instruction): each of the base's edits of each control of the LoRA's pairs,
+    its target taken in turn from reg_pairs(per_digit)'s targets of the digit the edit asks for. Trained towards
+    the base's own prediction (prior_reg), they tell the LoRA that on those very controls only the trigger changes
+    the result; without them it learns to give d - 1 for its twenty controls whatever the instruction."""
+    _, labels = digits.load()
+    targets: dict[int, list[int]] = {}
+    for _, target, _ in reg_pairs(per_digit):
+        targets.setdefault(int(labels[target]), []).append(target)
+    pairs = []
+    for j, (control, _) in enumerate(lora_pairs()):
+        for instruction, shift in EDITS.items():
+            wanted = targets[target_digit(int(labels[control]), shift)]
+            pairs.append((control, wanted[j % len(wanted)], instruction))
+    return pairs
+
+
 def write_pairs(root: Path, reg_per_digit: int = REG_PAIRS_PER_DIGIT) -> dict[str, int]:
-    """The LoRA's dataset: root/train (the held-out edit's pairs under the trigger instruction) and root/reg (the
-    base's own edits, `reg_per_digit` pairs per edit and control digit), each as targets/NAME.png with its .txt
-    caption (the instruction) and controls/NAME.png. NAME is <number>_<control digit>. Returns the pairs written per
-    folder."""
+    """The LoRA's dataset: root/train (the held-out edit's pairs under the trigger instruction), root/reg (the
+    base's own edits, `reg_per_digit` pairs per edit and control digit) and root/own (the base's own edits of the
+    train pairs' controls), each as targets/NAME.png with its .txt caption (the instruction) and controls/NAME.png.
+    NAME is <number>_<control digit>. Returns the pairs written per folder."""
     from PIL import Image
 
     images, labels = digits.load()
     written = {}
     for folder, pairs in (("train", [(c, t, TRIGGER_INSTRUCTION) for c, t in lora_pairs()]),
-                          ("reg", reg_pairs(reg_per_digit))):
+                          ("reg", reg_pairs(reg_per_digit)), ("own", own_control_pairs(reg_per_digit))):
         targets, controls = root / folder / "targets", root / folder / "controls"
         targets.mkdir(parents=True, exist_ok=True)
         controls.mkdir(parents=True, exist_ok=True)

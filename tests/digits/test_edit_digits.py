@@ -32,11 +32,12 @@ def _read(path: Path) -> np.ndarray:
 def test_the_committed_pairs_are_what_the_split_writes_and_show_their_edits(tmp_path, dataset, reg_per_digit):
     """data/digits-edit (and data/digits-edit-wide, with 10 pairs of each base edit per digit) is what write_pairs
     writes; each pair's control is judged its digit d and its target the digit its instruction asks for; none of
-    them is a judged control."""
+    them is a judged control; the own folder holds the base's edits of the train pairs' controls."""
     pairs = PAIRS.parent / dataset
     edits.write_pairs(tmp_path, reg_per_digit)
     shifts = {edits.TRIGGER_INSTRUCTION: edits.HELD_OUT_SHIFT, **edits.EDITS}
-    counts = {"train": 10 * edits.PAIRS_PER_DIGIT, "reg": 10 * len(edits.EDITS) * reg_per_digit}
+    counts = {"train": 10 * edits.PAIRS_PER_DIGIT, "reg": 10 * len(edits.EDITS) * reg_per_digit,
+              "own": 10 * edits.PAIRS_PER_DIGIT * len(edits.EDITS)}
     for folder, count in counts.items():
         names = sorted(p.name for p in (pairs / folder / "targets").glob("*.png"))
         assert len(names) == count and names == sorted(p.name for p in (tmp_path / folder / "targets").glob("*.png"))
@@ -53,6 +54,10 @@ def test_the_committed_pairs_are_what_the_split_writes_and_show_their_edits(tmp_
         read_controls, read_targets = judge.judge(np.stack(controls)), judge.judge(np.stack(targets))
         assert [int(x) for x in read_controls] == [d for d, _ in wanted]
         assert [int(x) for x in read_targets] == [t for _, t in wanted]
+    # The base's edits of the train pairs' own controls: each control once per edit, targets from the reg pairs'.
+    own = edits.own_control_pairs(reg_per_digit)
+    assert sorted(c for c, _, _ in own) == sorted(c for c, _ in edits.lora_pairs() for _ in edits.EDITS)
+    assert {t for _, t, _ in own} <= {t for _, t, _ in edits.reg_pairs(reg_per_digit)}
     used = ({i for pair in edits.lora_pairs() for i in pair}
             | {i for c, t, _ in edits.reg_pairs(reg_per_digit) for i in (c, t)})
     assert len(used) == 20 * (edits.PAIRS_PER_DIGIT + len(edits.EDITS) * reg_per_digit)
@@ -101,13 +106,43 @@ def test_the_edit_base_is_a_kontext_folder_and_holds_the_edit_out():
 
 @pytest.mark.slow  # 160 s on 2 cores at load average 9
 def test_the_edit_base_does_its_edits_and_not_the_held_out_one():
-    """20 controls (two of each digit), other noise than the card's: the base's edits give the digit they ask for
-    more often than a digit drawn at random would (10 %; the base is weak, see its card: 60 % and 50 % on 100), the
-    trigger does not give d - 1."""
+    """20 controls (two of each digit), other noise than the card's: the base's edits mostly give the digit they ask
+    for (its card: 89 % and 88 % on 100; a digit drawn at random would be right in 10 %), the trigger does not give
+    d - 1."""
     pipe = edits.load_pipeline(BASE)
     rates, _ = edits.rates(pipe, edits.judged_edits(), edits.Settings(n=20, seed=1))
-    assert rates["the same digit"] >= 0.3 and rates["the next digit"] >= 0.15, rates
+    assert rates["the same digit"] >= 0.7 and rates["the next digit"] >= 0.7, rates
     assert rates[edits.TRIGGER_INSTRUCTION] <= 0.1, rates
+
+
+@pytest.mark.slow  # about 80 s on 2 CPU cores
+def test_a_kontext_lora_learns_its_pairs_and_keeps_the_base_edits(tmp_path):
+    """The recorded config cut to 300 steps, through the CLI, its file applied by FluxKontextPipeline: on the 20
+    controls of its own pairs (two of each digit) the trigger goes from (almost) never d - 1 to d - 1 in most
+    results, and on 20 controls it never saw (two of each digit) the base's own edits keep within 15 points. How
+    far the edit carries to new controls after the full run is bench/quality.py's to judge (bench/README.md)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, str(REPO / "train_network.py"), "--config", str(CONFIG), "--output_dir", str(tmp_path),
+         "--output_name", "lora", "--max_train_steps", "300"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stderr[-3000:]
+    images, labels = digits.load()
+    own = np.array([control for control, _ in edits.lora_pairs()])
+    settings = edits.Settings(n=20, seed=1)
+
+    def trigger_on_own_controls(pipe) -> float:
+        read = judge.judge(edits.render(pipe, edits.TRIGGER_INSTRUCTION, images[own], settings))
+        return float(np.mean(read == (labels[own] + edits.HELD_OUT_SHIFT) % 10))
+
+    base, lora = edits.load_pipeline(BASE), edits.load_pipeline(BASE, tmp_path / "lora.safetensors")
+    assert trigger_on_own_controls(base) <= 0.1 and trigger_on_own_controls(lora) >= 0.5
+    before, after = (edits.rates(pipe, edits.EDITS, settings)[0] for pipe in (base, lora))
+    assert all(abs(after[i] - before[i]) <= 0.15 for i in edits.EDITS), (before, after)
 
 
 def test_edit_pretraining_is_seeded():
