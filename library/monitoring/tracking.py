@@ -183,16 +183,39 @@ class StepMetrics:
     def __init__(self, timestep_loss: TimestepLoss, steps_per_epoch: int):
         self.timestep_loss = timestep_loss
         self.recent: collections.deque[float] = collections.deque(maxlen=min(steps_per_epoch, AVERAGE_WINDOW))
+        # The batches of the step being accumulated: per-sample losses (weighted), timesteps, the prior_reg mask
+        # (None when the batch has none) and the unweighted losses.
+        self.batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
 
-    def step(self, loss: float, timestep_totals: torch.Tensor, lrs: dict[str, float], samples: int,
-             seconds: float, device: torch.device, prior: tuple[float, float] = (0.0, 0.0)) -> dict[str, float]:
-        """`prior`: the sum and count of this step's prior_reg samples' losses (unweighted), logged as their
-        mean when the step had any."""
-        self.timestep_loss.add(timestep_totals)
+    def add_batch(self, losses: torch.Tensor, timesteps: torch.Tensor, prior: torch.Tensor | None,
+                  unweighted: torch.Tensor) -> None:
+        self.batches.append((losses.detach(), timesteps, prior, unweighted.detach()))
+
+    def totals(self, mean_loss: torch.Tensor) -> torch.Tensor:
+        """This process's share of the step, to be summed over the processes (one collective): its mean loss, its
+        sample count, its prior_reg samples' unweighted loss sum and count, and the timestep bins' sums and counts
+        of the other samples (prior_reg samples, a difference of two predictions, are no fit of the data). Starts
+        the next step's batches."""
+        losses, timesteps, unweighted = (torch.cat([batch[i] for batch in self.batches]).cpu() for i in (0, 1, 3))
+        prior = torch.cat([torch.zeros(len(batch[0]), dtype=torch.bool) if batch[2] is None else batch[2].cpu()
+                           for batch in self.batches])
+        self.batches.clear()
+        kept = unweighted[prior].double()
+        return torch.cat([mean_loss.detach().double().cpu().view(1),
+                          torch.tensor([float(len(losses)), kept.sum().item(), float(len(kept))], dtype=torch.float64),
+                          self.timestep_loss.totals(losses[~prior], timesteps[~prior])])
+
+    def step(self, totals: torch.Tensor, processes: int, lrs: dict[str, float], seconds: float,
+             device: torch.device) -> dict[str, float]:
+        """The step's values from `totals` summed over `processes`; loss/prior_reg (the mean of the step's prior_reg
+        samples' losses) only when the step had any."""
+        loss = totals[0].item() / processes
+        samples, prior_sum, prior_count = totals[1:4].tolist()
+        self.timestep_loss.add(totals[4:])
         self.recent.append(loss)
         values = {"loss/current": loss, "loss/average": sum(self.recent) / len(self.recent)}
-        if prior[1]:
-            values["loss/prior_reg"] = prior[0] / prior[1]
+        if prior_count:
+            values["loss/prior_reg"] = prior_sum / prior_count
         values.update({f"lr/{name}": lr for name, lr in lrs.items()})
         values.update(self.timestep_loss.means())
         values["throughput/s_per_step"] = seconds

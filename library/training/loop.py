@@ -115,11 +115,8 @@ class Trainer:
         self.hub = HubUploader(self.config) if self.config.huggingface_repo_id else None
         self.stop_signal: int | None = None  # agreed by every process before the optimizer step
         self.requested = (False,) * len(requests.REQUESTS)  # sample_now / save_now, agreed with the signal
-        # Per-batch losses and (per-sample loss, timesteps) of the optimizer step being accumulated.
+        # Per-batch losses of the optimizer step being accumulated (its samples are in session.metrics).
         self.step_losses: list[torch.Tensor] = []
-        # Per batch of the step: the per-sample losses (weighted), their timesteps, the batch's prior_reg mask (None
-        # when it has none) and the unweighted losses; prior_reg samples are logged apart.
-        self.step_samples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
         # Whether the processes must agree, batch by batch, on running the base model's forward of prior_reg samples.
         self.agree_on_prior = self.accelerator.num_processes > 1 and any(
             r.subset.prior_reg for r in session.data.records)
@@ -217,10 +214,9 @@ class Trainer:
             with accelerator.autocast():
                 conditioning = {**batch_conditioning(s.components.family, batch, s.components.vae, s.vae_dtype),
                                 **s.components.family.step_conditioning(latents.shape[0], generator)}
-                per_sample = diffusion_loss(s.model, latents, batch["text"], conditioning, noise, timesteps, obj,
+                unweighted = diffusion_loss(s.model, latents, batch["text"], conditioning, noise, timesteps, obj,
                                             **extra)
-                unweighted = per_sample.detach()
-                per_sample = per_sample * batch["loss_weight"]
+                per_sample = unweighted * batch["loss_weight"]
                 loss = per_sample.mean()
             accelerator.backward(loss)
             if accelerator.sync_gradients and self.config.max_grad_norm:
@@ -230,7 +226,7 @@ class Trainer:
             s.optimizer.step()
             s.optimizer.zero_grad(set_to_none=True)
         self.step_losses.append(loss.detach())
-        self.step_samples.append((per_sample.detach(), timesteps, prior, unweighted))
+        s.metrics.add_batch(per_sample, timesteps, prior, unweighted)
 
     def prior_samples(self, batch: dict[str, Any]) -> torch.Tensor | None:
         """The batch's prior_reg samples as a (batch,) mask, or None when it has none. With several processes, each
@@ -258,28 +254,15 @@ class Trainer:
                                    [group["lr"] for group in s.optimizer.param_groups], s.output_dir)
 
     def log_step(self, adapter_logs: dict[str, float], progress: tqdm) -> None:
-        """One collective per step: this process's mean loss, sample count, prior_reg loss sum and count, and binned
-        loss sums, added up."""
+        """One collective per step: each process's totals of the step (StepMetrics.totals), added up."""
         s, accelerator, result = self.s, self.accelerator, self.result
-        batches = self.step_samples
-        losses = torch.cat([w for w, _, _, _ in batches]).cpu()
-        timesteps = torch.cat([t for _, t, _, _ in batches]).cpu()
-        prior = torch.cat([torch.zeros(len(w), dtype=torch.bool) if mask is None else mask.cpu()
-                           for w, _, mask, _ in batches])
-        prior_losses = torch.cat([u for *_, u in batches]).cpu()[prior].double()
-        # The timestep bins are the data's loss; prior_reg samples (a difference of two predictions) go apart.
-        packed = torch.cat([torch.stack(self.step_losses).float().mean().double().cpu().view(1),
-                            torch.tensor([float(len(losses)), prior_losses.sum().item(), float(len(prior_losses))],
-                                         dtype=torch.float64),
-                            s.metrics.timestep_loss.totals(losses[~prior], timesteps[~prior])])
-        if accelerator.num_processes > 1:
-            packed = accelerator.reduce(packed.to(accelerator.device), reduction="sum").cpu()
-        result.losses.append(packed[0].item() / accelerator.num_processes)
+        totals = s.metrics.totals(torch.stack(self.step_losses).float().mean())
         self.step_losses.clear()
-        self.step_samples.clear()
+        if accelerator.num_processes > 1:
+            totals = accelerator.reduce(totals.to(accelerator.device), reduction="sum").cpu()
         lrs = dict(zip(s.group_names, (group["lr"] for group in s.optimizer.param_groups), strict=False))
-        values = s.metrics.step(result.losses[-1], packed[4:], lrs, int(packed[1].item()), result.step_times[-1],
-                                accelerator.device, prior=(packed[2].item(), packed[3].item()))
+        values = s.metrics.step(totals, accelerator.num_processes, lrs, result.step_times[-1], accelerator.device)
+        result.losses.append(values["loss/current"])
         self.trackers.log({**values, **adapter_logs}, step=self.state.global_step)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("step %d loss %.6f lr %s", self.state.global_step, result.losses[-1], list(lrs.values()))
