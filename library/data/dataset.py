@@ -265,6 +265,11 @@ class TrainingData:
         return sum(r.subset.num_repeats for r in self.records if r.is_reg)
 
     @property
+    def has_prior_reg(self) -> bool:
+        """Whether any sample is trained towards the base model's own prediction (a prior_reg subset)."""
+        return any(r.subset.prior_reg for r in self.records)
+
+    @property
     def num_unique_images(self) -> int:
         return sum(1 for r in self.records if not r.is_reg)
 

@@ -118,8 +118,7 @@ class Trainer:
         # Per-batch losses of the optimizer step being accumulated (its samples are in session.metrics).
         self.step_losses: list[torch.Tensor] = []
         # Whether the processes must agree, batch by batch, on running the base model's forward of prior_reg samples.
-        self.agree_on_prior = self.accelerator.num_processes > 1 and any(
-            r.subset.prior_reg for r in session.data.records)
+        self.agree_on_prior = self.accelerator.num_processes > 1 and session.data.has_prior_reg
 
     # --- the loop ---------------------------------------------------------------------------------------------
     def train(self) -> RunResult:

@@ -229,8 +229,7 @@ def prepare_inputs(config: Config, accelerator: Accelerator, output_dir: Path, d
                          validating=data.validation is not None)
     give_back_memory(accelerator.device)  # the encoders' work and what of their weights was freed
     if zero3(accelerator):
-        zero3_refusals(config, sampling, data.validation is not None,
-                       any(record.subset.prior_reg for record in data.records))
+        zero3_refusals(config, sampling, data.validation is not None, data.has_prior_reg)
 
 
 def schedule(config: Config, optimizer: torch.optim.Optimizer, plan: Plan, state: TrainState,
