@@ -4,6 +4,9 @@ that learns the edit the base never saw ("the previous digit") under the trigger
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -121,10 +124,6 @@ def test_a_kontext_lora_learns_its_pairs_and_keeps_the_base_edits(tmp_path):
     controls of its own pairs (two of each digit) the trigger goes from (almost) never d - 1 to d - 1 in most
     results, and on 20 controls it never saw (two of each digit) the base's own edits keep within 15 points. How
     far the edit carries to new controls after the full run is bench/quality.py's to judge (bench/README.md)."""
-    import os
-    import subprocess
-    import sys
-
     env = {"OMP_NUM_THREADS": "1", **os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     result = subprocess.run(
         [sys.executable, str(REPO / "train_network.py"), "--config", str(CONFIG), "--output_dir", str(tmp_path),
