@@ -69,8 +69,17 @@ def replace_dir(new: Path, target: Path) -> None:
 
 
 def remove_path(path: Path) -> None:
-    """Remove a file or a folder tree; what is already gone is fine."""
+    """Remove a file or a folder tree; what is already gone is fine. A folder is first renamed under
+    TMP_DIR_PREFIX, so that no reader (a resume looking for the latest state, the web UI) ever sees it half
+    removed, and a run killed during the removal leaves a temporary the next run clears."""
     if path.is_dir():
+        if not path.name.startswith(TMP_DIR_PREFIX):
+            doomed = path.with_name(f"{TMP_DIR_PREFIX}del-{uuid.uuid4().hex[:8]}-{path.name}")
+            try:
+                os.replace(path, doomed)
+                path = doomed
+            except OSError:
+                pass  # a read-only or foreign parent: remove in place
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)

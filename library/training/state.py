@@ -207,7 +207,7 @@ def _unreadable(path: Path) -> list[str]:
         try:
             with safetensors.safe_open(str(path), framework="pt", device="cpu") as f:
                 f.keys()
-        except (OSError, SafetensorError) as e:
+        except (OSError, RuntimeError, SafetensorError) as e:  # a file gone since listed raises RuntimeError
             return [f"{path}: unreadable ({e})"]
     elif path.suffix in (".bin", ".pt", ".pkl") and not zipfile.is_zipfile(path):
         return [f"{path}: not a readable torch file (cut short or damaged)"]
@@ -226,7 +226,10 @@ def find_latest_state(output_dir: Path, skipped: list[str] | None = None) -> Pat
             if skipped is not None:
                 skipped.append(f"{path.name}: " + "; ".join(problems))
             continue
-        key = (TrainState.read(path).global_step, path.stat().st_mtime, path)
+        try:
+            key = (TrainState.read(path).global_step, path.stat().st_mtime, path)
+        except (UserError, OSError):  # removed since it was checked (another run pruning its old states)
+            continue
         best = key if best is None or key[:2] > best[:2] else best
     return best[2] if best else None
 

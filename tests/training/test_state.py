@@ -186,3 +186,38 @@ def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["f.txt"] and target.read_text() == "old"
     write_atomically(target, lambda tmp: tmp.write_text("new"))
     assert [p.name for p in tmp_path.iterdir()] == ["f.txt"] and target.read_text() == "new"
+
+
+def test_a_pruned_state_is_never_seen_half_removed(tmp_path, monkeypatch):
+    """Pruning old states (save_last_n_steps_state) renames each one away before deleting it: a run killed
+    mid-removal leaves a temporary that no resume takes and the next start clears, and a resume scanning while
+    another run prunes passes over a state that vanishes under it instead of failing."""
+    from library.core import atomic
+    from library.training import state
+    from library.training.state import remove_stale_temporaries
+
+    def make(step: int) -> Path:
+        path = tmp_path / f"last-step{step:08d}-state"
+        path.mkdir()
+        (path / STATE_FILE).write_text(f'{{"global_step": {step}}}')
+        kohya_format.save_lora_file(path / ADAPTER_FILE, {"w": torch.zeros(2)})
+        return path
+
+    old, new = make(1), make(2)
+    with monkeypatch.context() as m:
+        m.setattr(atomic.shutil, "rmtree", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+        with pytest.raises(KeyboardInterrupt):
+            atomic.remove_path(new)
+    assert not new.exists() and find_latest_state(tmp_path) == old
+    remove_stale_temporaries(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [old.name]
+
+    checked = state.state_problems
+
+    def vanishing(path: Path) -> list[str]:  # another run prunes the state between the check and the read
+        problems = checked(path)
+        atomic.remove_path(path)
+        return problems
+
+    monkeypatch.setattr(state, "state_problems", vanishing)
+    assert find_latest_state(tmp_path) is None
