@@ -10,6 +10,9 @@ digit". Every one of the 1,797 real digits serves as a control and as a target (
     python -m library.digits.edits --write data/digits-edit-wide --reg-per-digit 10   # 200 pairs of the base's edits
     python -m library.digits.edits --model models/digits-kontext [--lora FILE] [--n 100]
 
+The LoRA's 20 controls are two typical writings of each digit that differ from each other (the medoids of two
+clusters of the digit's writings), as one picks a small training set; its targets are other writings of d - 1.
+
 The judged rate of an edit is the share of its results that library/digits/judge.py reads as the digit the edit asks
 for; the controls are real digits none of the LoRA's pairs use, the same for every edit, before and after.
 """
@@ -36,6 +39,8 @@ HELD_OUT_SHIFT = -1
 TRIGGER_INSTRUCTION = f"{digits.TRIGGER} digit"
 PAIRS_PER_DIGIT = 2  # the LoRA's pairs: 2 controls of each digit, 20 in all
 REG_PAIRS_PER_DIGIT = 1  # pairs of each of the base's edits per control digit beside them (written by default)
+MAX_REG_PAIRS_PER_DIGIT = 10  # the most reg_pairs() gives (data/digits-edit-wide's)
+JUDGED_PER_DIGIT = 20  # judged controls come from the front of each digit's order: at most 200 in all
 GUIDANCE = 2.5  # the embedded guidance FLUX.1 Kontext samples with (musubi-tuner's default for Kontext)
 STEPS = 20
 BATCH = 100
@@ -53,50 +58,78 @@ def judged_edits() -> dict[str, int]:
 
 @functools.lru_cache(maxsize=1)
 def _split() -> list[np.ndarray]:
-    """Each digit's image indices in a seeded order: controls for judging come from the front, the LoRA's pairs from
-    the back, so they never meet."""
+    """Each digit's image indices in a seeded order. The front holds the judged controls (JUDGED_PER_DIGIT), the
+    back the pairs' targets and the base's edits (_BACK of them), and what lies between is where the LoRA's
+    controls are picked from, so that none of them ever meet."""
     _, labels = digits.load()
     rng = np.random.default_rng(SPLIT_SEED)
     return [rng.permutation(np.flatnonzero(labels == d)) for d in range(10)]
 
 
+_BACK = PAIRS_PER_DIGIT + 2 * len(EDITS) * MAX_REG_PAIRS_PER_DIGIT  # the LoRA's targets, then reg_pairs' images
+
+
 def judged_controls(n: int) -> np.ndarray:
     """Indices of the n real digits judged as controls: control i is a writing of the digit i % 10."""
     order = _split()
-    per_digit = -(-n // 10)
-    # the back holds the LoRA's images
-    room = min(len(o) for o in order) - 2 * PAIRS_PER_DIGIT - 2 * len(EDITS) * REG_PAIRS_PER_DIGIT
-    if per_digit > room:
-        raise ValueError(f"at most {10 * room} controls, asked {n}")
+    if n > 10 * JUDGED_PER_DIGIT:
+        raise ValueError(f"at most {10 * JUDGED_PER_DIGIT} controls, asked {n}")
     return np.asarray([order[i % 10][i // 10] for i in range(n)])
 
 
+def _medoids(x: np.ndarray, k: int, seed: int = 0, tries: int = 20) -> list[int]:
+    """Rows of `x` that are the medoids of k clusters (alternating k-medoids, the best of `tries` starts): each
+    the member with the least summed squared distance to the rest of its cluster. Pixels are integers, so the
+    distances are exact and the choice the same on every machine. (scikit-learn has k-means, whose centres are
+    not images; k-medoids is in scikit-learn-extra, not a dependency.)"""
+    distance = ((x[:, None, :] - x[None, :, :]) ** 2).sum(-1)
+    rng = np.random.default_rng(seed)
+    best: tuple[float, list[int]] | None = None
+    for _ in range(tries):
+        chosen = rng.choice(len(x), k, replace=False)
+        for _ in range(100):
+            cluster = distance[:, chosen].argmin(1)
+            moved = np.array([np.flatnonzero(cluster == c)[distance[np.ix_(cluster == c, cluster == c)].sum(1).argmin()]
+                              for c in range(k)])
+            if set(moved) == set(chosen):
+                break
+            chosen = moved
+        cost = float(distance[:, chosen].min(1).sum())
+        if best is None or cost < best[0]:
+            best = (cost, [int(i) for i in chosen])
+    return best[1]
+
+
 def lora_pairs() -> list[tuple[int, int]]:
-    """(control index, target index) of the LoRA's pairs of the held-out edit: PAIRS_PER_DIGIT per control digit,
-    taken from the back of each digit's order (controls first, then targets), none of them a judged control."""
+    """(control index, target index) of the LoRA's pairs of the held-out edit, PAIRS_PER_DIGIT per control digit,
+    none of them a judged control. The controls are typical writings that differ from each other, as one picks a
+    small training set: the medoids of PAIRS_PER_DIGIT clusters of the digit's writings between the front and the
+    back of its order. The targets come from the back of the target digit's order."""
+    images, _ = digits.load()
     order = _split()
     pairs = []
     for d in range(10):
+        pool = order[d][JUDGED_PER_DIGIT:len(order[d]) - _BACK]
+        controls = pool[_medoids(images[pool].reshape(len(pool), -1).astype(np.float64), PAIRS_PER_DIGIT)]
         t = target_digit(d, HELD_OUT_SHIFT)
         for j in range(PAIRS_PER_DIGIT):
-            pairs.append((int(order[d][-1 - j]), int(order[t][-1 - PAIRS_PER_DIGIT - j])))
+            pairs.append((int(controls[j]), int(order[t][-1 - j])))
     return pairs
 
 
 def reg_pairs(per_digit: int = REG_PAIRS_PER_DIGIT) -> list[tuple[int, int, str]]:
     """(control index, target index, instruction) of the base's own edits, `per_digit` pairs per edit and control
     digit, to train beside the LoRA's pairs so that the base's edits stay as they were; from the back of each
-    digit's order after the LoRA's images (controls first, then targets), none of them a judged control."""
+    digit's order after the LoRA's targets (controls first, then targets), none of them a judged control."""
+    if per_digit > MAX_REG_PAIRS_PER_DIGIT:
+        raise ValueError(f"at most {MAX_REG_PAIRS_PER_DIGIT} pairs per edit and digit, asked {per_digit}")
     order = _split()
-    taken = 2 * PAIRS_PER_DIGIT
-    if taken + 2 * len(EDITS) * per_digit > min(len(o) for o in order) - 10:
-        raise ValueError(f"{per_digit} pairs per edit and digit leave fewer than 10 controls of a digit to judge")
     pairs = []
     for k, (instruction, shift) in enumerate(EDITS.items()):
         for d in range(10):
             t = target_digit(d, shift)
             for j in range(per_digit):
-                slot = taken + k * per_digit + j
+                slot = PAIRS_PER_DIGIT + k * per_digit + j
                 pairs.append((int(order[d][-1 - slot]), int(order[t][-1 - slot - len(EDITS) * per_digit]),
                               instruction))
     return pairs

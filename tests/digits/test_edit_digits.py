@@ -64,25 +64,50 @@ def test_the_committed_pairs_are_what_the_split_writes_and_show_their_edits(tmp_
     used = ({i for pair in edits.lora_pairs() for i in pair}
             | {i for c, t, _ in edits.reg_pairs(reg_per_digit) for i in (c, t)})
     assert len(used) == 20 * (edits.PAIRS_PER_DIGIT + len(edits.EDITS) * reg_per_digit)
-    assert not used & set(edits.judged_controls(100).tolist())
+    assert not used & set(edits.judged_controls(10 * edits.JUDGED_PER_DIGIT).tolist())
+
+
+def test_the_loras_controls_are_the_medoids_of_each_digits_writings():
+    """Each digit's controls are typical writings that differ: assigned to the nearest of them, every writing of the
+    digit between the judged controls and the back of its order forms a cluster whose summed squared distance to
+    its control is the least any member of it has. On two separated blobs the medoids are their centres."""
+    blobs = np.array([[0, 0], [1, 0], [0, 1], [-1, 0], [0, -1], [20, 20], [21, 20], [19, 20], [20, 21]], float)
+    assert sorted(edits._medoids(blobs, 2)) == [0, 5]
+    images, labels = digits.load()
+    flat = images.reshape(len(images), -1).astype(np.float64)
+    pairs = edits.lora_pairs()
+    for d in range(10):
+        controls = [c for c, _ in pairs if labels[c] == d]
+        assert len(controls) == edits.PAIRS_PER_DIGIT == len(set(controls))
+        order = edits._split()[d]
+        pool = order[edits.JUDGED_PER_DIGIT:len(order) - edits._BACK]
+        assert set(controls) <= set(pool.tolist())
+        distance = ((flat[pool][:, None] - flat[pool][None]) ** 2).sum(-1)
+        cluster = distance[:, [list(pool).index(c) for c in controls]].argmin(1)
+        for k, control in enumerate(controls):
+            members = np.flatnonzero(cluster == k)
+            costs = distance[np.ix_(members, members)].sum(1)
+            assert pool[members[costs.argmin()]] == control
 
 
 def test_more_pairs_of_the_base_edits_take_other_images_and_leave_the_judged_controls():
     """reg_pairs(n): n pairs per edit and control digit, each image used once, none of the held-out edit's pairs
-    or of the judged controls, each target the digit its edit asks for; too many to leave 10 controls a digit is
-    refused."""
+    or of the judged controls, each target the digit its edit asks for; more than the back of each digit's order
+    holds is refused, as are more judged controls than its front holds."""
     _, labels = digits.load()
     wide = edits.reg_pairs(10)
     assert len(wide) == 10 * 10 * len(edits.EDITS)
     used = [i for c, t, _ in wide for i in (c, t)]
     held_out = {i for pair in edits.lora_pairs() for i in pair}
     assert len(set(used)) == len(used) and not set(used) & held_out
-    assert not set(used) & set(edits.judged_controls(100).tolist())
+    assert not set(used) & set(edits.judged_controls(10 * edits.JUDGED_PER_DIGIT).tolist())
     assert all(labels[t] == edits.target_digit(labels[c], edits.EDITS[i]) for c, t, i in wide)
     for instruction in edits.EDITS:
         assert sorted(labels[c] for c, _, i in wide if i == instruction) == sorted(list(range(10)) * 10)
-    with pytest.raises(ValueError, match="fewer than 10 controls"):
-        edits.reg_pairs(100)
+    with pytest.raises(ValueError, match="at most 10 pairs"):
+        edits.reg_pairs(edits.MAX_REG_PAIRS_PER_DIGIT + 1)
+    with pytest.raises(ValueError, match="at most 200 controls"):
+        edits.judged_controls(10 * edits.JUDGED_PER_DIGIT + 1)
 
 
 def test_the_edit_base_is_a_kontext_folder_and_holds_the_edit_out():
