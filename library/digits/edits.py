@@ -10,8 +10,8 @@ digit". Every one of the 1,797 real digits serves as a control and as a target (
     python -m library.digits.edits --write data/digits-edit-wide --reg-per-digit 10   # 200 pairs of the base's edits
     python -m library.digits.edits --model models/digits-kontext [--lora FILE] [--n 100]
 
-The LoRA's 20 controls are two typical writings of each digit that differ from each other (the medoids of two
-clusters of the digit's writings), as one picks a small training set; its targets are other writings of d - 1.
+The LoRA's 20 pairs are made of two typical writings of each digit that differ from each other (the medoids of two
+clusters of the digit's writings), as one picks a small training set: the controls of d, the targets of d - 1.
 
 The judged rate of an edit is the share of its results that library/digits/judge.py reads as the digit the edit asks
 for; the controls are real digits none of the LoRA's pairs use, the same for every edit, before and after.
@@ -59,14 +59,14 @@ def judged_edits() -> dict[str, int]:
 @functools.lru_cache(maxsize=1)
 def _split() -> list[np.ndarray]:
     """Each digit's image indices in a seeded order. The front holds the judged controls (JUDGED_PER_DIGIT), the
-    back the pairs' targets and the base's edits (_BACK of them), and what lies between is where the LoRA's
-    controls are picked from, so that none of them ever meet."""
+    back the base's edits (_BACK images), and the LoRA's images are picked from what lies between, so that none of
+    them ever meet."""
     _, labels = digits.load()
     rng = np.random.default_rng(SPLIT_SEED)
     return [rng.permutation(np.flatnonzero(labels == d)) for d in range(10)]
 
 
-_BACK = PAIRS_PER_DIGIT + 2 * len(EDITS) * MAX_REG_PAIRS_PER_DIGIT  # the LoRA's targets, then reg_pairs' images
+_BACK = 2 * len(EDITS) * MAX_REG_PAIRS_PER_DIGIT  # reg_pairs' controls and targets
 
 
 def judged_controls(n: int) -> np.ndarray:
@@ -100,27 +100,33 @@ def _medoids(x: np.ndarray, k: int, seed: int = 0, tries: int = 20) -> list[int]
     return best[1]
 
 
+@functools.lru_cache(maxsize=None)
+def typical_writings(digit: int) -> tuple[int, ...]:
+    """PAIRS_PER_DIGIT typical writings of `digit` that differ from each other: the medoids of as many clusters
+    of its writings between the front and the back of its order."""
+    images, _ = digits.load()
+    order = _split()[digit]
+    pool = order[JUDGED_PER_DIGIT:len(order) - _BACK]
+    return tuple(int(pool[i]) for i in _medoids(images[pool].reshape(len(pool), -1).astype(np.float64),
+                                                  PAIRS_PER_DIGIT))
+
+
 def lora_pairs() -> list[tuple[int, int]]:
     """(control index, target index) of the LoRA's pairs of the held-out edit, PAIRS_PER_DIGIT per control digit,
-    none of them a judged control. The controls are typical writings that differ from each other, as one picks a
-    small training set: the medoids of PAIRS_PER_DIGIT clusters of the digit's writings between the front and the
-    back of its order. The targets come from the back of the target digit's order."""
-    images, _ = digits.load()
-    order = _split()
+    none of them a judged control or a reg pair's image. As one picks a small training set, both sides are typical
+    writings that differ from each other (typical_writings): the controls of d and the targets d - 1's, so each
+    writing is the control of one pair and the target of another."""
     pairs = []
     for d in range(10):
-        pool = order[d][JUDGED_PER_DIGIT:len(order[d]) - _BACK]
-        controls = pool[_medoids(images[pool].reshape(len(pool), -1).astype(np.float64), PAIRS_PER_DIGIT)]
-        t = target_digit(d, HELD_OUT_SHIFT)
-        for j in range(PAIRS_PER_DIGIT):
-            pairs.append((int(controls[j]), int(order[t][-1 - j])))
+        targets = typical_writings(target_digit(d, HELD_OUT_SHIFT))
+        pairs += [(control, targets[j]) for j, control in enumerate(typical_writings(d))]
     return pairs
 
 
 def reg_pairs(per_digit: int = REG_PAIRS_PER_DIGIT) -> list[tuple[int, int, str]]:
     """(control index, target index, instruction) of the base's own edits, `per_digit` pairs per edit and control
     digit, to train beside the LoRA's pairs so that the base's edits stay as they were; from the back of each
-    digit's order after the LoRA's targets (controls first, then targets), none of them a judged control."""
+    digit's order (controls first, then targets), none of them a judged control or one of the LoRA's images."""
     if per_digit > MAX_REG_PAIRS_PER_DIGIT:
         raise ValueError(f"at most {MAX_REG_PAIRS_PER_DIGIT} pairs per edit and digit, asked {per_digit}")
     order = _split()
@@ -129,7 +135,7 @@ def reg_pairs(per_digit: int = REG_PAIRS_PER_DIGIT) -> list[tuple[int, int, str]
         for d in range(10):
             t = target_digit(d, shift)
             for j in range(per_digit):
-                slot = PAIRS_PER_DIGIT + k * per_digit + j
+                slot = k * per_digit + j
                 pairs.append((int(order[d][-1 - slot]), int(order[t][-1 - slot - len(EDITS) * per_digit]),
                               instruction))
     return pairs

@@ -63,14 +63,15 @@ def test_the_committed_pairs_are_what_the_split_writes_and_show_their_edits(tmp_
     assert {t for _, t, _ in own} <= {t for _, t, _ in edits.reg_pairs(reg_per_digit)}
     used = ({i for pair in edits.lora_pairs() for i in pair}
             | {i for c, t, _ in edits.reg_pairs(reg_per_digit) for i in (c, t)})
-    assert len(used) == 20 * (edits.PAIRS_PER_DIGIT + len(edits.EDITS) * reg_per_digit)
+    assert len(used) == 10 * edits.PAIRS_PER_DIGIT + 20 * len(edits.EDITS) * reg_per_digit
     assert not used & set(edits.judged_controls(10 * edits.JUDGED_PER_DIGIT).tolist())
 
 
-def test_the_loras_controls_are_the_medoids_of_each_digits_writings():
+def test_the_loras_pairs_are_the_medoids_of_each_digits_writings():
     """Each digit's controls are typical writings that differ: assigned to the nearest of them, every writing of the
     digit between the judged controls and the back of its order forms a cluster whose summed squared distance to
-    its control is the least any member of it has. On two separated blobs the medoids are their centres."""
+    its control is the least any member of it has. The targets of d's pairs are d - 1's controls. On two separated
+    blobs the medoids are their centres."""
     blobs = np.array([[0, 0], [1, 0], [0, 1], [-1, 0], [0, -1], [20, 20], [21, 20], [19, 20], [20, 21]], float)
     assert sorted(edits._medoids(blobs, 2)) == [0, 5]
     images, labels = digits.load()
@@ -88,6 +89,9 @@ def test_the_loras_controls_are_the_medoids_of_each_digits_writings():
             members = np.flatnonzero(cluster == k)
             costs = distance[np.ix_(members, members)].sum(1)
             assert pool[members[costs.argmin()]] == control
+    for d in range(10):
+        targets = {t for c, t in pairs if labels[c] == d}
+        assert targets == {c for c, _ in pairs if labels[c] == edits.target_digit(d, edits.HELD_OUT_SHIFT)}
 
 
 def test_more_pairs_of_the_base_edits_take_other_images_and_leave_the_judged_controls():
