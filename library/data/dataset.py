@@ -325,35 +325,6 @@ class TrainingData:
             digest.update(repr(entry).encode())
         return digest.hexdigest()
 
-    def kohya_metadata(self) -> dict[str, str]:
-        """kohya's dataset fields for the LoRA file's ss_* metadata."""
-        import json
-
-        first = self.specs[0]
-        dirs = {}
-        for report in self.subsets:
-            if report.used:
-                dirs[report.spec.image_dir.name] = {"n_repeats": report.spec.num_repeats,
-                                                    "img_count": report.images - report.left_out}
-        buckets = {str(i): {"resolution": list(b), "count": n}
-                   for i, (_, b, n, _) in enumerate(self.bucket_histogram())}
-        tags: dict[str, Counter] = {}
-        for r in self.records:
-            counter = tags.setdefault(r.subset.image_dir.name, Counter())
-            counter.update(t.strip().lower() for t in r.caption.split(",") if t.strip())
-        return {
-            "ss_tag_frequency": json.dumps({d: dict(c) for d, c in tags.items()}),
-            "ss_num_train_images": str(self.num_train_images),
-            "ss_num_reg_images": str(self.num_reg_images),
-            "ss_num_batches_per_epoch": str(self.batches_per_epoch // self.num_processes),
-            "ss_enable_bucket": str(first.enable_bucket),
-            "ss_min_bucket_reso": str(first.min_bucket_reso),
-            "ss_max_bucket_reso": str(first.max_bucket_reso),
-            "ss_bucket_no_upscale": str(first.bucket_no_upscale),
-            "ss_dataset_dirs": json.dumps(dirs),
-            "ss_bucket_info": json.dumps({"buckets": buckets}),
-        }
-
 
 def _assemble(specs: Sequence[DatasetSpec], records: list[ImageRecord], seed: int, num_processes: int,
               tokenize: Callable[[str], torch.Tensor] | None,

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from library.config import Config, UserError
 from library.data.dataset import TrainingData, build_training_data
+from library.data.kohya_fields import kohya_dataset_fields
 from library.families.family import Components
 from library.families.loading import musubi_autoencoder
 from library.families.objective import Objective
@@ -377,7 +378,7 @@ def training_metadata(session: Session) -> dict[str, str]:
                              config.train_batch_size, config.resolution),
         family=FamilyFlags(**session.components.family.metadata_flags(session.components.v_prediction)),
         card=ModelCard.from_config(config), family_fields=session.components.family.metadata_fields(session.settings),
-        extra={**data.kohya_metadata(), **model_hashes, **precision_metadata(config)},
+        extra={**kohya_dataset_fields(data), **model_hashes, **precision_metadata(config)},
     )
 
 

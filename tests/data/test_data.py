@@ -13,6 +13,7 @@ from library.data.captions import process_caption
 from library.data.dataset import BucketBatchSampler, SampleKey, build_training_data
 from library.data.dataset_config import DatasetSpec, SubsetSpec
 from library.data.images import Bucketer, make_bucket_resolutions, prepare_image
+from library.data.kohya_fields import kohya_dataset_fields
 from tests.helpers.runs import make_config
 
 
@@ -284,7 +285,7 @@ def test_fingerprint_and_kohya_metadata(tmp_path, mixed_dataset):
     assert build_training_data(config(), None, seed=3).fingerprint() == first.fingerprint()
     (root / "3_sks" / "wide.txt").write_text("sks, other", encoding="utf-8")
     assert build_training_data(config(), None, seed=3).fingerprint() != first.fingerprint()
-    metadata = first.kohya_metadata()
+    metadata = kohya_dataset_fields(first)
     assert metadata["ss_num_train_images"] == "9" and metadata["ss_num_reg_images"] == "4"
     assert json.loads(metadata["ss_dataset_dirs"]) == {"3_sks": {"n_repeats": 3, "img_count": 3},
                                                         "1_thing": {"n_repeats": 1, "img_count": 4}}
