@@ -1,17 +1,21 @@
 """Render the keep clips of configs/datasets/digits_wan_base_keep.toml with models/digits-wan itself.
 
-    OMP_NUM_THREADS=1 python tools/render_wan_keep_clips.py [--out data/digits-wan-base-keep/keep] [--per 10]
-                                                            [--seed 7]
+    OMP_NUM_THREADS=1 python tools/render_wan_keep_clips.py [--out data/digits-wan-base-keep/keep] [--overwrite]
+                                                            [--per 10] [--seed 7]
 
 `--per` clips of each moving digit in each trained motion (left, right, down), from noise seed `--seed` (the judge
 renders from seed 0), each as NNN_<digit>_<motion>.mp4 with its caption beside it. These are DreamBooth's class
 images for video: the base's own renders, trained towards the base's own prediction (prior_reg) beside the clips of
-the held-out motion, so that the LoRA is held to the base on clips as the base draws them.
+the held-out motion, so that the LoRA is held to the base on clips as the base draws them. The clips are written
+to a folder beside `--out` and moved into place when all are written; an existing `--out` is replaced only with
+`--overwrite`.
 """
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -28,21 +32,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "data" / "digits-wan-base-keep" / "keep")
     parser.add_argument("--per", type=int, default=10)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     args = parser.parse_args(argv)
+    if args.per < 1:
+        parser.error("--per must be 1 or more")
+    if args.out.exists() and not args.overwrite:
+        parser.error(f"{args.out} exists: pass --overwrite to replace it")
     pipe = motion.load_pipeline(args.model)
-    args.out.mkdir(parents=True, exist_ok=True)
-    k = 0
-    for m in motion.trained_motions():
-        for d in motion.DIGITS:
-            shown = 0
-            for frames in motion.render(pipe, motion.caption(d, m), args.per, seed=args.seed):
-                grey = digits.to_gray(frames)
-                shown += motion.shows(grey, d, m)
-                stem = args.out / f"{k:03d}_{d}_{m}"
-                motion.write_mp4(stem.with_suffix(".mp4"), grey)
-                stem.with_suffix(".txt").write_text(motion.caption(d, m) + "\n", encoding="utf-8")
-                k += 1
-            print(f"{motion.caption(d, m)}: {shown} of {args.per} judged as asked", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{args.out.name}-", dir=args.out.parent))
+    try:
+        k = 0
+        for m in motion.trained_motions():
+            for d in motion.DIGITS:
+                shown = 0
+                for frames in motion.render(pipe, motion.caption(d, m), args.per, seed=args.seed):
+                    grey = digits.to_gray(frames)
+                    shown += motion.shows(grey, d, m)
+                    stem = staging / f"{k:03d}_{d}_{m}"
+                    motion.write_mp4(stem.with_suffix(".mp4"), grey)
+                    stem.with_suffix(".txt").write_text(motion.caption(d, m) + "\n", encoding="utf-8")
+                    k += 1
+                print(f"{motion.caption(d, m)}: {shown} of {args.per} judged as asked", flush=True)
+        staging.chmod(0o755)
+        if args.out.exists():
+            shutil.rmtree(args.out)
+        staging.rename(args.out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     print(f"wrote {k} clips to {args.out}")
     return 0
 
