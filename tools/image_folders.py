@@ -6,31 +6,22 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from library.core.atomic import replace_dir
+from library.core.atomic import staged_dir
 
 Item = tuple[str, Any, str]
 
 
 def write_folder(target: Path, items: Iterable[Item]) -> Path:
     """Write the items into `target`, replacing any previous folder atomically (written beside it, then renamed)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with staged_dir(target) as tmp:
         for stem, image, text in items:
             image.save(tmp / f"{stem}.png", optimize=True)
             (tmp / f"{stem}.txt").write_text(text + "\n", encoding="utf-8")
-        replace_dir(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

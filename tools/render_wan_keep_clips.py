@@ -13,9 +13,7 @@ to a folder beside `--out` and moved into place when all are written; an existin
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -23,6 +21,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from library import digits  # noqa: E402
+from library.core.atomic import staged_dir  # noqa: E402
 from library.digits import motion  # noqa: E402
 
 
@@ -39,10 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out.exists() and not args.overwrite:
         parser.error(f"{args.out} exists: pass --overwrite to replace it")
     pipe = motion.load_pipeline(args.model)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{args.out.name}-", dir=args.out.parent))
-    try:
-        k = 0
+    k = 0
+    with staged_dir(args.out) as staging:
         for m in motion.trained_motions():
             for d in motion.DIGITS:
                 shown = 0
@@ -54,12 +51,6 @@ def main(argv: list[str] | None = None) -> int:
                     stem.with_suffix(".txt").write_text(motion.caption(d, m) + "\n", encoding="utf-8")
                     k += 1
                 print(f"{motion.caption(d, m)}: {shown} of {args.per} judged as asked", flush=True)
-        staging.chmod(0o755)
-        if args.out.exists():
-            shutil.rmtree(args.out)
-        staging.rename(args.out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     print(f"wrote {k} clips to {args.out}")
     return 0
 

@@ -6,12 +6,13 @@ matches those names so that the next run can remove them.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import uuid
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 TMP_DIR_PREFIX = ".tmp-"  # a folder written under this name is renamed when complete
 STALE_TEMPORARY = re.compile(r"\..+\.[0-9a-f]{8}\.tmp|\.tmp[0-9A-Za-z]{6}")
@@ -66,6 +67,21 @@ def replace_dir(new: Path, target: Path) -> None:
     fsync_dir(target.parent)
     if old is not None:
         remove_path(old)
+
+
+@contextlib.contextmanager
+def staged_dir(target: Path) -> Iterator[Path]:
+    """A fresh folder beside `target` to write into. When the block ends without an error it replaces `target`
+    (replace_dir); otherwise it is removed. Readers see the old folder or the new one, never a half-written one."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # os.mkdir rather than mkdtemp: mkdtemp's 0700 mode would survive the rename.
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        replace_dir(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def remove_path(path: Path) -> None:

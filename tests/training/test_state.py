@@ -188,6 +188,24 @@ def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["f.txt"] and target.read_text() == "new"
 
 
+def test_a_staged_folder_replaces_its_target_whole_or_not_at_all(tmp_path):
+    from library.core.atomic import staged_dir
+
+    target = tmp_path / "clips"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    with pytest.raises(KeyboardInterrupt):
+        with staged_dir(target) as tmp:
+            (tmp / "new.txt").write_text("half")
+            raise KeyboardInterrupt
+    assert [p.name for p in tmp_path.iterdir()] == ["clips"] and [p.name for p in target.iterdir()] == ["old.txt"]
+    with staged_dir(target) as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert [p.name for p in tmp_path.iterdir()] == ["clips"] and [p.name for p in target.iterdir()] == ["new.txt"]
+    (tmp_path / "plain").mkdir()  # the mode a folder made in place gets (not mkdtemp's 0700)
+    assert target.stat().st_mode & 0o777 == (tmp_path / "plain").stat().st_mode & 0o777
+
+
 def test_a_pruned_state_is_never_seen_half_removed(tmp_path, monkeypatch):
     """Pruning old states (save_last_n_steps_state) renames each one away before deleting it: a run killed
     mid-removal leaves a temporary that no resume takes and the next start clears, and a resume scanning while

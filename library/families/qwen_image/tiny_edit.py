@@ -11,12 +11,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
-from library.core.atomic import replace_dir
+from library.core.atomic import staged_dir
 from library.families.qwen_image.edit import EDIT, EDIT_2509, EDIT_2511, EDIT_PIPELINE, PLUS_PIPELINE, vl_processor
 from library.families.qwen_image.tiny import _CORPUS, build_tiny_qwen_image
 from library.families.shared import tiny_parts
@@ -55,10 +53,7 @@ def _save(path: str | os.PathLike[str], seed: int, overwrite: bool, version: str
     pipeline = EDIT_PIPELINE if version == EDIT else PLUS_PIPELINE
     parts = build_tiny_qwen_image_edit(seed, version)
     processor = parts.pop("processor")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with staged_dir(target) as tmp:
         getattr(diffusers, pipeline)(**parts, processor=None).save_pretrained(tmp, safe_serialization=True)
         processor.image_processor.save_pretrained(tmp / "processor")
         processor.tokenizer.save_pretrained(tmp / "processor")
@@ -66,9 +61,6 @@ def _save(path: str | os.PathLike[str], seed: int, overwrite: bool, version: str
         index = json.loads((tmp / "model_index.json").read_text())
         index["processor"] = ["transformers", "Qwen2VLProcessor"]
         (tmp / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
-        replace_dir(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     logger.info("wrote tiny Qwen-Image-%s model (seed=%d) to %s", version, seed, target)
     return target
 

@@ -10,16 +10,14 @@ import json
 import logging
 import os
 import re
-import shutil
 import tempfile
-import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from library.core.atomic import replace_dir
+from library.core.atomic import staged_dir
 from library.families.shared.clip_tokenizer import bytes_to_unicode
 from library.families.shared.ldm_export import vae_key_to_ldm
 
@@ -222,19 +220,12 @@ def seeded(seed: int, offset: int) -> None:
 def write_pipeline(pipe: Any, target: Path, tokenizers: tuple[str, ...], corpus: str = BPE_CORPUS) -> None:
     """The folder is written beside `target` and renamed over it, so a crash leaves the old folder or the new one."""
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # os.mkdir rather than mkdtemp: mkdtemp's 0700 mode would survive the rename.
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with staged_dir(target) as tmp:
         pipe.save_pretrained(tmp, safe_serialization=True)
         # transformers 5 saves only tokenizer.json; older transformers (slow CLIPTokenizer, as in kohya's
         # scripts) need vocab.json + merges.txt beside it.
         for name in tokenizers:
             write_bpe_files(tmp / name, corpus)
-        replace_dir(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def check_target(target: Path, overwrite: bool) -> None:
